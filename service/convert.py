@@ -1,0 +1,79 @@
+"""Float video tensors to rgb24 frames, chunk by chunk, byte-identical to the reference.
+
+The reference conversion is ``(x * 255).clamp(0, 255).to(torch.uint8)`` in the
+tensor's own dtype, then a permute to (T, H, W, 3). It is elementwise, so any
+split over T gives the same bytes. The chunked path fuses the cast and the
+permute into one ``copy_`` straight into the staging buffer: ``copy_`` runs the
+same truncating cast kernel as ``.to(torch.uint8)`` (tests pin this, NaN and
+out-of-range values included).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from framewire.client.wire import DType, Layout
+
+TORCH_DTYPES: dict[DType, torch.dtype] = {
+    DType.float32: torch.float32,
+    DType.float16: torch.float16,
+    DType.bfloat16: torch.bfloat16,
+    DType.uint8: torch.uint8,
+}
+WIRE_DTYPES: dict[torch.dtype, DType] = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def chunk_frames(budget: int, height: int, width: int, itemsize: int) -> int:
+    """Frames per chunk so that temporaries, 3·H·W·(itemsize + 2) bytes a frame, fit the budget.
+
+    The 2 is the two uint8 staging slots (one converting, one being sent).
+    """
+    per_frame = 3 * height * width * (itemsize + 2)
+    return max(1, budget // per_frame)
+
+
+def to_thwc(x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """A (T, H, W, 3) view of a tensor in ``layout``."""
+    if layout is Layout.CTHW:
+        return x.permute(1, 2, 3, 0)
+    if layout is Layout.TCHW:
+        return x.permute(0, 2, 3, 1)
+    return x
+
+
+def slice_frames(x: torch.Tensor, layout: Layout, t0: int, t1: int) -> torch.Tensor:
+    return x[:, t0:t1] if layout is Layout.CTHW else x[t0:t1]
+
+
+def reference_frames(x: torch.Tensor | np.ndarray, layout: Layout) -> np.ndarray:
+    """The whole clip as contiguous (T, H, W, 3) uint8, the way the in-process path made it."""
+    t = torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+    if t.dtype != torch.uint8:
+        t = (t * 255).clamp(0, 255).to(torch.uint8)
+    return to_thwc(t, layout).contiguous().numpy()
+
+
+def convert_into(
+    chunk: torch.Tensor,
+    layout: Layout,
+    out: torch.Tensor,
+    *,
+    scratch: torch.Tensor | None = None,
+    inplace: bool = False,
+) -> None:
+    """Write ``chunk`` (in ``layout``) into ``out``, a (t, H, W, 3) uint8 tensor.
+
+    ``inplace`` lets the scaling run in ``chunk`` itself (a buffer we own);
+    otherwise ``scratch`` (at least ``chunk.numel()`` of its dtype) takes it, so
+    the caller's tensor is never written.
+    """
+    if chunk.dtype == torch.uint8:
+        out.copy_(to_thwc(chunk, layout))
+        return
+    if inplace:
+        scaled = chunk.mul_(255)
+    else:
+        target = None if scratch is None else scratch[: chunk.numel()].view(chunk.shape)
+        scaled = torch.mul(chunk, 255, out=target) if target is not None else chunk * 255
+    scaled.clamp_(0, 255)
+    out.copy_(to_thwc(scaled, layout))

@@ -1,0 +1,205 @@
+"""One output: frames in, a complete MP4 out, byte-identical to the imageio path.
+
+The fast route streams converted chunks from a staging memfd into ffmpeg with
+``sendfile``. If it cannot run or breaks mid-way, the output is redone on the
+reference route (the whole clip materialized and piped to the same argv), which
+produces the same bytes. Either way the file appears only when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from framewire.client.errors import BadRequest, Cancelled, MediaError, NotFound
+from framewire.client.ffmpeg_argv import encode_argv, x264_auto_threads
+
+from .atomic import atomic_output
+from .convert import chunk_frames, reference_frames
+from .ffmpeg import FfmpegExited, FfmpegProcess, resolve_ffmpeg
+from .sources import FrameSource
+from .stream import pump_converted, send_all, widen_pipe
+
+Route = Literal["stream", "fallback"]
+
+
+@dataclass(frozen=True)
+class EncodeParams:
+    fps: float
+    quality: float = 5
+    preset: str = "fast"
+    threads: int | None = None  # None: x264's automatic count, passed explicitly
+    audio: Path | None = None
+
+
+@dataclass
+class Encoded:
+    path: Path
+    bytes: int
+    sha256: str
+    frames: int
+    width: int
+    height: int
+    route: Route
+    threads: int
+    encode_ms: float
+    fast_path_error: str | None = None  # why the fallback ran, when it did
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_params(params: EncodeParams) -> None:
+    if not (params.fps > 0 and np.isfinite(params.fps)):
+        raise BadRequest(f"fps must be a positive number, got {params.fps}", code="bad_fps")
+    if not 1 <= params.quality <= 10:
+        raise BadRequest(f"quality must be within 1..10, got {params.quality}", code="bad_quality")
+    if params.threads is not None and params.threads < 1:
+        raise BadRequest(f"threads must be >= 1, got {params.threads}", code="bad_threads")
+
+
+class Encoder:
+    """Encodes frame sources to files. Thread-safe: each call owns all it touches."""
+
+    def __init__(
+        self,
+        ffmpeg: str | None = None,
+        *,
+        chunk_bytes: int = 128 << 20,
+        fallback: bool = True,
+    ):
+        self.ffmpeg = resolve_ffmpeg(ffmpeg)
+        self.chunk_bytes = chunk_bytes
+        self.fallback = fallback
+
+    def threads_for(self, height: int, params: EncodeParams) -> int:
+        return params.threads or x264_auto_threads(height)
+
+    def encode(
+        self,
+        source: FrameSource,
+        path: str | os.PathLike[str],
+        params: EncodeParams,
+        *,
+        cancel: threading.Event | None = None,
+    ) -> Encoded:
+        check_params(params)
+        path = Path(path)
+        if not path.parent.is_dir():
+            raise NotFound(
+                f"output directory {path.parent} does not exist", code="output_dir_missing"
+            )
+        if path.is_dir():
+            raise BadRequest(f"output path {path} is a directory", code="output_is_directory")
+        if params.audio is not None and not params.audio.is_file():
+            raise NotFound(f"audio file {params.audio} does not exist", code="audio_missing")
+
+        def check() -> None:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("the encode was cancelled")
+
+        g = source.geometry
+        threads = self.threads_for(g.height, params)
+        started = time.perf_counter()
+        route: Route = "stream"
+        fast_error: str | None = None
+        with atomic_output(path) as tmp:
+            try:
+                self._stream(source, tmp, params, threads, check)
+            except (Cancelled, BadRequest):
+                raise  # the caller's fault or wish: the reference route would not help
+            except (FfmpegExited, MediaError, OSError) as exc:
+                if not self.fallback:
+                    raise
+                check()
+                route, fast_error = "fallback", str(exc)
+                self._reference(source, tmp, params)
+        return Encoded(
+            path=path,
+            bytes=path.stat().st_size,
+            sha256=sha256_file(path),
+            frames=g.frames,
+            width=g.width,
+            height=g.height,
+            route=route,
+            threads=threads,
+            encode_ms=(time.perf_counter() - started) * 1e3,
+            fast_path_error=fast_error,
+        )
+
+    def _argv(
+        self, tmp: Path, source: FrameSource, params: EncodeParams, **kw: object
+    ) -> list[str]:
+        g = source.geometry
+        return encode_argv(
+            self.ffmpeg,
+            width=g.width,
+            height=g.height,
+            fps=params.fps,
+            output=tmp.absolute(),
+            quality=params.quality,
+            preset=params.preset,
+            audio=None if params.audio is None else params.audio.absolute(),
+            **kw,  # type: ignore[arg-type]
+        )
+
+    def _stream(
+        self,
+        source: FrameSource,
+        tmp: Path,
+        params: EncodeParams,
+        threads: int,
+        check: Callable[[], None],
+    ) -> None:
+        g = source.geometry
+        with FfmpegProcess(self._argv(tmp, source, params, threads=threads)) as ff:
+            stdin = ff.stdin.fileno()
+            widen_pipe(stdin)
+            try:
+                span = source.zero_copy()
+                if span is not None:
+                    check()
+                    send_all(stdin, span[0], span[1], g.frames * g.height * g.width * 3)
+                else:
+                    per_chunk = chunk_frames(self.chunk_bytes, g.height, g.width, g.dtype.itemsize)
+                    pump_converted(source, stdin, per_chunk, check=check)
+            except FfmpegExited as exc:
+                rc = ff.proc.wait()
+                raise MediaError(
+                    f"ffmpeg exited ({rc}) before it had every frame",
+                    code="ffmpeg_failed",
+                    detail=ff.stderr_tail(),
+                ) from exc
+            _finish(ff)
+
+    def _reference(self, source: FrameSource, tmp: Path, params: EncodeParams) -> None:
+        """The in-process path: materialize, then pipe into imageio-ffmpeg's argv."""
+        frames = reference_frames(source.materialize(), source.geometry.layout)
+        with FfmpegProcess(
+            self._argv(tmp, source, params, threads=params.threads, stdin_name="-")
+        ) as ff:
+            try:
+                ff.stdin.write(memoryview(frames).cast("B"))
+            except BrokenPipeError:
+                pass  # _finish reports ffmpeg's exit status and stderr
+            _finish(ff)
+
+
+def _finish(ff: FfmpegProcess) -> None:
+    rc = ff.finish()
+    if rc != 0:
+        raise MediaError(
+            f"ffmpeg exited with status {rc}", code="ffmpeg_failed", detail=ff.stderr_tail()
+        )

@@ -1,0 +1,105 @@
+"""Which ffmpeg runs, and what it says about itself."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import subprocess
+
+from framewire.client.errors import Unavailable
+
+
+def resolve_ffmpeg(configured: str | None = None) -> str:
+    """The configured executable (a path or a name on PATH), else imageio-ffmpeg's."""
+    if configured:
+        found = shutil.which(configured)
+        if found is None:
+            raise Unavailable(f"ffmpeg executable {configured!r} not found", code="ffmpeg_missing")
+        return os.path.abspath(found)
+    import imageio_ffmpeg
+
+    try:
+        return imageio_ffmpeg.get_ffmpeg_exe()
+    except RuntimeError as exc:
+        raise Unavailable(str(exc), code="ffmpeg_missing") from exc
+
+
+@functools.cache
+def ffmpeg_version(exe: str) -> str:
+    """First line of ``ffmpeg -version``; raises Unavailable when it does not run."""
+    try:
+        out = subprocess.run(
+            [exe, "-hide_banner", "-version"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise Unavailable(f"ffmpeg {exe!r} does not run: {exc}", code="ffmpeg_missing") from exc
+    if out.returncode != 0 or not out.stdout:
+        raise Unavailable(f"ffmpeg {exe!r} exited {out.returncode}", code="ffmpeg_missing")
+    return out.stdout.splitlines()[0]
+
+
+class FfmpegExited(Exception):
+    """ffmpeg stopped reading before it had every frame (it died or failed)."""
+
+
+STDERR_TAIL = 4096
+
+
+class FfmpegProcess:
+    """One ffmpeg child with stdin as a pipe and stderr into a private memfd.
+
+    stderr goes to a file rather than a pipe so ffmpeg can never block on it,
+    whatever it prints, and no reader thread is needed.
+    """
+
+    def __init__(self, argv: list[str]):
+        self.argv = argv
+        self._stderr = os.memfd_create("framewire-ffmpeg-stderr", os.MFD_CLOEXEC)
+        try:
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=self._stderr,
+                close_fds=True,
+            )
+        except OSError as exc:
+            os.close(self._stderr)
+            raise Unavailable(
+                f"cannot run ffmpeg {argv[0]!r}: {exc.strerror}", code="ffmpeg_missing"
+            ) from exc
+        assert self.proc.stdin is not None
+        self.stdin = self.proc.stdin
+
+    def finish(self) -> int:
+        """Close stdin (end of frames) and wait for ffmpeg to write its trailer."""
+        with contextlib.suppress(BrokenPipeError):
+            self.stdin.close()
+        return self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def stderr_tail(self, limit: int = STDERR_TAIL) -> str:
+        size = os.fstat(self._stderr).st_size
+        start = max(0, size - limit)
+        return os.pread(self._stderr, size - start, start).decode("utf-8", "replace").strip()
+
+    def close(self) -> None:
+        """Kill if still running, reap, release the stderr memfd. Idempotent."""
+        self.kill()
+        with contextlib.suppress(OSError):
+            self.stdin.close()
+        self.proc.wait()
+        if self._stderr >= 0:
+            os.close(self._stderr)
+            self._stderr = -1
+
+    def __enter__(self) -> FfmpegProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

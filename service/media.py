@@ -1,0 +1,63 @@
+"""Media facts read in-process with PyAV: no ffprobe process per file."""
+
+from __future__ import annotations
+
+import os
+from fractions import Fraction
+
+import av
+from framewire.client.errors import MediaError, NotFound
+from framewire.client.wire import AudioInfo, MediaInfo
+
+
+def probe(path: str | os.PathLike[str]) -> MediaInfo:
+    """Frames, size, rate, codec, pixel format, duration and audio of a media file.
+
+    Frame counts come from the container index (exact for MP4); streams without
+    one are counted by demuxing, which reads packets but decodes nothing.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise NotFound(f"{path}: no such file", code="not_found")
+    try:
+        with av.open(path, metadata_errors="ignore") as container:
+            videos = container.streams.video
+            if not videos:
+                raise MediaError(f"{path}: no video stream", code="not_video")
+            video = videos[0]
+            ctx = video.codec_context
+            rate = video.average_rate or video.base_rate or Fraction(0)
+            frames = video.frames
+            if not frames:
+                frames = sum(1 for p in container.demux(video) if p.size)
+            duration = None
+            if video.duration is not None and video.time_base is not None:
+                duration = float(video.duration * video.time_base)
+            elif container.duration is not None:
+                duration = container.duration / av.time_base
+            audio = None
+            if container.streams.audio:
+                a = container.streams.audio[0]
+                a_dur = None
+                if a.duration is not None and a.time_base is not None:
+                    a_dur = float(a.duration * a.time_base)
+                audio = AudioInfo(
+                    codec=a.codec_context.name,
+                    sample_rate=a.codec_context.sample_rate or 0,
+                    channels=a.codec_context.channels or 0,
+                    duration=a_dur,
+                )
+            return MediaInfo(
+                path=path,
+                frames=int(frames),
+                width=ctx.width,
+                height=ctx.height,
+                fps=float(rate),
+                fps_exact=str(Fraction(rate)),
+                codec=ctx.name,
+                pix_fmt=ctx.pix_fmt,
+                duration=duration,
+                audio=audio,
+            )
+    except av.FFmpegError as exc:
+        raise MediaError(f"{path}: not a readable media file ({exc})", code="not_video") from exc

@@ -1,0 +1,61 @@
+"""Worker configuration: every field is a ``FRAMEWIRE_*`` variable and a ``serve`` flag."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+CommaList = Annotated[list[str], NoDecode]
+
+
+def runtime_dir() -> Path:
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(xdg) / "framewire" if xdg else Path(f"/tmp/framewire-{os.getuid()}")
+
+
+def _default_cache_bytes() -> int:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 8 << 30
+    return total // 8
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FRAMEWIRE_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=7700, ge=0, le=65535)
+    uds: Path = Field(default_factory=lambda: runtime_dir() / "api.sock")
+    fd_socket: Path = Field(default_factory=lambda: runtime_dir() / "fd.sock")
+    output_roots: CommaList = Field(default_factory=lambda: ["./outputs"])
+    input_roots: CommaList = Field(default_factory=lambda: ["./inputs"])
+    shm_prefixes: CommaList = Field(default_factory=lambda: ["/framewire", "/torch_"])
+    token: str | None = None
+    ffmpeg: str | None = None
+    chunk_bytes: int = Field(default=128 << 20, ge=1)
+    cpu_slots: int = Field(default_factory=lambda: len(os.sched_getaffinity(0)), ge=1)
+    max_queue: int = Field(default=64, ge=0)
+    decode_cache_bytes: int = Field(default_factory=_default_cache_bytes, ge=0)
+    allowed_uids: Annotated[list[int], NoDecode] = Field(default_factory=lambda: [os.getuid()])
+    allowed_gids: Annotated[list[int], NoDecode] = Field(default_factory=list)
+    fallback: bool = True
+    log_level: str = "info"
+
+    @field_validator("output_roots", "input_roots", "shm_prefixes", mode="before")
+    @classmethod
+    def _split(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    @field_validator("allowed_uids", "allowed_gids", mode="before")
+    @classmethod
+    def _split_ints(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [int(p) for p in v.split(",") if p.strip()]
+        return v

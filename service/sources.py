@@ -1,0 +1,202 @@
+"""Where frames come from: an in-process tensor, or bytes behind a file descriptor.
+
+A source hands out chunks over T in its own layout. File-backed sources (POSIX
+shared memory, an .npy file) are read with ``pread`` into a buffer the encoder
+owns instead of being mapped: a client that truncates its segment mid-encode
+then yields a short read, an error, instead of a SIGBUS that kills the worker.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from framewire.client.errors import BadRequest, Forbidden, NotFound
+from framewire.client.wire import DType, Layout
+
+from .convert import TORCH_DTYPES, WIRE_DTYPES, slice_frames
+
+
+@dataclass
+class Geometry:
+    dtype: DType
+    layout: Layout
+    frames: int
+    height: int
+    width: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.layout.shape(self.frames, self.height, self.width)
+
+    @property
+    def nbytes(self) -> int:
+        return 3 * self.frames * self.height * self.width * self.dtype.itemsize
+
+
+class FrameSource:
+    """What the encoder reads. Subclasses fill in ``read``."""
+
+    geometry: Geometry
+
+    def read(self, t0: int, t1: int) -> tuple[torch.Tensor, bool]:
+        """Frames [t0, t1) in the source layout, and whether the caller may scale them in place."""
+        raise NotImplementedError
+
+    def zero_copy(self) -> tuple[int, int] | None:
+        """(fd, offset) of contiguous THWC uint8 bytes that can be sent as they are."""
+        return None
+
+    def materialize(self) -> torch.Tensor:
+        return self.read(0, self.geometry.frames)[0]
+
+    def close(self) -> None:
+        pass
+
+
+class TensorSource(FrameSource):
+    """A CPU torch tensor or numpy array, used where it lies (never copied whole)."""
+
+    def __init__(self, data: torch.Tensor | np.ndarray, layout: Layout | str = Layout.CTHW):
+        tensor = torch.from_numpy(np.asarray(data)) if isinstance(data, np.ndarray) else data
+        if tensor.device.type != "cpu":
+            raise BadRequest("TensorSource takes CPU tensors", code="bad_device")
+        if tensor.dtype not in WIRE_DTYPES:
+            raise BadRequest(f"unsupported dtype {tensor.dtype}", code="bad_dtype")
+        layout = Layout(layout)
+        try:
+            channels, frames, height, width = layout.dims(tuple(tensor.shape))
+        except ValueError as exc:
+            raise BadRequest(str(exc), code="bad_shape") from exc
+        if channels != 3 or frames < 1:
+            raise BadRequest(
+                f"shape {list(tensor.shape)} is not a 3-channel clip in {layout}", code="bad_shape"
+            )
+        self.tensor = tensor
+        self.geometry = Geometry(WIRE_DTYPES[tensor.dtype], layout, frames, height, width)
+
+    def read(self, t0: int, t1: int) -> tuple[torch.Tensor, bool]:
+        return slice_frames(self.tensor, self.geometry.layout, t0, t1), False
+
+
+class FileSource(FrameSource):
+    """Bytes at ``offset`` of an open file (a shm segment, an .npy body), C-contiguous."""
+
+    def __init__(self, fd: int, offset: int, geometry: Geometry, *, owns_fd: bool = True):
+        self.fd = fd
+        self.offset = offset
+        self.geometry = geometry
+        self.owns_fd = owns_fd
+        self._buffer: torch.Tensor | None = None
+        size = os.fstat(fd).st_size
+        if offset + geometry.nbytes > size:
+            raise BadRequest(
+                f"the segment holds {size} bytes; the descriptor needs "
+                f"{offset + geometry.nbytes} (offset {offset} + {geometry.nbytes})",
+                code="segment_too_small",
+            )
+
+    def _plane_runs(self, t0: int, t1: int) -> list[tuple[int, int]]:
+        """(file offset, length) of each contiguous run that holds frames [t0, t1)."""
+        g = self.geometry
+        item = g.dtype.itemsize
+        frame = 3 * g.height * g.width * item
+        if g.layout is Layout.CTHW:
+            plane = g.frames * g.height * g.width * item
+            per = g.height * g.width * item
+            return [(self.offset + c * plane + t0 * per, (t1 - t0) * per) for c in range(3)]
+        return [(self.offset + t0 * frame, (t1 - t0) * frame)]
+
+    def read(self, t0: int, t1: int) -> tuple[torch.Tensor, bool]:
+        g = self.geometry
+        shape = g.layout.shape(t1 - t0, g.height, g.width)
+        numel = 3 * (t1 - t0) * g.height * g.width
+        if self._buffer is None or self._buffer.numel() < numel:
+            self._buffer = torch.empty(numel, dtype=TORCH_DTYPES[g.dtype])
+        out = self._buffer[:numel]
+        raw = out.view(torch.uint8).numpy()
+        pos = 0
+        for offset, length in self._plane_runs(t0, t1):
+            view = memoryview(raw[pos : pos + length])
+            got = 0
+            while got < length:
+                n = os.preadv(self.fd, [view[got:]], offset + got)
+                if n == 0:
+                    raise BadRequest(
+                        "the shared-memory segment shrank while it was being read",
+                        code="segment_truncated",
+                    )
+                got += n
+            pos += length
+        return out.view(shape), True
+
+    def materialize(self) -> torch.Tensor:
+        chunk, _ = self.read(0, self.geometry.frames)
+        self._buffer = None  # the caller owns this one now
+        return chunk
+
+    def zero_copy(self) -> tuple[int, int] | None:
+        g = self.geometry
+        if g.dtype is DType.uint8 and g.layout is Layout.THWC:
+            return self.fd, self.offset
+        return None
+
+    def close(self) -> None:
+        self._buffer = None
+        if self.owns_fd and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def open_shm(key: str, prefixes: list[str]) -> int:
+    """Open a POSIX shm segment read-only, if its key carries an allowed prefix."""
+    if not key.startswith("/") or "/" in key[1:] or key in ("/.", "/.."):
+        raise BadRequest(f"shm key {key!r} is not of the form /name", code="bad_shm_key")
+    if not any(key.startswith(p) for p in prefixes):
+        raise Forbidden(f"shm key {key!r} lacks an allowed prefix {prefixes}", code="shm_prefix")
+    try:
+        fd = os.open(f"/dev/shm{key}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError as exc:
+        raise NotFound(f"no shared-memory segment {key!r}", code="shm_not_found") from exc
+    except OSError as exc:
+        raise Forbidden(f"cannot open shm {key!r}: {exc.strerror}", code="shm_denied") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise BadRequest(f"shm key {key!r} is not a segment", code="bad_shm_key")
+    return fd
+
+
+def open_npy(path: str | os.PathLike[str], layout: Layout | str = Layout.CTHW) -> FileSource:
+    """An .npy file as a FileSource: the header is parsed, the body is read in chunks."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        readers = {
+            (1, 0): np.lib.format.read_array_header_1_0,
+            (2, 0): np.lib.format.read_array_header_2_0,
+        }
+        if version not in readers:
+            raise BadRequest(f"{path}: .npy format {version} is not supported", code="bad_npy")
+        shape, fortran, dtype = readers[version](f)
+        offset = f.tell()
+    if fortran:
+        raise BadRequest(f"{path}: Fortran-ordered arrays are not supported", code="bad_layout")
+    try:
+        wire = DType(str(dtype))
+    except ValueError as exc:
+        raise BadRequest(f"{path}: unsupported dtype {dtype}", code="bad_dtype") from exc
+    layout = Layout(layout)
+    try:
+        channels, frames, height, width = layout.dims(tuple(shape))
+    except ValueError as exc:
+        raise BadRequest(f"{path}: {exc}", code="bad_shape") from exc
+    if channels != 3:
+        raise BadRequest(f"{path}: shape {shape} is not 3-channel in {layout}", code="bad_shape")
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return FileSource(fd, offset, Geometry(wire, layout, frames, height, width))
+    except BaseException:
+        os.close(fd)
+        raise
