@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,38 +30,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(**given)
 
 
-def _bind_unix(path: Path) -> socket.socket:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-    if path.is_socket():
-        path.unlink()  # a stale socket of an earlier run; a live worker holds its own lock
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(str(path))
-    os.chmod(path, 0o660)
-    return sock
-
-
-def _bind_tcp(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return sock
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from .app import create_app
+    from .server import serve
 
     settings = settings_from(args)
-    app = create_app(settings)
-    sockets = [_bind_tcp(settings.host, settings.port), _bind_unix(settings.uds)]
-    config = uvicorn.Config(app, log_level=settings.log_level, lifespan="on")
-    server = uvicorn.Server(config)
-    try:
-        server.run(sockets=sockets)
-    finally:
-        settings.uds.unlink(missing_ok=True)
+    serve(create_app(settings), settings)
     return 0
 
 

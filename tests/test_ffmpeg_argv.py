@@ -1,0 +1,140 @@
+"""The argv builders against what imageio-ffmpeg itself runs."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import imageio_ffmpeg
+import imageio_ffmpeg._io as iio
+import pytest
+from framewire.client.ffmpeg_argv import (
+    crf_for_quality,
+    decode_argv,
+    encode_argv,
+    fps_arg,
+    padded_size,
+    x264_auto_threads,
+)
+
+
+class _Captured(Exception):
+    pass
+
+
+def imageio_argv(monkeypatch: pytest.MonkeyPatch, path: str, size: tuple[int, int], **kw: object):
+    seen: list[list[str]] = []
+
+    def fake_popen(cmd: list[str], **_: object):
+        seen.append(list(cmd))
+        raise _Captured
+
+    monkeypatch.setattr(iio.subprocess, "Popen", fake_popen)
+    gen = imageio_ffmpeg.write_frames(path, size, codec="libx264", **kw)
+    with pytest.raises(_Captured):
+        gen.send(None)
+    return seen[0]
+
+
+@pytest.mark.parametrize(
+    ("size", "fps", "quality", "preset", "audio"),
+    [
+        ((64, 48), 24, 5, "fast", None),
+        ((100, 75), 23.976, 3, "ultrafast", None),
+        ((1344, 768), 16, 8, "fast", "/in/a.wav"),
+        ((30, 17), Fraction(30000, 1001), 10, "medium", "/in/b.wav"),
+        ((64, 48), 24, 1, "fast", None),
+    ],
+)
+def test_reference_argv_is_write_frames_argv(monkeypatch, size, fps, quality, preset, audio):
+    output_params = ["-preset", preset]
+    kw: dict[str, object] = {"fps": fps, "quality": quality, "output_params": output_params}
+    if audio:
+        kw |= {"audio_path": audio, "audio_codec": "aac"}
+    expected = imageio_argv(monkeypatch, "/out/x.mp4", size, **kw)
+    ours = encode_argv(
+        expected[0],
+        width=size[0],
+        height=size[1],
+        fps=fps,
+        output="/out/x.mp4",
+        quality=quality,
+        preset=preset,
+        audio=audio,
+        stdin_name="-",
+    )
+    assert ours == expected
+
+
+def test_threads_sit_where_output_params_put_them(monkeypatch):
+    expected = imageio_argv(
+        monkeypatch,
+        "/o.mp4",
+        (64, 48),
+        fps=24,
+        output_params=["-preset", "fast", "-threads", "3"],
+        audio_path="/a.wav",
+        audio_codec="aac",
+    )
+    ours = encode_argv(
+        expected[0],
+        width=64,
+        height=48,
+        fps=24,
+        output="/o.mp4",
+        threads=3,
+        audio="/a.wav",
+        stdin_name="-",
+    )
+    assert ours == expected
+
+
+def test_fast_path_argv_differs_only_in_input_and_threads():
+    ref = encode_argv("ffmpeg", width=64, height=48, fps=24, output="/o.mp4", stdin_name="-")
+    fast = encode_argv("ffmpeg", width=64, height=48, fps=24, output="/o.mp4", threads=2)
+    assert fast[: ref.index("-")] == ref[: ref.index("-")]
+    assert fast[ref.index("-")] == "pipe:0"
+    assert fast[-3:] == ["-threads", "2", "/o.mp4"]
+
+
+def test_scalars():
+    assert fps_arg(23.976) == "2997/125"
+    assert fps_arg(24.0) == "24"
+    assert fps_arg(Fraction(24000, 1001)) == "24000/1001"
+    assert [crf_for_quality(q) for q in (1, 3, 5, 8, 10)] == [45, 35, 25, 10, 0]
+    assert padded_size(100, 75) == (112, 80)
+    assert padded_size(64, 48) == (64, 48)
+
+
+def test_x264_auto_threads_formula():
+    assert x264_auto_threads(768, cpus=2) == 3
+    assert x264_auto_threads(768, cpus=16) == 24
+    assert x264_auto_threads(48, cpus=16) == 1  # 3 macroblock rows -> 1
+    assert x264_auto_threads(75, cpus=16) == 2  # 5 rows after padding to 80
+    assert x264_auto_threads(8192, cpus=256) == 128
+
+
+def test_decode_argv():
+    assert decode_argv("ffmpeg", path="/in/v.mp4", fps=24, width=1344, height=768) == [
+        "ffmpeg",
+        "-v",
+        "error",
+        "-i",
+        "/in/v.mp4",
+        "-map",
+        "0:v:0",
+        "-an",
+        "-vf",
+        "fps=24,scale=1344:768:flags=lanczos,setsar=1",
+        "-f",
+        "rawvideo",
+        "-pix_fmt",
+        "rgb24",
+        "pipe:1",
+    ]
+    argv = decode_argv(
+        "ffmpeg", path="/in/v.mp4", fps=23.976, width=9, height=7, start=1.5, max_frames=4, out_fd=3
+    )
+    assert argv[3:5] == ["-ss", "1.5"]
+    assert "fps=23.976,scale=9:7:flags=lanczos,setsar=1" in argv
+    assert argv[-7:-5] == ["-frames:v", "4"]
+    assert argv[-1] == "pipe:3"

@@ -1,0 +1,43 @@
+"""In-process media facts with PyAV."""
+
+from __future__ import annotations
+
+import pytest
+from framewire.client.errors import MediaError, NotFound
+from framewire.service.encoder import EncodeParams, Encoder
+from framewire.service.media import probe
+from framewire.service.sources import TensorSource
+
+from tests.conftest import make_clip
+
+
+def test_probe_facts_of_an_encode(tmp_path, wav):
+    out = tmp_path / "a.mp4"
+    Encoder().encode(
+        TensorSource(make_clip(frames=24, height=75, width=100)),
+        out,
+        EncodeParams(fps=23.976, audio=wav),
+    )
+    info = probe(out)
+    assert (info.frames, info.width, info.height) == (24, 112, 80)
+    assert info.fps_exact == "2997/125"
+    assert info.codec == "h264" and info.pix_fmt == "yuv420p"
+    assert info.duration == pytest.approx(24 / 23.976, abs=0.05)
+    assert info.audio is not None and info.audio.codec == "aac" and info.audio.channels == 1
+
+
+def test_probe_without_audio(tmp_path):
+    out = tmp_path / "a.mp4"
+    Encoder().encode(TensorSource(make_clip(frames=5)), out, EncodeParams(fps=16))
+    info = probe(out)
+    assert (info.frames, info.fps, info.audio) == (5, 16.0, None)
+
+
+def test_probe_refusals(tmp_path):
+    with pytest.raises(NotFound):
+        probe(tmp_path / "missing.mp4")
+    junk = tmp_path / "junk.mp4"
+    junk.write_bytes(b"\x00garbage" * 100)
+    with pytest.raises(MediaError) as err:
+        probe(junk)
+    assert err.value.code == "not_video"

@@ -1,0 +1,109 @@
+"""The sendfile pump: page reuse, partial writes, EAGAIN, early exit."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from framewire.client.errors import BadRequest
+from framewire.client.wire import Layout
+from framewire.service import stream
+from framewire.service.ffmpeg import FfmpegExited
+from framewire.service.sources import TensorSource
+from framewire.service.stream import Staging, pump_converted, send_all, widen_pipe
+
+from tests.conftest import make_clip, reference_uint8
+
+
+def drain_later(fd: int, delay: float, out: bytearray) -> threading.Thread:
+    def run() -> None:
+        time.sleep(delay)
+        while block := os.read(fd, 1 << 16):
+            out.extend(block)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def pump_through_slow_pipe(clip: torch.Tensor) -> bytes:
+    r, w = os.pipe()
+    widen_pipe(w)
+    got = bytearray()
+    reader = drain_later(r, 0.3, got)
+    try:
+        pump_converted(TensorSource(clip), w, per_chunk=1)
+    finally:
+        os.close(w)
+        reader.join()
+        os.close(r)
+    return bytes(got)
+
+
+def test_slots_are_not_rewritten_under_the_pipe():
+    """Many chunks sit in the pipe unread while both slots are reused."""
+    clip = make_clip(frames=40, height=48, width=64)
+    assert pump_through_slow_pipe(clip) == reference_uint8(clip, Layout.CTHW).tobytes()
+
+
+def test_without_punching_slots_the_pipe_sees_rewritten_pages(monkeypatch):
+    """Shows why Staging punches slots: reuse without it corrupts what ffmpeg reads."""
+
+    def slot_without_punch(self: Staging, index: int, nbytes: int) -> torch.Tensor:
+        start = index * self.slot_bytes
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=start)
+
+    monkeypatch.setattr(stream.Staging, "slot", slot_without_punch)
+    clip = make_clip(frames=40, height=48, width=64)
+    if pump_through_slow_pipe(clip) == reference_uint8(clip, Layout.CTHW).tobytes():
+        pytest.skip("this kernel copies on sendfile into a pipe; the hazard cannot show here")
+
+
+def test_send_all_handles_nonblocking_pipe_and_partial_writes():
+    data = np.random.default_rng(1).integers(0, 255, 3 << 20, dtype=np.uint8).tobytes()
+    src = os.memfd_create("framewire-test-src")
+    os.write(src, data)
+    r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETFL, fcntl.fcntl(w, fcntl.F_GETFL) | os.O_NONBLOCK)
+    got = bytearray()
+    reader = drain_later(r, 0.05, got)
+    try:
+        send_all(w, src, 0, len(data))  # 3 MiB through a 64 KiB non-blocking pipe
+    finally:
+        os.close(w)
+        reader.join()
+        os.close(r)
+        os.close(src)
+    assert bytes(got) == data
+
+
+def test_send_all_reports_reader_gone_and_short_source():
+    src = os.memfd_create("framewire-test-src")
+    os.write(src, b"x" * 1000)
+    r, w = os.pipe()
+    os.close(r)
+    with pytest.raises(FfmpegExited):
+        send_all(w, src, 0, 1000)
+    os.close(w)
+    r, w = os.pipe()
+    with pytest.raises(BadRequest) as err:
+        send_all(w, src, 0, 2000)
+    assert err.value.code == "segment_truncated"
+    for fd in (r, w, src):
+        os.close(fd)
+
+
+def test_staging_slots_are_page_aligned_and_released():
+    with Staging(1000) as s:
+        assert s.slot_bytes % os.sysconf("SC_PAGE_SIZE") == 0
+        view = s.slot(1, 1000)
+        view.fill_(7)
+        del view
+        fd = s.fd
+    with pytest.raises(OSError):
+        os.fstat(fd)
