@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 # Beyond these a request is absurd rather than big: 16K frames, 8K video.
 MAX_FRAMES = 1 << 20
@@ -65,11 +66,17 @@ class _TensorFields(_Strict):
     def _check_shape(self) -> _TensorFields:
         channels, frames, height, width = self.layout.dims(tuple(self.shape))
         if channels != 3:
-            raise ValueError(f"shape {self.shape} has {channels} channels in layout {self.layout}")
+            raise PydanticCustomError(
+                "bad_shape", f"shape {self.shape} has {channels} channels in layout {self.layout}"
+            )
         if not (1 <= frames <= MAX_FRAMES):
-            raise ValueError(f"frame count {frames} is outside 1..{MAX_FRAMES}")
+            raise PydanticCustomError(
+                "bad_shape", f"frame count {frames} is outside 1..{MAX_FRAMES}"
+            )
         if not (1 <= height <= MAX_SIDE and 1 <= width <= MAX_SIDE):
-            raise ValueError(f"frame size {width}x{height} is outside 1..{MAX_SIDE}")
+            raise PydanticCustomError(
+                "bad_shape", f"frame size {width}x{height} is outside 1..{MAX_SIDE}"
+            )
         return self
 
     @property
@@ -96,9 +103,10 @@ class _HostBytes(_TensorFields):
     @model_validator(mode="after")
     def _check_size(self) -> _HostBytes:
         if self.byte_size != self.nbytes:
-            raise ValueError(
+            raise PydanticCustomError(
+                "byte_size_mismatch",
                 f"byte_size {self.byte_size} does not match shape {self.shape} "
-                f"of {self.dtype} ({self.nbytes} bytes)"
+                f"of {self.dtype} ({self.nbytes} bytes)",
             )
         return self
 
@@ -160,14 +168,14 @@ class OutputSpec(_Strict):
     @classmethod
     def _finite(cls, v: float) -> float:
         if not math.isfinite(v):
-            raise ValueError("fps must be finite")
+            raise PydanticCustomError("bad_fps", "fps must be finite")
         return v
 
     @field_validator("path", "audio")
     @classmethod
     def _no_nul(cls, v: str | None) -> str | None:
         if v is not None and "\x00" in v:
-            raise ValueError("paths may not contain NUL")
+            raise PydanticCustomError("bad_path", "paths may not contain NUL")
         return v
 
 
@@ -238,3 +246,34 @@ class ProbeRequest(_Strict):
 
 class ProbeResponse(BaseModel):
     results: list[MediaInfo]
+
+
+# Pydantic field names whose errors get a code of their own.
+FIELD_CODES = {
+    "fps": "bad_fps",
+    "layout": "bad_layout",
+    "dtype": "bad_dtype",
+    "shape": "bad_shape",
+    "byte_size": "bad_byte_size",
+    "offset": "bad_offset",
+    "key": "bad_shm_key",
+    "path": "bad_path",
+    "kind": "bad_source_kind",
+    "quality": "bad_quality",
+    "preset": "bad_preset",
+    "threads": "bad_threads",
+}
+OUR_CODES = {"bad_shape", "byte_size_mismatch", "bad_fps", "bad_path"}
+
+
+def error_code(errors: list[Any]) -> str:
+    """The stable error code of a pydantic validation failure (its first error)."""
+    first = errors[0] if errors else {}
+    if first.get("type") in OUR_CODES:
+        return str(first["type"])
+    if first.get("type") == "union_tag_invalid":
+        return "bad_source_kind"
+    for part in reversed(first.get("loc", ())):  # type: ignore[arg-type]
+        if isinstance(part, str) and part in FIELD_CODES:
+            return FIELD_CODES[part]
+    return "bad_request"

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,32 +58,76 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_result(r: object) -> None:
+    print(
+        f"{r.path}: {r.frames} frames, {r.bytes} bytes, sha256 {r.sha256}, "  # type: ignore[attr-defined]
+        f"route {r.route}"  # type: ignore[attr-defined]
+    )
+
+
+@contextlib.contextmanager
+def _progress(label: str, enabled: bool) -> Iterator[None]:
+    """An elapsed-time line on stderr while a long call runs (only on a terminal)."""
+    done = threading.Event()
+
+    def tick() -> None:
+        started = time.monotonic()
+        while not done.wait(0.5):
+            print(f"\r{label}: {time.monotonic() - started:5.1f} s", end="", file=sys.stderr)
+        print(f"\r{label}: {time.monotonic() - started:5.1f} s, done", file=sys.stderr)
+
+    thread = threading.Thread(target=tick, daemon=True) if enabled else None
+    if thread:
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        if thread:
+            thread.join()
+
+
 def cmd_encode(args: argparse.Namespace) -> int:
+    params = {
+        "fps": args.fps,
+        "quality": args.quality,
+        "preset": args.preset,
+        "threads": args.threads,
+    }
+    if not args.local:
+        import numpy as np
+        from framewire.client import Client
+
+        frames = np.load(args.input, mmap_mode="r")
+        audio = None if args.audio is None else str(args.audio.absolute())
+        long_clip = frames.size >= 50_000_000 and sys.stderr.isatty()
+        with Client(args.url, token=args.token) as client, _progress("encoding", long_clip):
+            result = client.save_video(
+                frames, str(args.output.absolute()), audio=audio, layout=args.layout, **params
+            )
+        _print_result(result)
+        return 0
+
     from .encoder import EncodeParams, Encoder
     from .sources import open_npy
 
-    if not args.local:
-        print("framewire encode: only --local is available in this version", file=sys.stderr)
-        return 2
     settings = settings_from(args)
     encoder = Encoder(settings.ffmpeg, chunk_bytes=settings.chunk_bytes, fallback=settings.fallback)
-    params = EncodeParams(
-        fps=args.fps,
-        quality=args.quality,
-        preset=args.preset,
-        threads=args.threads,
-        audio=args.audio,
-    )
     source = open_npy(args.input, args.layout)
     try:
-        result = encoder.encode(source, args.output, params)
+        result = encoder.encode(source, args.output, EncodeParams(audio=args.audio, **params))
     finally:
         source.close()
-    print(
-        f"{result.path}: {result.frames} frames {result.width}x{result.height}, "
-        f"{result.bytes} bytes, sha256 {result.sha256}, route {result.route}, "
-        f"{result.encode_ms:.0f} ms"
-    )
+    _print_result(result)
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from framewire.client import Client
+
+    with Client(args.url, token=args.token) as client:
+        for info in client.probe([str(p.absolute()) for p in args.files]):
+            print(info.model_dump_json())
     return 0
 
 
@@ -108,11 +156,26 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--audio", type=Path, default=None)
     enc.add_argument("--layout", default="CTHW", choices=["CTHW", "TCHW", "THWC"])
     enc.add_argument("--local", action="store_true", help="encode in this process, no worker")
+    _client_flags(enc)
     enc.add_argument("--ffmpeg", default=None)
     enc.add_argument("--chunk-bytes", dest="chunk_bytes", type=int, default=None)
     enc.add_argument("--fallback", action=argparse.BooleanOptionalAction, default=None)
     enc.set_defaults(func=cmd_encode)
+
+    prb = sub.add_parser("probe", help="media facts of files, from the worker (JSON lines)")
+    prb.add_argument("files", nargs="+", type=Path)
+    _client_flags(prb)
+    prb.set_defaults(func=cmd_probe)
     return parser
+
+
+def _client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("FRAMEWIRE_URL", "http://127.0.0.1:7700"),
+        help="worker URL, http://host:port or unix:///path (env FRAMEWIRE_URL)",
+    )
+    parser.add_argument("--token", default=os.environ.get("FRAMEWIRE_TOKEN"))
 
 
 def main(argv: list[str] | None = None) -> int:

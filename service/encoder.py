@@ -170,8 +170,7 @@ class Encoder:
             try:
                 span = source.zero_copy()
                 if span is not None:
-                    check()
-                    send_all(stdin, span[0], span[1], g.frames * g.height * g.width * 3)
+                    send_all(stdin, span[0], span[1], g.frames * g.height * g.width * 3, check)
                 else:
                     per_chunk = chunk_frames(self.chunk_bytes, g.height, g.width, g.dtype.itemsize)
                     pump_converted(source, stdin, per_chunk, check=check)

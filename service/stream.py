@@ -36,14 +36,21 @@ def widen_pipe(fd: int) -> None:
         pass  # capped by /proc/sys/fs/pipe-max-size: the default still works
 
 
-def send_all(out_fd: int, in_fd: int, offset: int, count: int) -> None:
+SEND_SLICE = 16 << 20  # bytes per sendfile call: how often ``check`` gets a say
+
+
+def send_all(
+    out_fd: int, in_fd: int, offset: int, count: int, check: Callable[[], None] = lambda: None
+) -> None:
     """sendfile ``count`` bytes, riding out partial writes, EINTR and EAGAIN.
 
     EPIPE means ffmpeg is gone; a zero return means the source file got shorter.
+    ``check`` runs between slices and may raise to stop.
     """
     while count > 0:
+        check()
         try:
-            n = os.sendfile(out_fd, in_fd, offset, count)
+            n = os.sendfile(out_fd, in_fd, offset, min(count, SEND_SLICE))
         except BlockingIOError:
             select.select([], [out_fd], [])
             continue

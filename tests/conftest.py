@@ -106,14 +106,22 @@ def wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def child_pids() -> set[int]:
+def child_pids(pid: int | str = "self") -> set[int]:
+    """Children of ``pid``, less torch's shm manager daemon (it lives as long as torch)."""
     pids: set[int] = set()
-    for task in Path("/proc/self/task").iterdir():
+    for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             pids.update(int(p) for p in (task / "children").read_text().split())
         except OSError:
             pass
-    return pids
+    return {p for p in pids if not _comm(p).startswith("torch_shm_manag")}
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def framewire_temps(root: Path) -> list[Path]:

@@ -1,0 +1,137 @@
+"""Putting a caller's frames where the worker can read them, and describing them.
+
+Host memory goes through POSIX shared memory: a tensor that already lives in a
+named torch shm segment is described where it is; anything else is copied once
+into a segment this module creates and always unlinks (errors and
+KeyboardInterrupt included). Nothing is pickled: the worker gets a JSON
+descriptor (key, offset, dtype, shape, layout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import mmap
+import os
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .wire import DType, Layout, ShmSource
+
+SHM_PREFIX = "/framewire-"
+_counter = itertools.count()
+
+NUMPY_DTYPES = {
+    np.dtype("float32"): DType.float32,
+    np.dtype("float16"): DType.float16,
+    np.dtype("uint8"): DType.uint8,
+}
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def guess_layout(shape: tuple[int, ...], is_uint8: bool, layout: Layout | str | None) -> Layout:
+    """CTHW for (3, T, H, W) floats, THWC for (T, H, W, 3) uint8, unless told."""
+    if layout is not None:
+        return Layout(layout)
+    if is_uint8 and shape[-1] == 3:
+        return Layout.THWC
+    if shape[0] == 3:
+        return Layout.CTHW
+    if shape[-1] == 3:
+        return Layout.THWC
+    if shape[1] == 3:
+        return Layout.TCHW
+    raise ValueError(f"cannot tell the layout of shape {list(shape)}; pass layout=")
+
+
+def _squeeze_batch(shape: tuple[int, ...]) -> int:
+    if len(shape) == 5 and shape[0] == 1:
+        return 1
+    if len(shape) != 4:
+        raise ValueError(f"a video is 4-D (or 5-D with a batch of 1), got shape {list(shape)}")
+    return 0
+
+
+def _wire_dtype(video: Any) -> DType:
+    if _is_torch(video):
+        name = str(video.dtype).removeprefix("torch.")
+        try:
+            return DType(name)
+        except ValueError:
+            raise ValueError(f"unsupported dtype {video.dtype}") from None
+    try:
+        return NUMPY_DTYPES[np.dtype(video.dtype)]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {video.dtype}") from None
+
+
+def _torch_shm_key(video: Any) -> tuple[str, int] | None:
+    """(key, byte offset) when a contiguous CPU tensor already sits in a named torch segment."""
+    import torch.multiprocessing as tmp
+
+    if not (video.is_shared() and video.is_contiguous()):
+        return None
+    if tmp.get_sharing_strategy() != "file_system":
+        return None
+    storage = video.untyped_storage()
+    _, name, _ = storage._share_filename_cpu_()
+    key = name.decode() if isinstance(name, bytes) else str(name)
+    # torch keeps a refcount header before the data: whatever precedes the
+    # storage's bytes at the end of the segment.
+    try:
+        header = os.stat(f"/dev/shm{key}").st_size - storage.nbytes()
+    except OSError:
+        return None
+    if not 0 <= header <= 4096:
+        return None
+    return key, header + video.storage_offset() * video.element_size()
+
+
+def _as_bytes(video: Any) -> np.ndarray:
+    """A C-contiguous uint8 view (or copy, for strided input) of the raw bytes."""
+    if _is_torch(video):
+        t = video.contiguous()
+        import torch
+
+        return t.view(torch.uint8).numpy() if t.dtype != torch.uint8 else t.numpy()
+    return np.ascontiguousarray(video).view(np.uint8)
+
+
+@contextlib.contextmanager
+def shared(video: Any, *, layout: Layout | str | None = None) -> Iterator[ShmSource]:
+    """Yield a descriptor of ``video`` in shared memory; release what was created on exit."""
+    if _is_torch(video) and video.device.type != "cpu":
+        raise ValueError("CUDA tensors go through CUDA IPC, not shared memory")
+    shape = tuple(video.shape)
+    video = video[0] if _squeeze_batch(shape) else video
+    shape = tuple(video.shape)
+    dtype = _wire_dtype(video)
+    lay = guess_layout(shape, dtype is DType.uint8, layout)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    fields = {"dtype": dtype, "shape": list(shape), "layout": lay, "byte_size": nbytes}
+    if _is_torch(video):
+        existing = _torch_shm_key(video)
+        if existing is not None:
+            yield ShmSource(key=existing[0], offset=existing[1], **fields)
+            return
+    key = f"{SHM_PREFIX}{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
+    path = f"/dev/shm{key}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, max(nbytes, 1))
+        with mmap.mmap(fd, nbytes) as m:
+            np.frombuffer(m, np.uint8)[:] = _as_bytes(video).reshape(-1)
+        os.close(fd)
+        fd = -1
+        yield ShmSource(key=key, **fields)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)

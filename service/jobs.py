@@ -1,0 +1,203 @@
+"""An encode request, end to end: check everything, open the sources, encode, validate.
+
+Every output is checked (paths, sources, sizes) before any encode starts, so a
+bad request writes nothing. Encodes run on worker threads, never on the event
+loop; a client that disconnects cancels them (ffmpeg killed, temp removed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from framewire.client.errors import BadRequest, Cancelled, FramewireError
+from framewire.client.wire import (
+    CudaIpcSource,
+    EncodeRequest,
+    ErrorInfo,
+    OutputResult,
+    OutputSpec,
+    RegionSource,
+    ShmSource,
+    Timings,
+)
+
+from .encoder import Encoded, EncodeParams, Encoder
+from .metrics import Metrics
+from .paths import resolve_input, resolve_output
+from .regions import RegionRegistry
+from .settings import Settings
+from .sources import FileSource, FrameSource, Geometry, open_shm
+from .validate import validate_output
+
+DISCONNECT_POLL_S = 0.1
+
+
+@dataclass
+class Prepared:
+    spec: OutputSpec
+    path: Path
+    source: FrameSource
+    params: EncodeParams
+
+
+def _geometry(src: ShmSource | RegionSource) -> Geometry:
+    return Geometry(src.dtype, src.layout, src.frames, src.height, src.width)
+
+
+class EncodeJobs:
+    def __init__(
+        self, settings: Settings, encoder: Encoder, regions: RegionRegistry, metrics: Metrics
+    ):
+        self.settings = settings
+        self.encoder = encoder
+        self.regions = regions
+        self.metrics = metrics
+        self.pool = ThreadPoolExecutor(
+            max(4, settings.cpu_slots * 2), thread_name_prefix="framewire-encode"
+        )
+
+    async def _prepare(self, spec: OutputSpec, stack: contextlib.AsyncExitStack) -> Prepared:
+        path = resolve_output(spec.path, self.settings.output_roots)
+        audio = None if spec.audio is None else resolve_input(spec.audio, self.settings.input_roots)
+        src = spec.source
+        source: FrameSource
+        if isinstance(src, ShmSource):
+            fd = open_shm(src.key, self.settings.shm_prefixes)
+            try:
+                source = FileSource(fd, src.offset, _geometry(src))
+            except BaseException:
+                os.close(fd)
+                raise
+        elif isinstance(src, RegionSource):
+            fd, offset = await stack.enter_async_context(
+                self.regions.lease(src.region, src.offset, src.byte_size)
+            )
+            source = FileSource(fd, offset, _geometry(src), owns_fd=False)
+        else:
+            assert isinstance(src, CudaIpcSource)
+            raise BadRequest("this worker has no CUDA support", code="cuda_unavailable")
+        stack.callback(source.close)
+        params = EncodeParams(
+            fps=spec.fps,
+            quality=spec.quality,
+            preset=spec.preset,
+            threads=spec.threads,
+            audio=audio,
+        )
+        return Prepared(spec, path, source, params)
+
+    def _encode_one(self, job: Prepared, validate: bool, cancel: threading.Event) -> OutputResult:
+        started = time.time()
+        encoded: Encoded = self.encoder.encode(job.source, job.path, job.params, cancel=cancel)
+        g = job.source.geometry
+        validate_ms = 0.0
+        info = None
+        if validate:
+            t0 = time.perf_counter()
+            try:
+                info = validate_output(
+                    job.path,
+                    frames=g.frames,
+                    width=g.width,
+                    height=g.height,
+                    fps=job.params.fps,
+                    audio=job.params.audio is not None,
+                )
+            except FramewireError:
+                job.path.unlink(missing_ok=True)  # a wrong file is a failed output
+                raise
+            validate_ms = (time.perf_counter() - t0) * 1e3
+        self.metrics.encode_seconds.labels(encoded.route).observe(encoded.encode_ms / 1e3)
+        self.metrics.bytes_written.inc(encoded.bytes)
+        if encoded.route == "fallback":
+            self.metrics.fallbacks.inc()
+        return OutputResult(
+            path=str(job.path),
+            ok=True,
+            bytes=encoded.bytes,
+            sha256=encoded.sha256,
+            frames=encoded.frames,
+            width=info.width if info else None,
+            height=info.height if info else None,
+            fps=job.params.fps,
+            duration=info.duration if info else None,
+            audio=info.audio if info else None,
+            route=encoded.route,
+            timings=Timings(
+                encode_ms=encoded.encode_ms,
+                validate_ms=validate_ms,
+                started_at=started,
+                finished_at=time.time(),
+            ),
+        )
+
+    async def run(
+        self, request: EncodeRequest, is_disconnected: Callable[[], Awaitable[bool]]
+    ) -> tuple[int, list[OutputResult]]:
+        """Returns (HTTP status, one result per output in request order)."""
+        paths = [o.path for o in request.outputs]
+        if len(set(paths)) != len(paths):
+            raise BadRequest("two outputs of one request name the same path", code="duplicate_path")
+        cancel = threading.Event()
+        async with contextlib.AsyncExitStack() as stack:
+            jobs = [await self._prepare(spec, stack) for spec in request.outputs]
+            if len({j.path for j in jobs}) != len(jobs):
+                raise BadRequest("two outputs resolve to the same file", code="duplicate_path")
+            watcher = asyncio.create_task(self._watch(is_disconnected, cancel))
+            status, results = 200, []
+            try:
+                for job in jobs:
+                    self.metrics.in_flight.inc()
+                    try:
+                        result = await self._in_thread(cancel, job, request.validate_)
+                    except Cancelled:
+                        raise
+                    except FramewireError as exc:
+                        result = OutputResult(
+                            path=str(job.path),
+                            ok=False,
+                            error=ErrorInfo(code=exc.code, message=exc.message, detail=exc.detail),
+                        )
+                        status = exc.status if status == 200 else status
+                    finally:
+                        self.metrics.in_flight.dec()
+                    self.metrics.outputs.labels("ok" if result.ok else "error").inc()
+                    results.append(result)
+            finally:
+                watcher.cancel()
+        return status, results
+
+    async def _in_thread(
+        self, cancel: threading.Event, job: Prepared, validate: bool
+    ) -> OutputResult:
+        """Run one encode on the pool. If this task is cancelled, the encode is told to stop
+        and awaited: its source must stay open until the thread lets go of it."""
+        future = asyncio.get_running_loop().run_in_executor(
+            self.pool, self._encode_one, job, validate, cancel
+        )
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            cancel.set()
+            await asyncio.wait([future])
+            raise
+
+    async def _watch(
+        self, is_disconnected: Callable[[], Awaitable[bool]], cancel: threading.Event
+    ) -> None:
+        while not cancel.is_set():
+            if await is_disconnected():
+                cancel.set()
+                return
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)

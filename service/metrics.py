@@ -1,0 +1,30 @@
+"""Prometheus figures, one registry per app (tests run several apps in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "framewire_requests",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.encode_seconds = Histogram(
+            "framewire_encode_seconds",
+            "Wall time of one output's encode",
+            ["route"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
+        self.bytes_written = Counter("framewire_bytes_written", "MP4 bytes written", registry=r)
+        self.outputs = Counter("framewire_outputs", "Outputs by result", ["result"], registry=r)
+        self.fallbacks = Counter(
+            "framewire_fallbacks", "Outputs redone on the reference route", registry=r
+        )
+        self.in_flight = Gauge("framewire_encodes_in_flight", "Encodes running now", registry=r)

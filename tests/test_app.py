@@ -1,0 +1,425 @@
+"""The HTTP worker end to end: a real `framewire serve` process, real sockets, real ffmpeg."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from framewire.client import AsyncClient, BadRequest, Client, Forbidden, NotFound
+from framewire.client.share import shared
+
+from tests.conftest import make_clip, reference_mp4, sha256
+from tests.worker import Worker, start_worker
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    w = start_worker(tmp_path_factory.mktemp("worker"), "--chunk-bytes", str(1 << 20))
+    yield w
+    assert w.stop() == 0, w.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def baseline(worker: Worker) -> dict[str, object]:
+    """The worker's resources after one warm-up encode, for the leak check at the end."""
+    with Client(worker.uds_url) as c:
+        c.save_video(make_clip(frames=2), "warmup.mp4", fps=24)
+    return {"fds": len(worker.open_fds()), "shm": ours_in_shm()}
+
+
+def ours_in_shm() -> set[str]:
+    """Segments made by this process's client or by these tests."""
+    mine = (f"framewire-{os.getpid()}-", "framewire-test-")
+    return {n for n in os.listdir("/dev/shm") if n.startswith(mine)}
+
+
+@pytest.fixture
+def segment() -> Iterator:
+    keys: list[str] = []
+
+    def make(data: bytes, prefix: str = "/framewire-test-") -> str:
+        key = f"{prefix}{secrets.token_hex(6)}"
+        Path(f"/dev/shm{key}").write_bytes(data)
+        keys.append(key)
+        return key
+
+    yield make
+    for key in keys:
+        Path(f"/dev/shm{key}").unlink(missing_ok=True)
+
+
+def shm_source(key: str, clip: torch.Tensor, layout: str = "CTHW", **over: object) -> dict:
+    src = {
+        "kind": "shm",
+        "key": key,
+        "offset": 0,
+        "byte_size": clip.numel() * clip.element_size(),
+        "dtype": str(clip.dtype).removeprefix("torch."),
+        "shape": list(clip.shape),
+        "layout": layout,
+    }
+    return src | over
+
+
+def raw_bytes(clip: torch.Tensor) -> bytes:
+    return clip.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("via", ["uds", "tcp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8])
+def test_save_video_is_byte_exact(worker, baseline, tmp_path, via, dtype):
+    clip = make_clip(frames=8, height=75, width=100, dtype=dtype)
+    video = clip.permute(1, 2, 3, 0).contiguous() if dtype == torch.uint8 else clip
+    url = worker.uds_url if via == "uds" else worker.tcp_url
+    with Client(url) as c:
+        result = c.save_video(video, f"{via}/{dtype}.mp4", fps=23.976)
+    out = worker.outputs / via / f"{dtype}.mp4"
+    assert result.ok and result.route == "stream"
+    assert result.path == str(out)
+    assert result.sha256 == sha256(out) == reference_mp4(clip, tmp_path / "ref.mp4", fps=23.976)
+    assert (result.frames, result.width, result.height) == (8, 112, 80)
+
+
+def test_numpy_and_batched_inputs(worker, baseline, tmp_path):
+    clip = make_clip(frames=5)
+    with Client(worker.uds_url) as c:
+        a = c.save_video(clip.numpy(), "np.mp4", fps=24)
+        b = c.save_video(clip.unsqueeze(0), "batched.mp4", fps=24)
+    assert a.sha256 == b.sha256 == reference_mp4(clip, tmp_path / "ref.mp4")
+
+
+def test_two_outputs_in_one_request(worker, baseline, tmp_path, wav):
+    clips = [make_clip(frames=24, seed=1), make_clip(frames=6, height=75, width=100, seed=2)]
+    (worker.inputs / "tone.wav").write_bytes(wav.read_bytes())
+    with Client(worker.uds_url) as c:
+        results = c.save_videos(
+            clips, ["pair/a.mp4", "pair/b.mp4"], fps=24, audio=["tone.wav", None]
+        )
+    assert [r.path for r in results] == [
+        str(worker.outputs / "pair" / n) for n in ("a.mp4", "b.mp4")
+    ]
+    assert results[0].audio is not None and results[1].audio is None
+    assert results[0].sha256 == reference_mp4(clips[0], tmp_path / "a.mp4", audio=wav)
+    assert results[1].sha256 == reference_mp4(clips[1], tmp_path / "b.mp4")
+
+
+def test_region_used_by_two_requests(worker, baseline, segment, tmp_path):
+    clips = [make_clip(frames=4, seed=s) for s in (3, 4)]
+    blobs = [raw_bytes(c) for c in clips]
+    key = segment(b"\x00" * 512 + blobs[0] + blobs[1])
+    with worker.http() as h:
+        total = 512 + len(blobs[0]) + len(blobs[1])
+        r = h.post(
+            "/v2/systemsharedmemory/region/clips/register",
+            json={"key": key, "offset": 512, "byte_size": total - 512},
+        )
+        assert r.status_code == 200, r.text
+        dup = h.post(
+            "/v2/systemsharedmemory/region/clips/register",
+            json={"key": key, "offset": 0, "byte_size": 16},
+        )
+        assert dup.status_code == 400 and "error" in dup.json()
+        status = h.get("/v2/systemsharedmemory/region/clips/status").json()
+        assert status == [{"name": "clips", "key": key, "offset": 512, "byte_size": total - 512}]
+        for i, clip in enumerate(clips):
+            src = shm_source(key, clip) | {
+                "kind": "region",
+                "region": "clips",
+                "offset": i * len(blobs[0]),
+            }
+            del src["key"]
+            r = h.post(
+                "/v1/videos:encode",
+                json={"outputs": [{"source": src, "path": f"region{i}.mp4", "fps": 24}]},
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["outputs"][0]["sha256"] == reference_mp4(clip, tmp_path / f"{i}.mp4")
+        src = shm_source(key, clips[0]) | {"kind": "region", "region": "clips", "offset": 1 << 20}
+        del src["key"]
+        r = h.post(
+            "/v1/videos:encode", json={"outputs": [{"source": src, "path": "x.mp4", "fps": 24}]}
+        )
+        assert (r.status_code, r.json()["code"]) == (400, "region_out_of_bounds")
+        assert h.post("/v2/systemsharedmemory/region/clips/unregister").status_code == 200
+        missing = h.get("/v2/systemsharedmemory/region/clips/status")
+        assert missing.status_code == 404 and "error" in missing.json()
+
+
+def test_unregister_waits_for_the_request_using_it(worker, baseline, segment):
+    clip = make_clip(frames=48, height=256, width=256)
+    key = segment(raw_bytes(clip))
+    with worker.http() as h:
+        h.post(
+            "/v2/systemsharedmemory/region/busy/register",
+            json={"key": key, "offset": 0, "byte_size": len(raw_bytes(clip))},
+        ).raise_for_status()
+        src = shm_source(key, clip) | {"kind": "region", "region": "busy"}
+        del src["key"]
+        done: dict[str, float] = {}
+
+        def encode() -> None:
+            with worker.http() as h2:
+                r = h2.post(
+                    "/v1/videos:encode",
+                    json={"outputs": [{"source": src, "path": "busy.mp4", "fps": 24}]},
+                )
+                assert r.status_code == 200, r.text
+            done["encode"] = r.json()["outputs"][0]["timings"]["finished_at"]
+
+        t = threading.Thread(target=encode)
+        t.start()
+        time.sleep(0.3)
+        assert h.post("/v2/systemsharedmemory/region/busy/unregister").status_code == 200
+        done["unregister"] = time.time()  # the clock of the worker's finished_at
+        t.join()
+    assert done["unregister"] >= done["encode"]
+
+
+def bad(worker: Worker, body: dict, status: int, code: str, token: str | None = None) -> None:
+    before = {p for p in worker.outputs.rglob("*")}
+    with worker.http(token) as h:
+        r = h.post("/v1/videos:encode", json=body)
+        assert (r.status_code, r.json().get("code")) == (status, code), r.text
+        assert r.json()["error"]
+        assert h.get("/healthz").status_code == 200
+    assert {p for p in worker.outputs.rglob("*")} == before, "a bad request left a file"
+
+
+def one(src: dict, path: str = "bad.mp4", **kw: object) -> dict:
+    return {"outputs": [{"source": src, "path": path, "fps": 24} | kw]}
+
+
+def test_bad_inputs_get_their_4xx(worker, baseline, segment, tmp_path):
+    clip = make_clip(frames=3)
+    data = raw_bytes(clip)
+    key = segment(data)
+    small = segment(data[: len(data) // 2])
+    other = segment(data, prefix="/elsewhere-")
+    ok = shm_source(key, clip)
+    bad(worker, one(shm_source(small, clip)), 400, "segment_too_small")
+    bad(worker, one(ok | {"byte_size": len(data) - 4}), 400, "byte_size_mismatch")
+    bad(worker, one(ok | {"dtype": "float16"}), 400, "byte_size_mismatch")
+    bad(worker, one(ok | {"shape": [4, 3, 48, 64]}), 400, "bad_shape")
+    bad(worker, one(ok | {"dtype": "int64"}), 400, "bad_dtype")
+    bad(worker, one(ok | {"offset": 64}), 400, "segment_too_small")
+    bad(worker, one(ok | {"key": "/framewire-test-nope"}), 404, "shm_not_found")
+    bad(worker, one(ok | {"key": other}), 403, "shm_prefix")
+    bad(worker, one(ok | {"layout": "HWCT"}), 400, "bad_layout")
+    bad(worker, one(ok | {"kind": "pickle"}), 400, "bad_source_kind")
+    bad(worker, one(ok, fps=0), 400, "bad_fps")
+    bad(worker, one(ok, fps=-5), 400, "bad_fps")
+    bad(worker, one(ok, path="/etc/evil.mp4"), 403, "path_outside_roots")
+    bad(worker, one(ok, path=str(tmp_path / "evil.mp4")), 403, "path_outside_roots")
+    bad(worker, one(ok, path="../evil.mp4"), 403, "path_traversal")
+    bad(worker, one(ok, path="a/../../evil.mp4"), 403, "path_traversal")
+    (worker.outputs / "escape").symlink_to(tmp_path)
+    bad(worker, one(ok, path="escape/evil.mp4"), 403, "path_outside_roots")
+    (worker.outputs / "link.mp4").symlink_to(tmp_path / "target.mp4")
+    bad(worker, one(ok, path="link.mp4"), 403, "path_outside_roots")
+    bad(worker, one(ok, audio="/etc/passwd"), 403, "path_outside_roots")
+    bad(worker, one(ok, audio="missing.wav"), 404, "not_found")
+    bad(worker, one(ok, quality=0), 400, "bad_quality")
+    bad(worker, {"outputs": []}, 400, "bad_request")
+    assert not (tmp_path / "evil.mp4").exists() and not (tmp_path / "target.mp4").exists()
+    with worker.http() as h:
+        r = h.post("/v1/videos:encode", content=b"{not json")
+        assert r.status_code == 400
+    (worker.outputs / "escape").unlink()
+    (worker.outputs / "link.mp4").unlink()
+
+
+def test_truncated_segment_mid_encode(worker, baseline, segment):
+    clip = make_clip(frames=96, height=256, width=256)  # ~75 MB: many 1 MiB chunks
+    key = segment(raw_bytes(clip))
+
+    def shrink() -> None:
+        time.sleep(0.15)
+        os.truncate(f"/dev/shm{key}", 4096)
+
+    t = threading.Thread(target=shrink)
+    t.start()
+    before = {p for p in worker.outputs.rglob("*")}
+    with worker.http() as h:
+        r = h.post("/v1/videos:encode", json=one(shm_source(key, clip), path="trunc.mp4"))
+    t.join()
+    assert r.status_code == 400, r.text
+    assert r.json()["code"] in {"segment_truncated", "segment_too_small"}
+    assert {p for p in worker.outputs.rglob("*")} == before
+    with worker.http() as h:
+        assert h.get("/healthz").status_code == 200
+
+
+def test_client_errors_are_typed(worker, baseline):
+    with Client(worker.uds_url) as c:
+        with pytest.raises(Forbidden) as err:
+            c.save_video(make_clip(frames=2), "/etc/x.mp4", fps=24)
+        assert err.value.code == "path_outside_roots"
+        with pytest.raises(BadRequest) as err:
+            c.save_video(make_clip(frames=2), "x.mp4", fps=0.0)
+        assert err.value.code == "bad_fps"
+        with pytest.raises(NotFound):
+            c.probe(["nothing-here.mp4"])
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"framewire-{os.getpid()}-")]
+
+
+def test_probe_info_readyz_metrics(worker, baseline):
+    with Client(worker.tcp_url) as c:
+        c.save_video(make_clip(frames=5), "probe/a.mp4", fps=16)
+        [info] = c.probe([str(worker.outputs / "probe" / "a.mp4")])
+        assert (info.frames, info.fps, info.codec) == (5, 16.0, "h264")
+        about = c.info()
+        assert about["ffmpeg_version"].startswith("ffmpeg version")
+        assert about["sockets"]["uds"] == str(worker.uds)
+    with worker.http() as h:
+        assert h.get("/readyz").json() == {"ready": True}
+        text = h.get("/metrics").text
+    assert 'framewire_requests_total{route="/v1/videos:encode",status="200"}' in text
+    assert "framewire_encode_seconds_bucket" in text
+    assert "framewire_bytes_written_total" in text
+    assert "framewire_fallbacks_total" in text
+    assert "framewire_encodes_in_flight" in text
+
+
+def test_async_client(worker, baseline, tmp_path):
+    clip = make_clip(frames=4, dtype=torch.bfloat16)
+
+    async def go():
+        async with AsyncClient(worker.uds_url) as c:
+            return await c.save_videos([clip, clip], ["async/a.mp4", "async/b.mp4"], fps=24)
+
+    results = asyncio.run(go())
+    ref = reference_mp4(clip, tmp_path / "ref.mp4")
+    assert [r.sha256 for r in results] == [ref, ref]
+
+
+def test_torch_tensor_already_in_shared_memory_is_not_copied(worker, baseline, tmp_path):
+    import torch.multiprocessing as tmp
+
+    old = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    try:
+        clip = make_clip(frames=4).share_memory_()
+        with shared(clip) as src:
+            assert src.key.startswith("/torch_")  # described where it lies
+        with Client(worker.uds_url) as c:
+            r = c.save_video(clip, "torchshm.mp4", fps=24)
+        assert r.sha256 == reference_mp4(clip, tmp_path / "ref.mp4")
+    finally:
+        tmp.set_sharing_strategy(old)
+
+
+def test_client_disconnect_kills_ffmpeg_and_removes_temp(worker, baseline, segment):
+    clip = make_clip(frames=240, height=256, width=256)
+    key = segment(raw_bytes(clip))
+    body = json.dumps(one(shm_source(key, clip), path="gone.mp4", preset="veryslow")).encode()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(str(worker.uds))
+    sock.sendall(
+        b"POST /v1/videos:encode HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    deadline = time.monotonic() + 10
+    while not worker.children():
+        assert time.monotonic() < deadline, "ffmpeg never started"
+        time.sleep(0.02)
+    sock.close()
+    deadline = time.monotonic() + 10
+    while worker.children() or [
+        p for p in worker.outputs.iterdir() if p.name.startswith(".framewire")
+    ]:
+        assert time.monotonic() < deadline, "ffmpeg or its temp file outlived the client"
+        time.sleep(0.05)
+    assert not (worker.outputs / "gone.mp4").exists()
+
+
+def test_cli_encode_and_probe_through_worker(worker, baseline, tmp_path):
+    clip = make_clip(frames=6, height=75, width=100)
+    np.save(tmp_path / "clip.npy", clip.numpy())
+    out = worker.outputs / "cli" / "c.mp4"
+    out.parent.mkdir(exist_ok=True)
+    cli = [sys.executable, "-m", "framewire.service"]
+    run = subprocess.run(
+        [
+            *cli,
+            "encode",
+            str(tmp_path / "clip.npy"),
+            str(out),
+            "--fps",
+            "24",
+            "--url",
+            worker.uds_url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert sha256(out) == reference_mp4(clip, tmp_path / "ref.mp4")
+    run = subprocess.run(
+        [*cli, "probe", str(out), "--url", worker.tcp_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["frames"] == 6
+
+
+def test_zz_nothing_leaked(worker, baseline):
+    """Runs last in this module: after everything above, the worker holds what it held."""
+    deadline = time.monotonic() + 5
+    while True:
+        fds = worker.open_fds()
+        leaked_shm = ours_in_shm() - baseline["shm"]  # type: ignore[operator]
+        temps = [p for p in worker.outputs.rglob(".framewire-tmp-*")]
+        if len(fds) <= baseline["fds"] and not worker.children() and not temps and not leaked_shm:
+            break
+        if time.monotonic() > deadline:
+            pytest.fail(
+                f"leaks: fds {len(fds)} vs {baseline['fds']} ({fds}), children "
+                f"{worker.children()}, temps {temps}, shm {leaked_shm}"
+            )
+        time.sleep(0.1)
+    assert not [f for f in fds if "memfd:" in f]
+
+
+def test_token_required_when_set(tmp_path):
+    w = start_worker(tmp_path, "--token", "s3cret")
+    try:
+        body = one(
+            {
+                "kind": "shm",
+                "key": "/framewire-x",
+                "byte_size": 1,
+                "dtype": "uint8",
+                "shape": [1, 1, 1, 3],
+                "layout": "THWC",
+            }
+        )
+        bad(w, body, 401, "unauthorized")
+        bad(w, body, 401, "unauthorized", token="wrong")
+        with w.http() as h:
+            assert h.get("/healthz").status_code == 200
+            assert h.get("/v1/info").status_code == 401
+        with w.http("s3cret") as h:
+            assert h.get("/v1/info").status_code == 200
+        clip = make_clip(frames=2)
+        with Client(w.uds_url, token="s3cret") as c:
+            assert c.save_video(clip, "ok.mp4", fps=24).ok
+        with Client(w.uds_url) as c, pytest.raises(Forbidden):
+            c.save_video(clip, "no.mp4", fps=24)
+    finally:
+        assert w.stop() == 0
