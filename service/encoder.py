@@ -18,14 +18,15 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+import torch
 from framewire.client.errors import BadRequest, Cancelled, MediaError, NotFound
 from framewire.client.ffmpeg_argv import encode_argv, x264_auto_threads
 
 from .atomic import atomic_output
-from .convert import chunk_frames, reference_frames
+from .convert import chunk_frames, convert_into
 from .ffmpeg import FfmpegExited, FfmpegProcess, resolve_ffmpeg
 from .sources import FrameSource
-from .stream import pump_converted, send_all, widen_pipe
+from .stream import chunk_spans, pump_converted, send_all, slot_frames, widen_pipe
 
 Route = Literal["stream", "fallback"]
 
@@ -120,8 +121,12 @@ class Encoder:
                 self._stream(source, tmp, params, threads, check)
             except (Cancelled, BadRequest):
                 raise  # the caller's fault or wish: the reference route would not help
-            except (FfmpegExited, MediaError, OSError) as exc:
-                if not self.fallback:
+            except (MediaError, OSError) as exc:
+                # ffmpeg refusing its input or output (status > 0: bad audio, full disk)
+                # would refuse the reference route too; a killed ffmpeg or a fast-path
+                # syscall failing would not.
+                retry = isinstance(exc, OSError) or exc.code == "ffmpeg_killed"
+                if not (self.fallback and retry):
                     raise
                 check()
                 route, fast_error = "fallback", str(exc)
@@ -172,33 +177,49 @@ class Encoder:
                 if span is not None:
                     send_all(stdin, span[0], span[1], g.frames * g.height * g.width * 3, check)
                 else:
-                    per_chunk = chunk_frames(self.chunk_bytes, g.height, g.width, g.dtype.itemsize)
+                    per_chunk = min(
+                        chunk_frames(self.chunk_bytes, g.height, g.width, g.dtype.itemsize),
+                        slot_frames(g.height, g.width),
+                    )
                     pump_converted(source, stdin, per_chunk, check=check)
             except FfmpegExited as exc:
                 rc = ff.proc.wait()
                 raise MediaError(
                     f"ffmpeg exited ({rc}) before it had every frame",
-                    code="ffmpeg_failed",
+                    code=_failure_code(rc),
                     detail=ff.stderr_tail(),
                 ) from exc
             _finish(ff)
 
     def _reference(self, source: FrameSource, tmp: Path, params: EncodeParams) -> None:
-        """The in-process path: materialize, then pipe into imageio-ffmpeg's argv."""
-        frames = reference_frames(source.materialize(), source.geometry.layout)
+        """The in-process path: the whole clip as uint8, piped into imageio-ffmpeg's argv.
+
+        Conversion goes chunk by chunk into the uint8 clip, so the fallback holds
+        one byte per sample, not the float copies of the old path.
+        """
+        g = source.geometry
+        frames = torch.empty((g.frames, g.height, g.width, 3), dtype=torch.uint8)
+        per_chunk = chunk_frames(self.chunk_bytes, g.height, g.width, g.dtype.itemsize)
+        for t0, t1 in chunk_spans(g.frames, per_chunk):
+            chunk, owned = source.read(t0, t1)
+            convert_into(chunk, g.layout, frames[t0:t1], inplace=owned)
         with FfmpegProcess(
             self._argv(tmp, source, params, threads=params.threads, stdin_name="-")
         ) as ff:
             try:
-                ff.stdin.write(memoryview(frames).cast("B"))
+                ff.stdin.write(memoryview(frames.numpy()).cast("B"))
             except BrokenPipeError:
                 pass  # _finish reports ffmpeg's exit status and stderr
             _finish(ff)
+
+
+def _failure_code(rc: int) -> str:
+    return "ffmpeg_killed" if rc < 0 else "ffmpeg_failed"
 
 
 def _finish(ff: FfmpegProcess) -> None:
     rc = ff.finish()
     if rc != 0:
         raise MediaError(
-            f"ffmpeg exited with status {rc}", code="ffmpeg_failed", detail=ff.stderr_tail()
+            f"ffmpeg exited with status {rc}", code=_failure_code(rc), detail=ff.stderr_tail()
         )

@@ -42,8 +42,11 @@ class FrameSource:
 
     geometry: Geometry
 
-    def read(self, t0: int, t1: int) -> tuple[torch.Tensor, bool]:
-        """Frames [t0, t1) in the source layout, and whether the caller may scale them in place."""
+    def read(
+        self, t0: int, t1: int, r0: int = 0, r1: int | None = None
+    ) -> tuple[torch.Tensor, bool]:
+        """Frames [t0, t1), rows [r0, r1), in the source layout, and whether the caller may
+        scale them in place. A partial row range is asked for one frame at a time."""
         raise NotImplementedError
 
     def zero_copy(self) -> tuple[int, int] | None:
@@ -78,8 +81,15 @@ class TensorSource(FrameSource):
         self.tensor = tensor
         self.geometry = Geometry(WIRE_DTYPES[tensor.dtype], layout, frames, height, width)
 
-    def read(self, t0: int, t1: int) -> tuple[torch.Tensor, bool]:
-        return slice_frames(self.tensor, self.geometry.layout, t0, t1), False
+    def read(
+        self, t0: int, t1: int, r0: int = 0, r1: int | None = None
+    ) -> tuple[torch.Tensor, bool]:
+        x = slice_frames(self.tensor, self.geometry.layout, t0, t1)
+        if r0 == 0 and r1 in (None, self.geometry.height):
+            return x, False
+        rows = slice(r0, r1)
+        layout = self.geometry.layout
+        return (x[:, :, rows] if layout is not Layout.THWC else x[:, rows]), False
 
 
 class FileSource(FrameSource):
@@ -99,27 +109,48 @@ class FileSource(FrameSource):
                 code="segment_too_small",
             )
 
-    def _plane_runs(self, t0: int, t1: int) -> list[tuple[int, int]]:
-        """(file offset, length) of each contiguous run that holds frames [t0, t1)."""
+    def _runs(self, t0: int, t1: int, r0: int, r1: int) -> list[tuple[int, int]]:
+        """(file offset, length) of each contiguous run holding the block, in tensor order."""
         g = self.geometry
         item = g.dtype.itemsize
-        frame = 3 * g.height * g.width * item
+        row = g.width * item  # one row of one plane (planar layouts) ...
+        plane = g.height * row
+        full = r0 == 0 and r1 == g.height
+        if g.layout is Layout.THWC:
+            frame = 3 * plane
+            if full:
+                return [(self.offset + t0 * frame, (t1 - t0) * frame)]
+            return [(self.offset + t0 * frame + 3 * r0 * row, 3 * (r1 - r0) * row)]
         if g.layout is Layout.CTHW:
-            plane = g.frames * g.height * g.width * item
-            per = g.height * g.width * item
-            return [(self.offset + c * plane + t0 * per, (t1 - t0) * per) for c in range(3)]
-        return [(self.offset + t0 * frame, (t1 - t0) * frame)]
+            channel = g.frames * plane
+            if full:
+                return [
+                    (self.offset + c * channel + t0 * plane, (t1 - t0) * plane) for c in range(3)
+                ]
+            return [
+                (self.offset + c * channel + t0 * plane + r0 * row, (r1 - r0) * row)
+                for c in range(3)
+            ]
+        frame = 3 * plane  # TCHW
+        if full:
+            return [(self.offset + t0 * frame, (t1 - t0) * frame)]
+        return [
+            (self.offset + t0 * frame + c * plane + r0 * row, (r1 - r0) * row) for c in range(3)
+        ]
 
-    def read(self, t0: int, t1: int) -> tuple[torch.Tensor, bool]:
+    def read(
+        self, t0: int, t1: int, r0: int = 0, r1: int | None = None
+    ) -> tuple[torch.Tensor, bool]:
         g = self.geometry
-        shape = g.layout.shape(t1 - t0, g.height, g.width)
-        numel = 3 * (t1 - t0) * g.height * g.width
+        r1 = g.height if r1 is None else r1
+        shape = g.layout.shape(t1 - t0, r1 - r0, g.width)
+        numel = 3 * (t1 - t0) * (r1 - r0) * g.width
         if self._buffer is None or self._buffer.numel() < numel:
             self._buffer = torch.empty(numel, dtype=TORCH_DTYPES[g.dtype])
         out = self._buffer[:numel]
         raw = out.view(torch.uint8).numpy()
         pos = 0
-        for offset, length in self._plane_runs(t0, t1):
+        for offset, length in self._runs(t0, t1, r0, r1):
             view = memoryview(raw[pos : pos + length])
             got = 0
             while got < length:

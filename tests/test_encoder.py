@@ -187,3 +187,27 @@ def test_parallel_encodes_do_not_share_buffers(tmp_path):
 def test_wire_dtype_table():
     assert {d.value for d in DType} == {"float32", "float16", "bfloat16", "uint8"}
     assert np.dtype("float16").itemsize == DType.float16.itemsize
+
+
+@pytest.mark.parametrize("block_bytes", [1000, 5000, 200_000])
+@pytest.mark.parametrize(
+    ("dtype", "layout"),
+    [
+        (torch.float32, Layout.CTHW),
+        (torch.float16, Layout.TCHW),
+        (torch.bfloat16, Layout.THWC),
+        (torch.uint8, Layout.CTHW),
+    ],
+)
+@pytest.mark.parametrize("from_shm", [False, True])
+def test_row_blocks(tmp_path, shm_clip, monkeypatch, block_bytes, dtype, layout, from_shm):
+    """Conversion blocks smaller than a frame (rows of one frame) or spanning several."""
+    from framewire.service import stream
+
+    monkeypatch.setattr(stream, "BLOCK_BYTES", block_bytes)
+    clip = make_clip(frames=5, height=75, width=100, dtype=dtype, layout=layout)
+    source = shm_clip(clip, layout) if from_shm else TensorSource(clip, layout)
+    try:
+        check(tmp_path, clip, layout=layout, source=source, chunk_bytes=1 << 20, fps=24)
+    finally:
+        source.close()

@@ -13,6 +13,7 @@ import torch
 from framewire.client.errors import BadRequest, MediaError, NotFound, Unavailable
 from framewire.client.wire import DType, Layout
 from framewire.service.encoder import EncodeParams, Encoder
+from framewire.service.ffmpeg import FfmpegProcess
 from framewire.service.sources import FileSource, Geometry, TensorSource, open_shm
 
 from tests.conftest import FFMPEG, child_pids, make_clip, reference_mp4, sha256
@@ -26,12 +27,12 @@ class KillFfmpegAt(TensorSource):
         self.at = at
         self.kills = 0
 
-    def read(self, t0: int, t1: int):
+    def read(self, t0: int, t1: int, r0: int = 0, r1: int | None = None):
         if t0 == self.at and self.kills == 0:
             for pid in child_pids():
                 os.kill(pid, signal.SIGKILL)
                 self.kills += 1
-        return super().read(t0, t1)
+        return super().read(t0, t1, r0, r1)
 
 
 def assert_nothing_at(path: Path) -> None:
@@ -73,7 +74,7 @@ def test_ffmpeg_killed_mid_stream_without_fallback(tmp_path):
     out = tmp_path / "a.mp4"
     with pytest.raises(MediaError) as err:
         Encoder(chunk_bytes=1, fallback=False).encode(source, out, EncodeParams(fps=24))
-    assert err.value.code == "ffmpeg_failed"
+    assert err.value.code == "ffmpeg_killed"
     assert "before it had every frame" in err.value.message
     assert_nothing_at(out)
 
@@ -91,6 +92,24 @@ def test_output_path_is_a_directory(tmp_path):
     with pytest.raises(BadRequest) as err:
         Encoder().encode(TensorSource(make_clip()), tmp_path / "d.mp4", EncodeParams(fps=24))
     assert err.value.code == "output_is_directory"
+
+
+def test_ffmpeg_refusing_is_not_retried_on_the_reference_route(tmp_path, monkeypatch):
+    """An ffmpeg that exits with an error would fail the same way again: no fallback."""
+    runs: list[list[str]] = []
+    real = FfmpegProcess.__init__
+
+    def spy(self, argv):
+        runs.append(argv)
+        real(self, argv)
+
+    monkeypatch.setattr(FfmpegProcess, "__init__", spy)
+    out = tmp_path / "a.notacontainer"
+    with pytest.raises(MediaError) as err:
+        Encoder().encode(TensorSource(make_clip()), out, EncodeParams(fps=24))
+    assert err.value.code == "ffmpeg_failed"
+    assert len(runs) == 1
+    assert_nothing_at(out)
 
 
 def test_audio_that_is_not_audio_fails_with_stderr_tail(tmp_path):
@@ -128,10 +147,10 @@ class TruncateAt(FileSource):
         super().__init__(*args, **kw)
         self.key = key
 
-    def read(self, t0: int, t1: int):
+    def read(self, t0: int, t1: int, r0: int = 0, r1: int | None = None):
         if t0 > 0:
             os.truncate(f"/dev/shm{self.key}", 100)
-        return super().read(t0, t1)
+        return super().read(t0, t1, r0, r1)
 
 
 def test_segment_shrinking_mid_encode_is_a_clear_error(tmp_path):
