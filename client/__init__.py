@@ -11,6 +11,7 @@ from .errors import (
     Unavailable,
 )
 from .http import AsyncClient, Client
+from .reference import ReferenceFrames, decode_reference
 
 __version__ = "0.1.0"
 
@@ -37,8 +38,10 @@ __all__ = [
     "MediaError",
     "NotFound",
     "Overloaded",
+    "ReferenceFrames",
     "Unavailable",
     "__version__",
+    "decode_reference",
     "save_video",
     "save_videos",
 ]

@@ -20,6 +20,7 @@ from .errors import (
     Overloaded,
     Unavailable,
 )
+from .reference import ReferenceFrames, decode_reference
 from .share import shared
 from .wire import (
     EncodeRequest,
@@ -76,6 +77,11 @@ def raise_for(response: httpx.Response) -> None:
         if failed is not None and failed.error is not None:
             exc.detail = failed.error.detail
     raise exc
+
+
+def _read_timeout(timeout: float | httpx.Timeout) -> float | None:
+    """How long an fd-socket request may wait: the HTTP read timeout, one knob for both."""
+    return timeout.read if isinstance(timeout, httpx.Timeout) else timeout
 
 
 def _per_output(value: Any, n: int, name: str) -> list[Any]:
@@ -137,7 +143,8 @@ class Client:
     ):
         base, extra = _transport_args(url)
         transport = httpx.HTTPTransport(uds=extra["transport_uds"]) if extra else None
-        self.fd_socket = fd_socket
+        self.fd_socket = fd_socket  # None: FRAMEWIRE_FD_SOCKET, else the worker's default
+        self.fd_timeout = _read_timeout(timeout)
         self._http = httpx.Client(
             base_url=base, transport=transport, headers=_headers(token), timeout=timeout
         )
@@ -195,6 +202,37 @@ class Client:
     def save_video(self, video: Any, path: str | os.PathLike[str], **kw: Any) -> OutputResult:
         return self.save_videos([video], [path], **kw)[0]
 
+    def decode_reference(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fps: float,
+        width: int,
+        height: int,
+        start: float = 0.0,
+        max_frames: int | None = None,
+        local_fallback: bool = True,
+    ) -> ReferenceFrames:
+        """The ``(T, H, W, 3)`` uint8 frames of a reference video (DESIGN §4), mapped.
+
+        Asked of the worker behind ``fd_socket``, which decodes each distinct
+        request once per host and shares the pages; when it cannot be reached
+        the same decode runs in this process (unless ``local_fallback=False``:
+        then :class:`Unavailable`). Relative paths are taken from this process's
+        working directory. Close the result (or use it as a context manager).
+        """
+        return decode_reference(
+            path,
+            fps=fps,
+            width=width,
+            height=height,
+            start=start,
+            max_frames=max_frames,
+            fd_socket=self.fd_socket,
+            local_fallback=local_fallback,
+            timeout=self.fd_timeout,
+        )
+
     def close(self) -> None:
         self._http.close()
 
@@ -218,7 +256,8 @@ class AsyncClient:
     ):
         base, extra = _transport_args(url)
         transport = httpx.AsyncHTTPTransport(uds=extra["transport_uds"]) if extra else None
-        self.fd_socket = fd_socket
+        self.fd_socket = fd_socket  # None: FRAMEWIRE_FD_SOCKET, else the worker's default
+        self.fd_timeout = _read_timeout(timeout)
         self._http = httpx.AsyncClient(
             base_url=base, transport=transport, headers=_headers(token), timeout=timeout
         )
@@ -274,6 +313,31 @@ class AsyncClient:
 
     async def save_video(self, video: Any, path: str | os.PathLike[str], **kw: Any) -> OutputResult:
         return (await self.save_videos([video], [path], **kw))[0]
+
+    async def decode_reference(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fps: float,
+        width: int,
+        height: int,
+        start: float = 0.0,
+        max_frames: int | None = None,
+        local_fallback: bool = True,
+    ) -> ReferenceFrames:
+        """:meth:`Client.decode_reference`; the wait (or local decode) runs off the event loop."""
+        return await asyncio.to_thread(
+            decode_reference,
+            path,
+            fps=fps,
+            width=width,
+            height=height,
+            start=start,
+            max_frames=max_frames,
+            fd_socket=self.fd_socket,
+            local_fallback=local_fallback,
+            timeout=self.fd_timeout,
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()

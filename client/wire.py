@@ -277,3 +277,52 @@ def error_code(errors: list[Any]) -> str:
         if isinstance(part, str) and part in FIELD_CODES:
             return FIELD_CODES[part]
     return "bad_request"
+
+
+# --- the fd socket (reference decodes) ------------------------------------------------------
+
+
+class DecodeRequest(_Strict):
+    """One reference decode: a video file and the decode parameters of DESIGN §4."""
+
+    op: Literal["decode"] = "decode"
+    path: str = Field(min_length=1, max_length=4096)
+    fps: float = Field(gt=0, le=1000)
+    width: int = Field(ge=1, le=MAX_SIDE, strict=True)
+    height: int = Field(ge=1, le=MAX_SIDE, strict=True)
+    start: float = Field(default=0.0, ge=0)
+    max_frames: int | None = Field(default=None, ge=1, le=MAX_FRAMES, strict=True)
+
+    @field_validator("fps", "start")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise PydanticCustomError("bad_number", "must be finite")
+        return v
+
+    @field_validator("path")
+    @classmethod
+    def _no_nul(cls, v: str) -> str:
+        if "\x00" in v:
+            raise PydanticCustomError("bad_path", "paths may not contain NUL")
+        return v
+
+    @property
+    def frame_bytes(self) -> int:
+        return self.width * self.height * 3
+
+
+class DecodeReply(BaseModel):
+    """The JSON header of an fd-socket reply; a successful decode carries one fd beside it."""
+
+    ok: bool
+    frames: int | None = None
+    height: int | None = None
+    width: int | None = None
+    byte_size: int | None = None
+    cached: bool | None = None
+    decode_ms: float | None = None
+    code: str | None = None
+    message: str | None = None
+    detail: str | None = None  # ffmpeg's stderr tail, for decode_failed
+    pong: bool | None = None

@@ -24,13 +24,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .decoder import ReferenceDecoder
 from .encoder import Encoder
+from .fdserver import FdServer
 from .ffmpeg import ffmpeg_version
 from .jobs import EncodeJobs
 from .media import probe
 from .metrics import Metrics
 from .paths import resolve_input
 from .regions import RegionRegistry
+from .scheduler import Scheduler
 from .settings import Settings
 
 
@@ -80,18 +83,26 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     encoder = Encoder(settings.ffmpeg, chunk_bytes=settings.chunk_bytes, fallback=settings.fallback)
     metrics = Metrics()
     regions = RegionRegistry(settings.shm_prefixes)
-    jobs = EncodeJobs(settings, encoder, regions, metrics)
+    scheduler = Scheduler(settings.cpu_slots, settings.max_queue)
+    jobs = EncodeJobs(settings, encoder, regions, metrics, scheduler)
+    fd_server = FdServer(settings, ReferenceDecoder(settings, encoder.ffmpeg, metrics), metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
+        await fd_server.start()
+        try:
+            yield
+        finally:
+            await fd_server.close()
         await regions.close()
         jobs.close()
 
     app = FastAPI(title="framewire", version=__version__, lifespan=lifespan)
     app.state.settings, app.state.metrics, app.state.jobs = settings, metrics, jobs
+    app.state.fd_server = fd_server
 
-    def authorize(request: Request) -> None:
+    async def authorize(request: Request) -> None:
+        # async on purpose: FastAPI runs a sync dependency on a thread, a hop per request.
         if settings.token is None:
             return
         given = request.headers.get("authorization", "")

@@ -1,4 +1,4 @@
-"""The ``framewire`` command: serve, encode, info."""
+"""The ``framewire`` command: serve, encode, probe, decode, info."""
 
 from __future__ import annotations
 
@@ -36,8 +36,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .app import create_app
+    from .convert import single_threaded_conversion
     from .server import serve
 
+    single_threaded_conversion()
     settings = settings_from(args)
     serve(create_app(settings), settings)
     return 0
@@ -108,9 +110,11 @@ def cmd_encode(args: argparse.Namespace) -> int:
         _print_result(result)
         return 0
 
+    from .convert import single_threaded_conversion
     from .encoder import EncodeParams, Encoder
     from .sources import open_npy
 
+    single_threaded_conversion()
     settings = settings_from(args)
     encoder = Encoder(settings.ffmpeg, chunk_bytes=settings.chunk_bytes, fallback=settings.fallback)
     source = open_npy(args.input, args.layout)
@@ -128,6 +132,41 @@ def cmd_probe(args: argparse.Namespace) -> int:
     with Client(args.url, token=args.token) as client:
         for info in client.probe([str(p.absolute()) for p in args.files]):
             print(info.model_dump_json())
+    return 0
+
+
+def _size(text: str) -> tuple[int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"size must be WIDTHxHEIGHT, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    import hashlib
+
+    import numpy as np
+    from framewire.client.reference import decode_reference
+
+    width, height = args.size
+    with decode_reference(
+        args.input,
+        fps=args.fps,
+        width=width,
+        height=height,
+        start=args.start,
+        max_frames=args.max_frames,
+        fd_socket=args.fd_socket,
+        local_fallback=args.fallback,
+    ) as ref:
+        if args.output is not None:
+            np.save(args.output, ref.frames)
+        digest = hashlib.sha256(ref.frames).hexdigest()
+        print(
+            f"{args.input}: {ref.shape[0]} frames of {width}x{height}, {ref.nbytes} bytes, "
+            f"sha256 {digest}, from {ref.source}"
+            + (", cached" if ref.cached else f", decoded in {ref.decode_ms:.0f} ms")
+        )
     return 0
 
 
@@ -166,6 +205,27 @@ def build_parser() -> argparse.ArgumentParser:
     prb.add_argument("files", nargs="+", type=Path)
     _client_flags(prb)
     prb.set_defaults(func=cmd_probe)
+
+    dec = sub.add_parser("decode", help="decode a reference video to rgb24 frames (DESIGN §4)")
+    dec.add_argument("input", type=Path)
+    dec.add_argument("--fps", type=float, required=True)
+    dec.add_argument("--size", type=_size, required=True, metavar="WxH")
+    dec.add_argument("--start", type=float, default=0.0, help="seconds to skip")
+    dec.add_argument("--max-frames", dest="max_frames", type=int, default=None)
+    dec.add_argument("-o", "--output", type=Path, default=None, help="write the frames as .npy")
+    dec.add_argument(
+        "--fd-socket",
+        dest="fd_socket",
+        default=None,
+        help="the worker's fd socket (default: FRAMEWIRE_FD_SOCKET or the worker's default)",
+    )
+    dec.add_argument(
+        "--fallback",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode here when no worker answers (default: yes)",
+    )
+    dec.set_defaults(func=cmd_decode)
     return parser
 
 

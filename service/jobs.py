@@ -33,6 +33,7 @@ from .encoder import Encoded, EncodeParams, Encoder
 from .metrics import Metrics
 from .paths import resolve_input, resolve_output
 from .regions import RegionRegistry
+from .scheduler import Scheduler
 from .settings import Settings
 from .sources import FileSource, FrameSource, Geometry, open_shm
 from .validate import validate_output
@@ -54,14 +55,21 @@ def _geometry(src: ShmSource | RegionSource) -> Geometry:
 
 class EncodeJobs:
     def __init__(
-        self, settings: Settings, encoder: Encoder, regions: RegionRegistry, metrics: Metrics
+        self,
+        settings: Settings,
+        encoder: Encoder,
+        regions: RegionRegistry,
+        metrics: Metrics,
+        scheduler: Scheduler,
     ):
         self.settings = settings
         self.encoder = encoder
         self.regions = regions
         self.metrics = metrics
+        self.scheduler = scheduler
+        # Every admitted encode has its thread; the scheduler, not the pool, limits them.
         self.pool = ThreadPoolExecutor(
-            max(4, settings.cpu_slots * 2), thread_name_prefix="framewire-encode"
+            max(4, settings.cpu_slots + 2), thread_name_prefix="framewire-encode"
         )
 
     async def _prepare(self, spec: OutputSpec, stack: contextlib.AsyncExitStack) -> Prepared:
@@ -142,7 +150,11 @@ class EncodeJobs:
     async def run(
         self, request: EncodeRequest, is_disconnected: Callable[[], Awaitable[bool]]
     ) -> tuple[int, list[OutputResult]]:
-        """Returns (HTTP status, one result per output in request order)."""
+        """Returns (HTTP status, one result per output in request order).
+
+        The outputs run concurrently as far as the scheduler admits them; a
+        client that goes away cancels the waiting ones and stops the running ones.
+        """
         paths = [o.path for o in request.outputs]
         if len(set(paths)) != len(paths):
             raise BadRequest("two outputs of one request name the same path", code="duplicate_path")
@@ -151,29 +163,60 @@ class EncodeJobs:
             jobs = [await self._prepare(spec, stack) for spec in request.outputs]
             if len({j.path for j in jobs}) != len(jobs):
                 raise BadRequest("two outputs resolve to the same file", code="duplicate_path")
-            watcher = asyncio.create_task(self._watch(is_disconnected, cancel))
-            status, results = 200, []
+            self.scheduler.admit(len(jobs))
+            tasks: list[asyncio.Task[tuple[int, OutputResult]]] = []
+            watcher: asyncio.Task[None] | None = None
             try:
-                for job in jobs:
-                    self.metrics.in_flight.inc()
-                    try:
-                        result = await self._in_thread(cancel, job, request.validate_)
-                    except Cancelled:
-                        raise
-                    except FramewireError as exc:
-                        result = OutputResult(
-                            path=str(job.path),
-                            ok=False,
-                            error=ErrorInfo(code=exc.code, message=exc.message, detail=exc.detail),
-                        )
-                        status = exc.status if status == 200 else status
-                    finally:
-                        self.metrics.in_flight.dec()
-                    self.metrics.outputs.labels("ok" if result.ok else "error").inc()
-                    results.append(result)
+                tasks = [
+                    asyncio.create_task(self._run_one(job, request.validate_, cancel))
+                    for job in jobs
+                ]
+                watcher = asyncio.create_task(self._watch(is_disconnected, cancel, tasks))
+                outcomes = await asyncio.gather(*tasks)
             finally:
-                watcher.cancel()
-        return status, results
+                # Whatever happened, no encode thread may outlive the sources it reads:
+                # the exit stack closes them next.
+                if watcher is not None:
+                    watcher.cancel()
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        status = next((s for s, _ in outcomes if s != 200), 200)
+        return status, [r for _, r in outcomes]
+
+    async def _run_one(
+        self, job: Prepared, validate: bool, cancel: threading.Event
+    ) -> tuple[int, OutputResult]:
+        threads = self.encoder.threads_for(job.source.geometry.height, job.params)
+        self.metrics.queue_waiting.inc()
+        queued = True
+        try:
+            async with self.scheduler.hold(threads) as waited:
+                self.metrics.queue_waiting.dec()
+                queued = False
+                self.metrics.queue_seconds.observe(waited)
+                self.metrics.in_flight.inc()
+                try:
+                    result = await self._in_thread(cancel, job, validate)
+                    result.timings.queue_ms = waited * 1e3
+                    status = 200
+                except Cancelled:
+                    raise
+                except FramewireError as exc:
+                    result = OutputResult(
+                        path=str(job.path),
+                        ok=False,
+                        error=ErrorInfo(code=exc.code, message=exc.message, detail=exc.detail),
+                        timings=Timings(queue_ms=waited * 1e3),
+                    )
+                    status = exc.status
+                finally:
+                    self.metrics.in_flight.dec()
+        finally:
+            if queued:
+                self.metrics.queue_waiting.dec()
+        self.metrics.outputs.labels("ok" if result.ok else "error").inc()
+        return status, result
 
     async def _in_thread(
         self, cancel: threading.Event, job: Prepared, validate: bool
@@ -191,11 +234,16 @@ class EncodeJobs:
             raise
 
     async def _watch(
-        self, is_disconnected: Callable[[], Awaitable[bool]], cancel: threading.Event
+        self,
+        is_disconnected: Callable[[], Awaitable[bool]],
+        cancel: threading.Event,
+        tasks: list[asyncio.Task[tuple[int, OutputResult]]],
     ) -> None:
         while not cancel.is_set():
             if await is_disconnected():
-                cancel.set()
+                cancel.set()  # running encodes stop at their next chunk
+                for task in tasks:
+                    task.cancel()  # waiting ones leave the queue
                 return
             await asyncio.sleep(DISCONNECT_POLL_S)
 

@@ -28,3 +28,37 @@ class Metrics:
             "framewire_fallbacks", "Outputs redone on the reference route", registry=r
         )
         self.in_flight = Gauge("framewire_encodes_in_flight", "Encodes running now", registry=r)
+        self.queue_waiting = Gauge(
+            "framewire_encodes_waiting", "Encodes waiting for CPU slots", registry=r
+        )
+        self.queue_seconds = Histogram(
+            "framewire_queue_wait_seconds",
+            "Time an encode waited for its slots",
+            buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
+        # Reference decodes (the fd socket).
+        self.fd_requests = Counter(
+            "framewire_fd_requests",
+            "fd-socket requests by op and result code",
+            ["op", "code"],
+            registry=r,
+        )
+        self.decodes = Counter("framewire_decodes", "ffmpeg reference decodes run", registry=r)
+        self.decode_failures = Counter(
+            "framewire_decode_failures", "Reference decodes that failed", registry=r
+        )
+        self.decode_cache_hits = Counter(
+            "framewire_decode_cache_hits", "Decode requests answered from the cache", registry=r
+        )
+        self.decode_coalesced = Counter(
+            "framewire_decode_coalesced",
+            "Decode requests that joined a decode already running",
+            registry=r,
+        )
+        self.decode_cache_bytes = Gauge(
+            "framewire_decode_cache_bytes", "Bytes of decoded frames held in the cache", registry=r
+        )
+        self.decode_cache_entries = Gauge(
+            "framewire_decode_cache_entries", "Decodes held in the cache", registry=r
+        )

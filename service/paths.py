@@ -7,7 +7,9 @@ components are refused before any resolution: no legitimate caller needs them.
 
 from __future__ import annotations
 
+import functools
 import os
+import stat
 from pathlib import Path
 
 from framewire.client.errors import BadRequest, Forbidden, NotFound
@@ -17,8 +19,14 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
+@functools.lru_cache(maxsize=64)
+def _real_root(root: str) -> str:
+    # Roots are configuration: resolved once, not on every request.
+    return os.path.realpath(root)
+
+
 def _real_roots(roots: list[str]) -> list[str]:
-    return [os.path.realpath(r) for r in roots]
+    return [_real_root(r) for r in roots]
 
 
 def _no_dotdot(raw: str) -> None:
@@ -45,15 +53,19 @@ def resolve_output(raw: str, roots: list[str], *, create_dirs: bool = True) -> P
         raise Forbidden(
             f"output path {raw!r} is outside the output roots", code="path_outside_roots"
         )
-    if create_dirs:
+    if create_dirs and not os.path.isdir(parent):
         os.makedirs(parent, exist_ok=True)
         # makedirs follows links that appeared meanwhile; judge the result again
         if not any(_under(os.path.realpath(parent), r) for r in real_roots):
             raise Forbidden(f"output path {raw!r} left the roots", code="path_outside_roots")
     target = Path(parent) / path.name
-    if target.is_symlink():
+    try:
+        mode = os.lstat(target).st_mode
+    except FileNotFoundError:
+        return target
+    if stat.S_ISLNK(mode):
         raise Forbidden(f"output path {raw!r} is a symbolic link", code="path_outside_roots")
-    if target.exists() and not target.is_file():
+    if not stat.S_ISREG(mode):
         raise BadRequest(f"output path {raw!r} exists and is not a file", code="output_not_a_file")
     return target
 

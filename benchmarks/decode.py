@@ -1,0 +1,243 @@
+"""Reference-decode benchmark: N ranks through one worker against N independent ffmpeg decodes.
+
+    .venv/bin/python benchmarks/decode.py [--ranks 8] [--seconds 5] [--json OUT]
+
+A 1920x1080 30 fps source (testsrc2 with temporal noise, libx264) is made once in
+a temp dir. Every rank decodes it to 1344x768 at 24 fps with the DESIGN §4 argv:
+
+  one decode      one process, ffmpeg's rgb24 read from its stdout (the yardstick:
+                  what every rank does today)
+  one, memfd      one process, the client's local fallback: the same argv writing
+                  into a memfd (no pipe), for reference
+  N x ffmpeg      N processes doing the same at once, each keeping its own copy
+  N x framewire   N processes asking one worker: one ffmpeg run, one sealed memfd
+  ... cached      the same again, answered from the worker's cache
+
+Rank processes start, import and report ready before the clock starts; all are
+released together, and the wall time runs until the last one has its frames
+with every page touched. Memory is the sum over ranks of the growth of their
+proportional set size (Pss, /proc/PID/smaps_rollup), measured while all of them
+still hold their frames: shared pages count once in total, not once per rank.
+Every rank's frames are hashed; all variants must give the same bytes.
+See DESIGN.md section 8 for the goals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+WIDTH, HEIGHT, FPS = 1344, 768, 24
+GOAL_WALL, GOAL_MEMORY = 1.2, 1.1
+MIB = 1 << 20
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+# ----------------------------------------------------------------------------- a rank
+
+
+def pss_bytes() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no Pss in smaps_rollup")
+
+
+def rank(mode: str, video: str, fd_socket: str) -> None:
+    """One rank, stepped by the parent over stdin: ready, go, measure, exit."""
+    from framewire.client import Client
+    from framewire.client.ffmpeg_argv import decode_argv
+    from framewire.client.memdecode import find_ffmpeg
+
+    ffmpeg = find_ffmpeg()
+    client = Client(fd_socket=fd_socket)
+    before = pss_bytes()
+    print("ready", flush=True)
+    assert sys.stdin.readline().strip() == "go"
+    ref = None
+    if mode == "ffmpeg":
+        # What a rank does without framewire: its own ffmpeg, its own copy.
+        argv = decode_argv(ffmpeg, path=video, fps=FPS, width=WIDTH, height=HEIGHT)
+        out = subprocess.run(argv, capture_output=True, check=True).stdout
+        frames = np.frombuffer(out, np.uint8).reshape(-1, HEIGHT, WIDTH, 3)
+        source = "ffmpeg"
+    elif mode == "local":
+        ref = client.decode_reference(video, fps=FPS, width=WIDTH, height=HEIGHT)
+        frames, source = ref.frames, ref.source
+    else:
+        ref = client.decode_reference(
+            video, fps=FPS, width=WIDTH, height=HEIGHT, local_fallback=False
+        )
+        frames, source = ref.frames, ref.source
+    flat = frames.reshape(-1)
+    int(flat[::PAGE].sum())  # touch every page, as a consumer would
+    done = time.monotonic()
+    digest = hashlib.sha256(flat).hexdigest()
+    print(json.dumps({"done": done, "sha256": digest, "bytes": flat.size, "source": source}))
+    sys.stdout.flush()
+    assert sys.stdin.readline().strip() == "measure"
+    print(json.dumps({"pss_growth": pss_bytes() - before}), flush=True)
+    assert sys.stdin.readline().strip() == "exit"
+    if ref is not None:
+        ref.close()
+    client.close()
+
+
+# ----------------------------------------------------------------------------- the parent
+
+
+def run_ranks(n: int, mode: str, video: Path, fd_socket: Path) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--rank", mode, str(video), str(fd_socket)]
+    procs = [
+        subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for _ in range(n)
+    ]
+    try:
+
+        def tell(word: str) -> None:
+            for p in procs:
+                p.stdin.write(word + "\n")  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]
+
+        def hear() -> list[Any]:
+            return [p.stdout.readline().strip() for p in procs]  # type: ignore[union-attr]
+
+        if hear() != ["ready"] * n:
+            raise RuntimeError(f"a {mode} rank failed to start")
+        started = time.monotonic()
+        tell("go")
+        answers = [json.loads(line) for line in hear()]
+        tell("measure")
+        growth = [json.loads(line)["pss_growth"] for line in hear()]
+        tell("exit")
+        for p in procs:
+            if p.wait(60) != 0:
+                raise RuntimeError(f"a {mode} rank exited {p.returncode}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return {
+        "wall_s": max(a["done"] for a in answers) - started,
+        "memory_bytes": sum(growth),
+        "sha256": sorted({a["sha256"] for a in answers}),
+        "bytes": answers[0]["bytes"],
+        "sources": sorted({a["source"] for a in answers}),
+    }
+
+
+def make_source(path: Path, seconds: float, ffmpeg: str) -> None:
+    subprocess.run(
+        [ffmpeg, "-v", "error", "-y", "-f", "lavfi",
+         "-i", "testsrc2=size=1920x1080:rate=30,noise=alls=12:allf=t",
+         "-t", str(seconds), "-c:v", "libx264", "-preset", "veryfast", "-crf", "20",
+         "-pix_fmt", "yuv420p", str(path)],
+        check=True,
+    )  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_worker(root: Path) -> subprocess.Popen[bytes]:
+    fd_socket = root / "fd.sock"
+    cmd = [
+        sys.executable, "-m", "framewire.service", "serve", "--port", str(free_port()),
+        "--uds", str(root / "api.sock"), "--fd-socket", str(fd_socket),
+        "--input-roots", str(root), "--output-roots", str(root / "out"),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd)
+    deadline = time.monotonic() + 60
+    while not fd_socket.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("the worker did not start")
+        time.sleep(0.05)
+    return proc
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--rank", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank:
+        rank(*args.rank)
+        return 0
+
+    from framewire.client.memdecode import find_ffmpeg
+
+    ffmpeg = find_ffmpeg()
+    root = Path(tempfile.mkdtemp(prefix="framewire-bench-decode-"))
+    worker = None
+    try:
+        video = root / "source.mp4"
+        t0 = time.monotonic()
+        make_source(video, args.seconds, ffmpeg)
+        print(f"source: {args.seconds:g} s of 1920x1080 at 30 fps, "
+              f"{video.stat().st_size / MIB:.1f} MiB, made in {time.monotonic() - t0:.1f} s; "
+              f"decoding to {WIDTH}x{HEIGHT} at {FPS} fps, {args.ranks} ranks, "
+              f"{len(os.sched_getaffinity(0))} CPUs")  # fmt: skip
+        n = args.ranks
+        fd_socket = root / "fd.sock"
+        results: dict[str, dict[str, Any]] = {}
+        run_ranks(1, "ffmpeg", video, fd_socket)  # warm the page cache and the binary
+        results["one decode"] = run_ranks(1, "ffmpeg", video, fd_socket)
+        results["one, memfd"] = run_ranks(1, "local", video, root / "no-worker.sock")
+        results[f"{n} x ffmpeg"] = run_ranks(n, "ffmpeg", video, fd_socket)
+        worker = start_worker(root)
+        results[f"{n} x framewire"] = run_ranks(n, "worker", video, fd_socket)
+        results[f"{n} x framewire, cached"] = run_ranks(n, "worker", video, fd_socket)
+    finally:
+        if worker is not None:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(60)
+        shutil.rmtree(root, ignore_errors=True)
+
+    one = results["one decode"]
+    copy = one["bytes"]
+    digests = {d for r in results.values() for d in r["sha256"]}
+    print(f"one copy: {copy / MIB:.1f} MiB ({copy // (WIDTH * HEIGHT * 3)} frames); "
+          f"one decode: {one['wall_s']:.2f} s; "
+          f"bytes identical across all ranks and variants: {len(digests) == 1}")  # fmt: skip
+    print()
+    print(f"| {'variant':<24} | {'wall s':>7} | {'x one decode':>12} | "
+          f"{'memory MiB':>10} | {'x one copy':>10} |")  # fmt: skip
+    print(f"|{'-' * 26}|{'-' * 9}|{'-' * 14}|{'-' * 12}|{'-' * 12}|")
+    for name, r in results.items():
+        print(f"| {name:<24} | {r['wall_s']:7.2f} | {r['wall_s'] / one['wall_s']:12.2f} | "
+              f"{r['memory_bytes'] / MIB:10.1f} | {r['memory_bytes'] / copy:10.2f} |")  # fmt: skip
+    fw = results[f"{n} x framewire"]
+    wall_ok = fw["wall_s"] / one["wall_s"] <= GOAL_WALL
+    mem_ok = fw["memory_bytes"] / copy <= GOAL_MEMORY
+    print()
+    print(f"goals ({n} x framewire, cold): wall <= {GOAL_WALL}x one decode: "
+          f"{'met' if wall_ok else 'MISSED'}; memory <= {GOAL_MEMORY}x one copy: "
+          f"{'met' if mem_ok else 'MISSED'}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0 if len(digests) == 1 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,168 @@
+"""The reference decode of DESIGN §4, run straight into a sealed memfd.
+
+The worker and the client's local fallback both decode through :class:`DecodeRun`,
+so a rank gets the same bytes (and the same checks) whichever way it got them.
+ffmpeg writes rgb24 into the memfd through an inherited descriptor, so no pipe
+and no copy sit between it and the pages that ranks will map.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import MediaError, NotFound, Unavailable
+from .ffmpeg_argv import decode_argv
+from .wire import DecodeRequest
+
+MEMFD_NAME = "framewire-decode"
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+STDERR_TAIL = 4096
+
+
+def find_ffmpeg() -> str:
+    """FRAMEWIRE_FFMPEG (a path or a name on PATH), else imageio-ffmpeg's binary.
+
+    The worker resolves its executable the same way, so both routes run one binary.
+    """
+    configured = os.environ.get("FRAMEWIRE_FFMPEG")
+    if configured:
+        found = shutil.which(configured)
+        if found is None:
+            raise Unavailable(f"ffmpeg executable {configured!r} not found", code="ffmpeg_missing")
+        return os.path.abspath(found)
+    try:
+        import imageio_ffmpeg
+    except ImportError as exc:
+        raise Unavailable(
+            "no ffmpeg: set FRAMEWIRE_FFMPEG or install imageio-ffmpeg", code="ffmpeg_missing"
+        ) from exc
+    try:
+        return imageio_ffmpeg.get_ffmpeg_exe()
+    except RuntimeError as exc:
+        raise Unavailable(str(exc), code="ffmpeg_missing") from exc
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A finished decode. ``fd`` is a sealed memfd of ``byte_size`` bytes, owned by the caller."""
+
+    fd: int
+    frames: int
+    byte_size: int
+    decode_ms: float
+
+
+class DecodeRun:
+    """One ffmpeg decode in flight; :meth:`wait` hands over the sealed memfd.
+
+    :meth:`kill` may be called from another thread (worker shutdown); the run
+    then fails with ``decode_failed``.
+    """
+
+    def __init__(self, ffmpeg: str, path: str | os.PathLike[str], request: DecodeRequest):
+        self.request = request
+        self.path = os.fspath(path)
+        self._out = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self._err = -1
+        try:
+            # stderr into a file, not a pipe: ffmpeg can never block on it.
+            self._err = os.memfd_create("framewire-ffmpeg-stderr", os.MFD_CLOEXEC)
+            argv = decode_argv(
+                ffmpeg,
+                path=path,
+                fps=request.fps,
+                width=request.width,
+                height=request.height,
+                start=request.start,
+                max_frames=request.max_frames,
+                out_fd=self._out,
+            )
+            self._started = time.perf_counter()
+            # pass_fds: the child inherits the memfd at the same number, so pipe:N
+            # names it; a fresh memfd's offset is 0 and write() appends from there.
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=self._err,
+                pass_fds=(self._out,),
+                close_fds=True,
+            )
+        except OSError as exc:
+            self._close_fds()
+            raise Unavailable(
+                f"cannot run ffmpeg {ffmpeg!r}: {exc.strerror or exc}", code="ffmpeg_missing"
+            ) from exc
+        except BaseException:
+            self._close_fds()
+            raise
+
+    def wait(self) -> Decoded:
+        """Wait for ffmpeg, check what it wrote, seal it and hand it over."""
+        try:
+            rc = self.proc.wait()
+            decode_ms = (time.perf_counter() - self._started) * 1e3
+            size = os.fstat(self._out).st_size
+            frame_bytes = self.request.frame_bytes
+            if rc != 0:
+                why = f"ffmpeg exited {rc}" if rc > 0 else f"ffmpeg was killed (signal {-rc})"
+                raise self._failure(why)
+            if size == 0:
+                raise self._failure("ffmpeg produced no frames")
+            if size % frame_bytes:
+                raise self._failure(
+                    f"ffmpeg wrote {size} bytes, not a whole number of "
+                    f"{self.request.width}x{self.request.height} rgb24 frames"
+                )
+            fcntl.fcntl(self._out, fcntl.F_ADD_SEALS, SEALS)
+            fd, self._out = self._out, -1
+            return Decoded(fd, size // frame_bytes, size, decode_ms)
+        finally:
+            self.close()
+
+    def _failure(self, why: str) -> MediaError:
+        tail = self.stderr_tail()
+        last = tail.splitlines()[-1] if tail else ""
+        message = f"cannot decode {self.path}: {why}" + (f": {last}" if last else "")
+        return MediaError(message, code="decode_failed", detail=tail or None)
+
+    def stderr_tail(self, limit: int = STDERR_TAIL) -> str:
+        if self._err < 0:
+            return ""
+        size = os.fstat(self._err).st_size
+        start = max(0, size - limit)
+        return os.pread(self._err, size - start, start).decode("utf-8", "replace").strip()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+
+    def close(self) -> None:
+        """Kill if still running, reap, release what was not handed over. Idempotent."""
+        self.kill()
+        self.proc.wait()
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        for name in ("_out", "_err"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
+
+def decode_to_memfd(ffmpeg: str, path: str | os.PathLike[str], request: DecodeRequest) -> Decoded:
+    """Decode ``path`` (which must be a regular file) into a sealed memfd."""
+    # Absolute, so that no name can be read by ffmpeg as an option or a protocol.
+    path = os.path.abspath(path)
+    if not Path(path).is_file():
+        raise NotFound(f"reference video {path!r} does not exist", code="not_found")
+    return DecodeRun(ffmpeg, path, request).wait()

@@ -1,0 +1,277 @@
+"""The fd socket (DESIGN §5.2): reference decodes answered with a sealed memfd.
+
+A Unix stream socket served on the worker's event loop. A request is one JSON
+line; a reply is a 4-byte big-endian length, a JSON header and, for a decode,
+exactly one fd in SCM_RIGHTS. asyncio transports cannot carry ancillary data,
+so connections are plain non-blocking sockets driven with the loop's
+``sock_*`` calls and ``sendmsg``. Requests on one connection are answered in
+order; connections are served concurrently.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import struct
+from pathlib import Path
+from typing import Any
+
+from framewire.client import __version__
+from framewire.client.errors import (
+    BadRequest,
+    Forbidden,
+    FramewireError,
+    NotFound,
+    Overloaded,
+)
+from framewire.client.fdsocket import LENGTH
+from framewire.client.wire import DecodeReply, DecodeRequest
+from pydantic import ValidationError
+
+from .decoder import ReferenceDecoder
+from .metrics import Metrics
+from .server import bind_unix
+from .settings import Settings
+
+log = logging.getLogger("framewire.fdserver")
+
+MAX_LINE = 64 << 10
+RECV_BYTES = 64 << 10
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def reply_code(exc: FramewireError) -> str:
+    """The fd socket's coarse code for an error (DESIGN §5.2 names exactly five)."""
+    for cls, code in (
+        (BadRequest, "bad_request"),
+        (Forbidden, "forbidden"),
+        (NotFound, "not_found"),
+        (Overloaded, "overloaded"),
+    ):
+        if isinstance(exc, cls):
+            return code
+    return "decode_failed"
+
+
+def failure(code: str, message: str, detail: str | None = None) -> DecodeReply:
+    return DecodeReply(ok=False, code=code, message=message, detail=detail)
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    pid, uid, gid = _PEERCRED.unpack(
+        conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    )
+    return pid, uid, gid
+
+
+class _TooLong:
+    """What :class:`LineReader` returns for a line over the limit."""
+
+
+TOO_LONG = _TooLong()
+
+
+class LineReader:
+    """Request lines from a non-blocking socket, each at most ``limit`` bytes.
+
+    A longer line is reported once, as soon as it passes the limit, and the rest
+    of it is dropped unread into memory, so one bad request cannot grow a buffer.
+    """
+
+    def __init__(self, conn: socket.socket, limit: int = MAX_LINE):
+        self.conn = conn
+        self.limit = limit
+        self._buf = bytearray()
+        self._skipping = False
+
+    async def next(self) -> bytes | _TooLong | None:
+        """The next line (without its newline), TOO_LONG, or None at the end."""
+        loop = asyncio.get_running_loop()
+        while True:
+            newline = self._buf.find(b"\n")
+            if newline >= 0:
+                line = bytes(self._buf[:newline])
+                del self._buf[: newline + 1]
+                if self._skipping:
+                    self._skipping = False
+                    continue
+                if len(line) > self.limit:
+                    return TOO_LONG
+                return line
+            if not self._skipping and len(self._buf) > self.limit:
+                self._skipping = True
+                self._buf.clear()
+                return TOO_LONG
+            if self._skipping:
+                self._buf.clear()
+            data = await loop.sock_recv(self.conn, RECV_BYTES)
+            if not data:
+                # A last request without its newline is still a request.
+                if self._buf and not self._skipping:
+                    line, self._buf = bytes(self._buf), bytearray()
+                    return line
+                return None
+            self._buf += data
+
+
+async def send_reply(conn: socket.socket, reply: DecodeReply, fd: int | None = None) -> None:
+    """Length, header and (with the first bytes) the fd, on a non-blocking socket."""
+    body = reply.model_dump_json(exclude_none=True).encode()
+    view = memoryview(LENGTH.pack(len(body)) + body)
+    ancillary = []
+    if fd is not None:
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+    loop = asyncio.get_running_loop()
+    while view:
+        try:
+            sent = conn.sendmsg([view], ancillary)
+        except (BlockingIOError, InterruptedError):
+            await _writable(loop, conn)
+            continue
+        view = view[sent:]
+        ancillary = []  # the fd travels with the first bytes only
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+    ready = loop.create_future()
+    fileno = conn.fileno()
+    loop.add_writer(fileno, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_writer(fileno)
+
+
+class FdServer:
+    def __init__(self, settings: Settings, decoder: ReferenceDecoder, metrics: Metrics):
+        self.settings = settings
+        self.decoder = decoder
+        self.metrics = metrics
+        self.path = Path(settings.fd_socket)
+        self._listener: socket.socket | None = None
+        self._inode: int | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        if self.path.is_socket() and _answers(self.path):
+            raise RuntimeError(f"another worker already serves {self.path}")
+        listener = bind_unix(self.path, 0o660)  # a stale socket file is replaced
+        listener.listen(128)
+        listener.setblocking(False)
+        self._listener, self._inode = listener, os.stat(self.path).st_ino
+        self._accepting = asyncio.create_task(self._accept_loop(listener))
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # e.g. EMFILE: back off instead of spinning
+                log.warning("fd socket accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            conn.setblocking(False)
+            task = asyncio.create_task(self._serve(conn))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    def _allowed(self, conn: socket.socket) -> bool:
+        try:
+            _, uid, gid = peer_credentials(conn)
+        except OSError:
+            return False
+        return uid in self.settings.allowed_uids or gid in self.settings.allowed_gids
+
+    async def _serve(self, conn: socket.socket) -> None:
+        try:
+            allowed = self._allowed(conn)
+            lines = LineReader(conn)
+            while (line := await lines.next()) is not None:
+                reply, fd, op = await self._answer(line, allowed)
+                self.metrics.fd_requests.labels(op, reply.code or "ok").inc()
+                try:
+                    await send_reply(conn, reply, fd)
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+        except OSError:
+            pass  # the peer went away; nothing to answer
+        except Exception:
+            log.exception("fd socket connection failed")
+        finally:
+            conn.close()
+
+    async def _answer(
+        self, line: bytes | _TooLong, allowed: bool
+    ) -> tuple[DecodeReply, int | None, str]:
+        """(reply, fd to send or None, op label). Never raises for a bad request."""
+        if not allowed:
+            return failure("forbidden", "this user may not use the fd socket"), None, "denied"
+        if isinstance(line, _TooLong):
+            return failure("bad_request", f"request line over {MAX_LINE} bytes"), None, "invalid"
+        try:
+            message: Any = json.loads(line)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return failure("bad_request", f"request is not JSON: {exc}"), None, "invalid"
+        op = message.get("op") if isinstance(message, dict) else None
+        if op not in ("decode", "ping"):
+            return failure("bad_request", 'request needs "op": "decode" or "ping"'), None, "invalid"
+        if op == "ping":
+            return DecodeReply(ok=True, pong=True, message=f"framewire {__version__}"), None, op
+        try:
+            request = DecodeRequest.model_validate(message)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "request"
+            return failure("bad_request", f"{where}: {first['msg']}"), None, op
+        try:
+            answer = await self.decoder.decode(request)
+        except FramewireError as exc:
+            return failure(reply_code(exc), exc.message, exc.detail), None, op
+        except Exception as exc:
+            log.exception("reference decode of %s failed", request.path)
+            return failure("decode_failed", f"internal error: {exc!r}"), None, op
+        reply = DecodeReply(
+            ok=True,
+            frames=answer.frames,
+            height=request.height,
+            width=request.width,
+            byte_size=answer.byte_size,
+            cached=answer.cached,
+            decode_ms=round(answer.decode_ms, 3),
+        )
+        return reply, answer.fd, op
+
+    async def close(self) -> None:
+        """Stop accepting, drop connections, stop decodes, remove the socket file."""
+        if self._accepting is not None:
+            self._accepting.cancel()
+        tasks = [t for t in (self._accepting, *self._connections) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            # Only our own socket file: a newer worker may already have replaced it.
+            with contextlib.suppress(OSError):
+                if os.stat(self.path).st_ino == self._inode:
+                    self.path.unlink()
+        await self.decoder.close()
+
+
+def _answers(path: Path) -> bool:
+    """Whether something listens on the socket at ``path`` (a live worker, not a stale file)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(os.fspath(path))
+        except OSError:
+            return False
+    return True
