@@ -206,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     _client_flags(prb)
     prb.set_defaults(func=cmd_probe)
 
-    dec = sub.add_parser("decode", help="decode a reference video to rgb24 frames (DESIGN §4)")
+    dec = sub.add_parser(
+        "decode", help="decode a reference video to rgb24 frames, shared by the worker"
+    )
     dec.add_argument("input", type=Path)
     dec.add_argument("--fps", type=float, required=True)
     dec.add_argument("--size", type=_size, required=True, metavar="WxH")
