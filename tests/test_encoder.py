@@ -211,3 +211,19 @@ def test_row_blocks(tmp_path, shm_clip, monkeypatch, block_bytes, dtype, layout,
         check(tmp_path, clip, layout=layout, source=source, chunk_bytes=1 << 20, fps=24)
     finally:
         source.close()
+
+
+def test_uint8_thwc_segment_is_sent_without_conversion(tmp_path, shm_clip, monkeypatch):
+    """Contiguous uint8 THWC bytes go from the segment's fd to ffmpeg: no staging, no copy."""
+    from framewire.service import encoder
+
+    def no_pump(*args, **kw):
+        raise AssertionError("the conversion pump ran for zero-copy input")
+
+    monkeypatch.setattr(encoder, "pump_converted", no_pump)
+    clip = make_clip(frames=6, height=75, width=100, dtype=torch.uint8, layout=Layout.THWC)
+    source = shm_clip(clip, Layout.THWC, offset=8192)
+    try:
+        check(tmp_path, clip, layout=Layout.THWC, source=source, fps=24)
+    finally:
+        source.close()
