@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import mmap
 import os
@@ -230,14 +229,6 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the driver
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def spawn(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one variant in a fresh interpreter; its last stdout line is the result."""
     argv = [sys.executable, os.path.abspath(__file__), "--_run", json.dumps(spec)]
@@ -247,6 +238,7 @@ def spawn(spec: dict[str, Any]) -> dict[str, Any]:
 
 def bench_length(frames: int, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     from framewire.client.ffmpeg_argv import x264_auto_threads
+    from framewire.service.encoder import sha256_file
 
     key = f"{PREFIX}{os.getpid()}-{frames}"
     segment, rgb = Path(f"/dev/shm{key}"), work / f"clip-{frames}.rgb"
@@ -265,7 +257,7 @@ def bench_length(frames: int, args: argparse.Namespace, work: Path) -> list[dict
                     "frames": frames, "height": args.height, "width": args.width,
                     "threads": threads, "chunk_bytes": args.chunk_mib * MIB,
                 }  # fmt: skip
-                runs[variant].append(spawn(spec) | {"sha256": sha256_file(out)})
+                runs[variant].append(spawn(spec) | {"sha256": sha256_file(Path(out))})
                 out.unlink()
     finally:
         segment.unlink(missing_ok=True)

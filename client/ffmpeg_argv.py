@@ -9,10 +9,36 @@ spell these commands out.
 from __future__ import annotations
 
 import os
+import shutil
 from fractions import Fraction
 from pathlib import Path
 
 MACRO_BLOCK = 16
+
+
+def resolve_ffmpeg(configured: str | None = None) -> str:
+    """The configured executable (a path or a name on PATH), else imageio-ffmpeg's binary.
+
+    The worker and the client's local decode both resolve it here, so the two
+    routes run one binary.
+    """
+    from .errors import Unavailable
+
+    if configured:
+        found = shutil.which(configured)
+        if found is None:
+            raise Unavailable(f"ffmpeg executable {configured!r} not found", code="ffmpeg_missing")
+        return os.path.abspath(found)
+    try:
+        import imageio_ffmpeg
+    except ImportError as exc:
+        raise Unavailable(
+            "no ffmpeg: set FRAMEWIRE_FFMPEG or install imageio-ffmpeg", code="ffmpeg_missing"
+        ) from exc
+    try:
+        return imageio_ffmpeg.get_ffmpeg_exe()
+    except RuntimeError as exc:
+        raise Unavailable(str(exc), code="ffmpeg_missing") from exc
 
 
 def fps_arg(fps: float | Fraction) -> str:

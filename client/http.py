@@ -21,7 +21,7 @@ from .errors import (
     Unavailable,
 )
 from .reference import ReferenceFrames, decode_reference
-from .share import shared
+from .share import share
 from .wire import (
     EncodeRequest,
     EncodeResponse,
@@ -179,13 +179,15 @@ class Client:
     ) -> list[OutputResult]:
         """Encode each video to its path; returns one result per output, in order.
 
-        The frames stay in this process's memory (shared, not sent); they are kept
-        alive and unmodified until the worker has answered.
+        The frames stay where they are (CUDA tensors are shared over CUDA IPC, host
+        memory through shared memory); they are kept alive and must stay unmodified
+        until the worker has answered. Work queued on the current CUDA stream is
+        waited for first.
         """
         if len(videos) != len(paths):
             raise ValueError(f"{len(videos)} videos for {len(paths)} paths")
         with contextlib.ExitStack() as stack:
-            sources = [stack.enter_context(shared(v, layout=layout)) for v in videos]
+            sources = [stack.enter_context(share(v, layout=layout)) for v in videos]
             body = _encode_body(
                 sources,
                 paths,
@@ -293,9 +295,10 @@ class AsyncClient:
         if len(videos) != len(paths):
             raise ValueError(f"{len(videos)} videos for {len(paths)} paths")
         with contextlib.ExitStack() as stack:
-            # Copying frames into shm is CPU work: keep it off the event loop.
+            # Copying frames into shm, or waiting for a CUDA stream, is blocking work: off
+            # the event loop. share() itself runs here, where the caller's stream is current.
             sources = [
-                await asyncio.to_thread(stack.enter_context, shared(v, layout=layout))
+                await asyncio.to_thread(stack.enter_context, share(v, layout=layout))
                 for v in videos
             ]
             body = _encode_body(

@@ -11,14 +11,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import shutil
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import MediaError, NotFound, Unavailable
-from .ffmpeg_argv import decode_argv
+from .ffmpeg_argv import decode_argv, resolve_ffmpeg
 from .wire import DecodeRequest
 
 MEMFD_NAME = "framewire-decode"
@@ -27,26 +26,8 @@ STDERR_TAIL = 4096
 
 
 def find_ffmpeg() -> str:
-    """FRAMEWIRE_FFMPEG (a path or a name on PATH), else imageio-ffmpeg's binary.
-
-    The worker resolves its executable the same way, so both routes run one binary.
-    """
-    configured = os.environ.get("FRAMEWIRE_FFMPEG")
-    if configured:
-        found = shutil.which(configured)
-        if found is None:
-            raise Unavailable(f"ffmpeg executable {configured!r} not found", code="ffmpeg_missing")
-        return os.path.abspath(found)
-    try:
-        import imageio_ffmpeg
-    except ImportError as exc:
-        raise Unavailable(
-            "no ffmpeg: set FRAMEWIRE_FFMPEG or install imageio-ffmpeg", code="ffmpeg_missing"
-        ) from exc
-    try:
-        return imageio_ffmpeg.get_ffmpeg_exe()
-    except RuntimeError as exc:
-        raise Unavailable(str(exc), code="ffmpeg_missing") from exc
+    """FRAMEWIRE_FFMPEG, else imageio-ffmpeg's binary: the worker's choice too."""
+    return resolve_ffmpeg(os.environ.get("FRAMEWIRE_FFMPEG"))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Putting a caller's frames where the worker can read them, and describing them.
 
-Host memory goes through POSIX shared memory: a tensor that already lives in a
+``share`` picks the way: CUDA tensors go through CUDA IPC (``cuda_share``), host
+memory through POSIX shared memory: a tensor that already lives in a
 named torch shm segment is described where it is; anything else is copied once
 into a segment this module creates and always unlinks (errors and
 KeyboardInterrupt included). Nothing is pickled: the worker gets a JSON
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .wire import DType, Layout, ShmSource
+from .wire import CudaIpcSource, DType, Layout, ShmSource
 
 SHM_PREFIX = "/framewire-"
 _counter = itertools.count()
@@ -103,11 +104,33 @@ def _as_bytes(video: Any) -> np.ndarray:
     return np.ascontiguousarray(video).view(np.uint8)
 
 
+def is_cuda(video: Any) -> bool:
+    return _is_torch(video) and video.device.type == "cuda"
+
+
+def share(
+    video: Any, *, layout: Layout | str | None = None
+) -> contextlib.AbstractContextManager[ShmSource | CudaIpcSource]:
+    """A context manager yielding the descriptor the worker reads ``video`` through.
+
+    Call it on the thread that produced a CUDA tensor (that thread's stream is the one
+    waited for); entering it may happen on another.
+    """
+    if is_cuda(video):
+        from .cuda_share import CudaShare
+
+        return CudaShare(video, layout=layout)
+    return shared(video, layout=layout)
+
+
 @contextlib.contextmanager
 def shared(video: Any, *, layout: Layout | str | None = None) -> Iterator[ShmSource]:
     """Yield a descriptor of ``video`` in shared memory; release what was created on exit."""
     if _is_torch(video) and video.device.type != "cpu":
-        raise ValueError("CUDA tensors go through CUDA IPC, not shared memory")
+        raise ValueError(
+            f"a tensor on {video.device} cannot go through shared memory: CUDA tensors go "
+            "through CUDA IPC (share()), others must be moved to the CPU"
+        )
     shape = tuple(video.shape)
     video = video[0] if _squeeze_batch(shape) else video
     shape = tuple(video.shape)

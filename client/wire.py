@@ -6,7 +6,10 @@ so the two sides cannot drift. Nothing here imports torch or the service.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
+import uuid
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -125,20 +128,134 @@ class RegionSource(_HostBytes):
     region: str = Field(min_length=1, max_length=255)
 
 
+IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t
+MAX_HANDLE_BYTES = 1 << 16  # torch's handles are a few bytes longer than CUDA's own
+
+
+def normalize_uuid(value: object) -> str:
+    """A GPU UUID in one spelling (lowercase, dashed, no prefix), whichever way it came.
+
+    Accepts torch's ``get_device_properties(d).uuid`` (or its 16 ``bytes``),
+    nvidia-smi's ``GPU-...`` and a plain UUID string.
+    """
+    raw = getattr(value, "bytes", value)
+    if isinstance(raw, (bytes, bytearray, list)) and len(raw) == 16:
+        return str(uuid.UUID(bytes=bytes(raw)))
+    text = str(value).strip()
+    if text[:4].upper() in ("GPU-", "MIG-"):
+        text = text[4:]
+    return str(uuid.UUID(text))
+
+
+def b64decode(text: str, what: str, *, max_bytes: int = MAX_HANDLE_BYTES) -> bytes:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise PydanticCustomError("bad_cuda_handle", f"{what} is not base64") from None
+    if not 0 < len(raw) <= max_bytes:
+        raise PydanticCustomError(
+            "bad_cuda_handle", f"{what} holds {len(raw)} bytes, expected 1..{max_bytes}"
+        )
+    return raw
+
+
+def contiguous_strides(shape: list[int]) -> list[int]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return strides[::-1]
+
+
 class CudaIpcSource(_TensorFields):
-    """A CUDA tensor of another process: ``UntypedStorage._share_cuda_()`` spelled out."""
+    """A CUDA tensor of another process: ``UntypedStorage._share_cuda_()`` spelled out.
+
+    ``handle`` maps the producer's allocation, the storage lies ``storage_offset_bytes``
+    into it and the tensor ``tensor_offset`` elements into the storage, with ``stride``
+    (C-contiguous when absent). The GPU is named by UUID: indices differ between
+    processes with different CUDA_VISIBLE_DEVICES.
+
+    The worker reads the tensor only until it answers, and never touches the
+    producer's IPC reference counter (``ref_counter_*``, carried for completeness):
+    the producer keeps the tensor alive and unmodified until the answer, then
+    releases that counter itself.
+    """
 
     kind: Literal["cuda_ipc"] = "cuda_ipc"
-    device_uuid: str
-    handle: str  # base64 of the cudaIpcMemHandle
+    device_uuid: str = Field(min_length=1, max_length=64)
+    device: int = Field(default=0, ge=0)  # the producer's index, for messages only
+    handle: str = Field(min_length=1)  # base64
     storage_size_bytes: int = Field(gt=0)
-    storage_offset_bytes: int = Field(ge=0)
-    ref_counter_handle: str
-    ref_counter_offset: int = Field(ge=0)
-    event_handle: str | None = None
+    storage_offset_bytes: int = Field(default=0, ge=0)
+    ref_counter_handle: str | None = None  # base64
+    ref_counter_offset: int = Field(default=0, ge=0)
+    event_handle: str | None = None  # base64; waited for when event_sync_required
     event_sync_required: bool = False
-    tensor_offset: int = Field(default=0, ge=0)  # in elements, as torch counts it
-    stride: list[int] | None = None
+    tensor_offset: int = Field(default=0, ge=0)  # in elements, as Tensor.storage_offset()
+    stride: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, min_length=4, max_length=4
+    )
+
+    @field_validator("device_uuid")
+    @classmethod
+    def _uuid(cls, v: str) -> str:
+        try:
+            return normalize_uuid(v)
+        except ValueError:
+            raise PydanticCustomError("bad_device_uuid", f"{v!r} is not a GPU UUID") from None
+
+    @field_validator("handle")
+    @classmethod
+    def _handle(cls, v: str) -> str:
+        b64decode(v, "handle")
+        return v
+
+    @field_validator("ref_counter_handle")
+    @classmethod
+    def _ref_counter(cls, v: str | None) -> str | None:
+        if v is not None:
+            b64decode(v, "ref_counter_handle", max_bytes=4096)
+        return v
+
+    @model_validator(mode="after")
+    def _check_extent(self) -> CudaIpcSource:
+        if self.event_sync_required:
+            if self.event_handle is None:
+                raise PydanticCustomError(
+                    "bad_cuda_handle", "event_sync_required needs an event_handle"
+                )
+            event = b64decode(self.event_handle, "event_handle")
+            if len(event) != IPC_HANDLE_BYTES:
+                raise PydanticCustomError(
+                    "bad_cuda_handle",
+                    f"event_handle holds {len(event)} bytes, not {IPC_HANDLE_BYTES}",
+                )
+        last = self.tensor_offset + sum(
+            (n - 1) * s for n, s in zip(self.shape, self.strides, strict=True)
+        )
+        need = (last + 1) * self.dtype.itemsize
+        if need > self.storage_size_bytes:
+            raise PydanticCustomError(
+                "cuda_tensor_out_of_bounds",
+                f"shape {self.shape}, stride {self.strides} and offset {self.tensor_offset} "
+                f"of {self.dtype} reach byte {need}, past the storage's "
+                f"{self.storage_size_bytes} bytes",
+            )
+        return self
+
+    @property
+    def strides(self) -> list[int]:
+        return self.stride if self.stride is not None else contiguous_strides(self.shape)
+
+    @property
+    def handle_bytes(self) -> bytes:
+        return base64.b64decode(self.handle)
+
+    @property
+    def event_bytes(self) -> bytes | None:
+        if not self.event_sync_required or self.event_handle is None:
+            return None
+        return base64.b64decode(self.event_handle)
 
 
 Source = Annotated[ShmSource | RegionSource | CudaIpcSource, Field(discriminator="kind")]
@@ -262,8 +379,24 @@ FIELD_CODES = {
     "quality": "bad_quality",
     "preset": "bad_preset",
     "threads": "bad_threads",
+    "stride": "bad_stride",
+    "tensor_offset": "bad_offset",
+    "storage_offset_bytes": "bad_offset",
+    "storage_size_bytes": "bad_byte_size",
+    "device_uuid": "bad_device_uuid",
+    "handle": "bad_cuda_handle",
+    "event_handle": "bad_cuda_handle",
+    "ref_counter_handle": "bad_cuda_handle",
 }
-OUR_CODES = {"bad_shape", "byte_size_mismatch", "bad_fps", "bad_path"}
+OUR_CODES = {
+    "bad_shape",
+    "byte_size_mismatch",
+    "bad_fps",
+    "bad_path",
+    "bad_cuda_handle",
+    "bad_device_uuid",
+    "cuda_tensor_out_of_bounds",
+}
 
 
 def error_code(errors: list[Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import logging
 import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,17 +25,22 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .atomic import remove_stale_temps
+from .cuda_source import CudaRuntime
 from .decoder import ReferenceDecoder
 from .encoder import Encoder
 from .fdserver import FdServer
 from .ffmpeg import ffmpeg_version
 from .jobs import EncodeJobs
+from .logs import RequestIds
 from .media import probe
 from .metrics import Metrics
 from .paths import resolve_input
-from .regions import RegionRegistry
+from .regions import CudaRegion, RegionRegistry
 from .scheduler import Scheduler
 from .settings import Settings
+
+log = logging.getLogger("framewire.app")
 
 
 def error_body(code: str, message: str, detail: object = None) -> dict[str, object]:
@@ -78,21 +84,41 @@ class RegisterSystem(BaseModel):
     byte_size: int = Field(gt=0)
 
 
+class RawHandle(BaseModel):
+    b64: str
+
+
+class RegisterCuda(BaseModel):
+    raw_handle: RawHandle
+    device_id: int = Field(ge=0)
+    byte_size: int = Field(gt=0)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     encoder = Encoder(settings.ffmpeg, chunk_bytes=settings.chunk_bytes, fallback=settings.fallback)
     metrics = Metrics()
-    regions = RegionRegistry(settings.shm_prefixes)
-    scheduler = Scheduler(settings.cpu_slots, settings.max_queue)
-    jobs = EncodeJobs(settings, encoder, regions, metrics, scheduler)
+    cuda = CudaRuntime.start()  # None without a GPU; else warmed up now, not on a request
+    regions = RegionRegistry(settings.shm_prefixes, cuda)
+    scheduler = Scheduler(
+        settings.cpu_slots,
+        settings.max_queue,
+        gpu_budget=cuda.gpu_budget(lambda: scheduler.gpu_used) if cuda else None,
+    )
+    jobs = EncodeJobs(settings, encoder, regions, metrics, scheduler, cuda)
     fd_server = FdServer(settings, ReferenceDecoder(settings, encoder.ffmpeg, metrics), metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        for path in remove_stale_temps(settings.output_roots):
+            log.warning("removed %s, left by a worker that was killed", path)
         await fd_server.start()
         try:
             yield
         finally:
+            # The server has drained what finished within the grace period; the rest
+            # is stopped before the fd server and the regions those requests use.
+            await jobs.stop()
             await fd_server.close()
         await regions.close()
         jobs.close()
@@ -112,6 +138,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     auth = [Depends(authorize)]
 
     app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(RequestIds)  # outermost: whatever runs inside logs with the id
 
     @app.exception_handler(FramewireError)
     async def on_framewire_error(request: Request, exc: FramewireError) -> JSONResponse:
@@ -151,7 +178,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "version": __version__,
             "ffmpeg": encoder.ffmpeg,
             "ffmpeg_version": ffmpeg_version(encoder.ffmpeg),
-            "device": "cpu",
+            "device": "cuda" if cuda else "cpu",
+            "cuda": cuda.info() if cuda else None,  # devices and their memory figures
             "limits": {
                 "chunk_bytes": settings.chunk_bytes,
                 "cpu_slots": settings.cpu_slots,
@@ -208,6 +236,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.post("/v2/systemsharedmemory/region/{name}/unregister", dependencies=auth)
     async def unregister_one(name: str) -> JSONResponse:
         await regions.unregister(name)
+        return JSONResponse({}, 200)
+
+    # --- and its CUDA twin ---------------------------------------------------------------
+    @app.post("/v2/cudasharedmemory/region/{name}/register", dependencies=auth)
+    def register_cuda(name: str, body: RegisterCuda) -> JSONResponse:
+        regions.register_cuda(name, body.raw_handle.b64, body.device_id, body.byte_size)
+        return JSONResponse({}, 200)
+
+    @app.get("/v2/cudasharedmemory/status", dependencies=auth)
+    def cuda_status_all() -> list[dict[str, object]]:
+        return regions.status(kind=CudaRegion)
+
+    @app.get("/v2/cudasharedmemory/region/{name}/status", dependencies=auth)
+    def cuda_status_one(name: str) -> list[dict[str, object]]:
+        return regions.status(name, kind=CudaRegion)
+
+    @app.post("/v2/cudasharedmemory/unregister", dependencies=auth)
+    async def cuda_unregister_all() -> JSONResponse:
+        await regions.unregister(kind=CudaRegion)
+        return JSONResponse({}, 200)
+
+    @app.post("/v2/cudasharedmemory/region/{name}/unregister", dependencies=auth)
+    async def cuda_unregister_one(name: str) -> JSONResponse:
+        await regions.unregister(name, kind=CudaRegion)
         return JSONResponse({}, 200)
 
     return app

@@ -1,4 +1,4 @@
-"""The ``framewire`` command: serve, encode, probe, decode, info."""
+"""The ``framewire`` command: serve, encode, probe, decode, info, demo."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     single_threaded_conversion()
     settings = settings_from(args)
-    serve(create_app(settings), settings)
+    app = create_app(settings)
+    serve(app, settings, on_drain=app.state.fd_server.stop_accepting)
     return 0
 
 
@@ -170,6 +171,23 @@ def cmd_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoOptions, run_demo
+
+    width, height = args.size
+    options = DemoOptions(
+        url=args.url,
+        token=args.token,
+        fd_socket=args.fd_socket,
+        inputs=args.inputs,
+        frames=args.frames,
+        width=width,
+        height=height,
+        ranks=args.ranks,
+    )
+    return run_demo(options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="framewire", description=__doc__)
     parser.add_argument("--version", action="store_true", help="print versions and exit")
@@ -228,6 +246,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode here when no worker answers (default: yes)",
     )
     dec.set_defaults(func=cmd_decode)
+
+    demo = sub.add_parser(
+        "demo",
+        help="save two clips and share one reference decode between processes, through a "
+        "worker (one is started if none answers at --url)",
+    )
+    _client_flags(demo)
+    demo.add_argument(
+        "--fd-socket", dest="fd_socket", default=None, help="default: the worker's, from /v1/info"
+    )
+    demo.add_argument(
+        "--inputs",
+        type=Path,
+        default=None,
+        help="where to write the reference video: a directory the worker reads references "
+        "from (default: the worker's first input root)",
+    )
+    demo.add_argument("--frames", type=int, default=48)
+    demo.add_argument("--size", type=_size, default=(256, 256), metavar="WxH")
+    demo.add_argument("--ranks", type=int, default=4, help="processes asking for the reference")
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -25,7 +25,7 @@ from framewire.client.ffmpeg_argv import encode_argv, x264_auto_threads
 from .atomic import atomic_output
 from .convert import chunk_frames, convert_into
 from .ffmpeg import FfmpegExited, FfmpegProcess, resolve_ffmpeg
-from .sources import FrameSource
+from .sources import FrameSource, Geometry
 from .stream import chunk_spans, pump_converted, send_all, slot_frames, widen_pipe
 
 Route = Literal["stream", "fallback"]
@@ -88,6 +88,18 @@ class Encoder:
     def threads_for(self, height: int, params: EncodeParams) -> int:
         return params.threads or x264_auto_threads(height)
 
+    def frames_per_chunk(self, g: Geometry) -> int:
+        """Frames converted at once on the streaming route: within the chunk budget and
+        one staging slot."""
+        return min(
+            chunk_frames(self.chunk_bytes, g.height, g.width, g.dtype.itemsize),
+            slot_frames(g.height, g.width),
+        )
+
+    def gpu_bytes(self, source: FrameSource) -> int:
+        """GPU memory an encode of ``source`` holds while it runs (for admission)."""
+        return source.gpu_bytes(self.frames_per_chunk(source.geometry))
+
     def encode(
         self,
         source: FrameSource,
@@ -130,7 +142,7 @@ class Encoder:
                     raise
                 check()
                 route, fast_error = "fallback", str(exc)
-                self._reference(source, tmp, params)
+                self._reference(source, tmp, params, check)
         return Encoded(
             path=path,
             bytes=path.stat().st_size,
@@ -177,11 +189,7 @@ class Encoder:
                 if span is not None:
                     send_all(stdin, span[0], span[1], g.frames * g.height * g.width * 3, check)
                 else:
-                    per_chunk = min(
-                        chunk_frames(self.chunk_bytes, g.height, g.width, g.dtype.itemsize),
-                        slot_frames(g.height, g.width),
-                    )
-                    pump_converted(source, stdin, per_chunk, check=check)
+                    pump_converted(source, stdin, self.frames_per_chunk(g), check=check)
             except FfmpegExited as exc:
                 rc = ff.proc.wait()
                 raise MediaError(
@@ -191,7 +199,13 @@ class Encoder:
                 ) from exc
             _finish(ff)
 
-    def _reference(self, source: FrameSource, tmp: Path, params: EncodeParams) -> None:
+    def _reference(
+        self,
+        source: FrameSource,
+        tmp: Path,
+        params: EncodeParams,
+        check: Callable[[], None] = lambda: None,
+    ) -> None:
         """The in-process path: the whole clip as uint8, piped into imageio-ffmpeg's argv.
 
         Conversion goes chunk by chunk into the uint8 clip, so the fallback holds
@@ -199,10 +213,24 @@ class Encoder:
         """
         g = source.geometry
         frames = torch.empty((g.frames, g.height, g.width, 3), dtype=torch.uint8)
-        per_chunk = chunk_frames(self.chunk_bytes, g.height, g.width, g.dtype.itemsize)
-        for t0, t1 in chunk_spans(g.frames, per_chunk):
-            chunk, owned = source.read(t0, t1)
-            convert_into(chunk, g.layout, frames[t0:t1], inplace=owned)
+        writer = source.chunk_writer()
+        if writer is not None:
+            # The source's own converter (on its GPU), at the streaming route's chunk size:
+            # the GPU memory admitted for this encode was counted at that size.
+            writer.open(None, self.frames_per_chunk(g))
+            try:
+                for t0, t1 in chunk_spans(g.frames, self.frames_per_chunk(g)):
+                    check()
+                    writer.write(lambda t0=t0, t1=t1: frames[t0:t1], t0, t1)
+            finally:
+                writer.close()
+        else:
+            per_chunk = chunk_frames(self.chunk_bytes, g.height, g.width, g.dtype.itemsize)
+            for t0, t1 in chunk_spans(g.frames, per_chunk):
+                check()
+                chunk, owned = source.read(t0, t1)
+                convert_into(chunk, g.layout, frames[t0:t1], inplace=owned)
+        check()
         with FfmpegProcess(
             self._argv(tmp, source, params, threads=params.threads, stdin_name="-")
         ) as ff:

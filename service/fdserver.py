@@ -248,14 +248,16 @@ class FdServer:
         )
         return reply, answer.fd, op
 
-    async def close(self) -> None:
-        """Stop accepting, drop connections, stop decodes, remove the socket file."""
+    async def stop_accepting(self) -> None:
+        """Refuse new connections (a shutdown began); open ones are still answered.
+
+        The socket file goes too, so a rank that asks now gets Unavailable at once
+        and decodes locally.
+        """
         if self._accepting is not None:
             self._accepting.cancel()
-        tasks = [t for t in (self._accepting, *self._connections) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(self._accepting, return_exceptions=True)
+            self._accepting = None
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -263,6 +265,14 @@ class FdServer:
             with contextlib.suppress(OSError):
                 if os.stat(self.path).st_ino == self._inode:
                     self.path.unlink()
+
+    async def close(self) -> None:
+        """Stop accepting, drop connections, stop decodes, remove the socket file."""
+        await self.stop_accepting()
+        tasks = list(self._connections)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.decoder.close()
 
 

@@ -5,25 +5,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import shutil
 import subprocess
+import threading
 
 from framewire.client.errors import Unavailable
-
-
-def resolve_ffmpeg(configured: str | None = None) -> str:
-    """The configured executable (a path or a name on PATH), else imageio-ffmpeg's."""
-    if configured:
-        found = shutil.which(configured)
-        if found is None:
-            raise Unavailable(f"ffmpeg executable {configured!r} not found", code="ffmpeg_missing")
-        return os.path.abspath(found)
-    import imageio_ffmpeg
-
-    try:
-        return imageio_ffmpeg.get_ffmpeg_exe()
-    except RuntimeError as exc:
-        raise Unavailable(str(exc), code="ffmpeg_missing") from exc
+from framewire.client.ffmpeg_argv import resolve_ffmpeg as resolve_ffmpeg  # shared resolver
 
 
 @functools.cache
@@ -45,6 +31,19 @@ class FfmpegExited(Exception):
 
 
 STDERR_TAIL = 4096
+
+# Every ffmpeg child alive in this process, so a shutdown can stop them all at once.
+_running: set[FfmpegProcess] = set()
+_running_lock = threading.Lock()
+
+
+def kill_running() -> int:
+    """Kill every ffmpeg child still running (their owners clean up); returns how many."""
+    with _running_lock:
+        procs = list(_running)
+    for ff in procs:
+        ff.kill()
+    return len(procs)
 
 
 class FfmpegProcess:
@@ -72,6 +71,8 @@ class FfmpegProcess:
             ) from exc
         assert self.proc.stdin is not None
         self.stdin = self.proc.stdin
+        with _running_lock:
+            _running.add(self)
 
     def finish(self) -> int:
         """Close stdin (end of frames) and wait for ffmpeg to write its trailer."""
@@ -94,6 +95,8 @@ class FfmpegProcess:
         with contextlib.suppress(OSError):
             self.stdin.close()
         self.proc.wait()
+        with _running_lock:
+            _running.discard(self)
         if self._stderr >= 0:
             os.close(self._stderr)
             self._stderr = -1

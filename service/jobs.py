@@ -2,13 +2,16 @@
 
 Every output is checked (paths, sources, sizes) before any encode starts, so a
 bad request writes nothing. Encodes run on worker threads, never on the event
-loop; a client that disconnects cancels them (ffmpeg killed, temp removed).
+loop; a client that disconnects cancels them (ffmpeg killed, temp removed), and
+so does a shutdown whose grace period ran out, which answers 503 for them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import logging
 import os
 import threading
 import time
@@ -16,8 +19,9 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from framewire.client.errors import BadRequest, Cancelled, FramewireError
+from framewire.client.errors import BadRequest, Cancelled, FramewireError, Unavailable
 from framewire.client.wire import (
     CudaIpcSource,
     EncodeRequest,
@@ -30,15 +34,23 @@ from framewire.client.wire import (
 )
 
 from .encoder import Encoded, EncodeParams, Encoder
+from .ffmpeg import kill_running
 from .metrics import Metrics
 from .paths import resolve_input, resolve_output
-from .regions import RegionRegistry
+from .regions import CudaRegion, RegionRegistry, SystemRegion
 from .scheduler import Scheduler
 from .settings import Settings
 from .sources import FileSource, FrameSource, Geometry, open_shm
 from .validate import validate_output
 
+if TYPE_CHECKING:
+    from .cuda_source import CudaRuntime
+
 DISCONNECT_POLL_S = 0.1
+STOP_WAIT_S = 10.0  # how long a shutdown waits for stopped requests to send their answers
+SHUTTING_DOWN = "the worker is shutting down; the encode was stopped"
+
+log = logging.getLogger("framewire.jobs")
 
 
 @dataclass
@@ -61,16 +73,21 @@ class EncodeJobs:
         regions: RegionRegistry,
         metrics: Metrics,
         scheduler: Scheduler,
+        cuda: CudaRuntime | None = None,
     ):
         self.settings = settings
         self.encoder = encoder
         self.regions = regions
         self.metrics = metrics
         self.scheduler = scheduler
+        self.cuda = cuda  # None: no usable GPU, cuda_ipc sources are refused
         # Every admitted encode has its thread; the scheduler, not the pool, limits them.
         self.pool = ThreadPoolExecutor(
             max(4, settings.cpu_slots + 2), thread_name_prefix="framewire-encode"
         )
+        self.stopping = False
+        self._cancels: set[threading.Event] = set()  # one per request in flight
+        self._requests: set[asyncio.Task[object]] = set()  # the tasks serving them
 
     async def _prepare(self, spec: OutputSpec, stack: contextlib.AsyncExitStack) -> Prepared:
         path = resolve_output(spec.path, self.settings.output_roots)
@@ -85,13 +102,24 @@ class EncodeJobs:
                 os.close(fd)
                 raise
         elif isinstance(src, RegionSource):
-            fd, offset = await stack.enter_async_context(
+            region = await stack.enter_async_context(
                 self.regions.lease(src.region, src.offset, src.byte_size)
             )
-            source = FileSource(fd, offset, _geometry(src), owns_fd=False)
+            if isinstance(region, SystemRegion):
+                offset = region.offset + src.offset
+                source = FileSource(region.fd, offset, _geometry(src), owns_fd=False)
+            else:
+                assert isinstance(region, CudaRegion) and self.cuda is not None
+                source = self.cuda.region_source(region, src)
         else:
             assert isinstance(src, CudaIpcSource)
-            raise BadRequest("this worker has no CUDA support", code="cuda_unavailable")
+            if self.cuda is None:
+                raise BadRequest(
+                    "this worker has no CUDA device; send host memory instead",
+                    code="cuda_unavailable",
+                )
+            # Opening a handle is driver work (milliseconds): off the event loop.
+            source = await asyncio.to_thread(self.cuda.open_ipc, src)
         stack.callback(source.close)
         params = EncodeParams(
             fps=spec.fps,
@@ -105,6 +133,12 @@ class EncodeJobs:
     def _encode_one(self, job: Prepared, validate: bool, cancel: threading.Event) -> OutputResult:
         started = time.time()
         encoded: Encoded = self.encoder.encode(job.source, job.path, job.params, cancel=cancel)
+        if encoded.fast_path_error is not None:
+            log.warning(
+                "output %s was redone on the reference route",
+                job.path,
+                extra={"fast_path_error": encoded.fast_path_error},
+            )
         g = job.source.geometry
         validate_ms = 0.0
         info = None
@@ -158,7 +192,27 @@ class EncodeJobs:
         paths = [o.path for o in request.outputs]
         if len(set(paths)) != len(paths):
             raise BadRequest("two outputs of one request name the same path", code="duplicate_path")
+        if self.stopping:
+            raise Unavailable("the worker is shutting down", code="shutting_down")
         cancel = threading.Event()
+        me = asyncio.current_task()
+        self._cancels.add(cancel)
+        if me is not None:
+            self._requests.add(me)
+        try:
+            return await self._run(request, is_disconnected, cancel, me)
+        finally:
+            self._cancels.discard(cancel)
+            self._requests.discard(me)  # type: ignore[arg-type]
+
+    async def _run(
+        self,
+        request: EncodeRequest,
+        is_disconnected: Callable[[], Awaitable[bool]],
+        cancel: threading.Event,
+        me: asyncio.Task[object] | None,
+    ) -> tuple[int, list[OutputResult]]:
+        stopped = False
         async with contextlib.AsyncExitStack() as stack:
             jobs = [await self._prepare(spec, stack) for spec in request.outputs]
             if len({j.path for j in jobs}) != len(jobs):
@@ -173,6 +227,13 @@ class EncodeJobs:
                 ]
                 watcher = asyncio.create_task(self._watch(is_disconnected, cancel, tasks))
                 outcomes = await asyncio.gather(*tasks)
+            except asyncio.CancelledError:
+                # Only the server cancels the request's own task: its grace period ran out.
+                # A client that went away cancels the outputs' tasks, never this one.
+                if me is None or not me.cancelling():
+                    raise
+                me.uncancel()
+                stopped = True
             finally:
                 # Whatever happened, no encode thread may outlive the sources it reads:
                 # the exit stack closes them next.
@@ -181,6 +242,8 @@ class EncodeJobs:
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+            if stopped:
+                outcomes = [_after_stop(job, task) for job, task in zip(jobs, tasks, strict=True)]
         status = next((s for s, _ in outcomes if s != 200), 200)
         return status, [r for _, r in outcomes]
 
@@ -188,10 +251,11 @@ class EncodeJobs:
         self, job: Prepared, validate: bool, cancel: threading.Event
     ) -> tuple[int, OutputResult]:
         threads = self.encoder.threads_for(job.source.geometry.height, job.params)
+        gpu = self.encoder.gpu_bytes(job.source)  # conversion temporaries on its GPU
         self.metrics.queue_waiting.inc()
         queued = True
         try:
-            async with self.scheduler.hold(threads) as waited:
+            async with self.scheduler.hold(threads, gpu) as waited:
                 self.metrics.queue_waiting.dec()
                 queued = False
                 self.metrics.queue_seconds.observe(waited)
@@ -203,6 +267,9 @@ class EncodeJobs:
                 except Cancelled:
                     raise
                 except FramewireError as exc:
+                    # ffmpeg's stderr tail goes into the log line, with the request's id.
+                    fields = {"code": exc.code} | ({"detail": exc.detail} if exc.detail else {})
+                    log.warning("output %s failed: %s", job.path, exc.message, extra=fields)
                     result = OutputResult(
                         path=str(job.path),
                         ok=False,
@@ -222,16 +289,23 @@ class EncodeJobs:
         self, cancel: threading.Event, job: Prepared, validate: bool
     ) -> OutputResult:
         """Run one encode on the pool. If this task is cancelled, the encode is told to stop
-        and awaited: its source must stay open until the thread lets go of it."""
+        and awaited: its source must stay open until the thread lets go of it. An encode
+        that completed anyway is a complete output, and is reported as one."""
+        if self.stopping:
+            raise Unavailable("the worker is shutting down", code="shutting_down")
+        # The thread sees this task's context (the request id its log lines carry).
+        context = contextvars.copy_context()
         future = asyncio.get_running_loop().run_in_executor(
-            self.pool, self._encode_one, job, validate, cancel
+            self.pool, context.run, self._encode_one, job, validate, cancel
         )
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
             cancel.set()
             await asyncio.wait([future])
-            raise
+            if future.cancelled() or future.exception() is not None:
+                raise
+            return future.result()
 
     async def _watch(
         self,
@@ -247,5 +321,35 @@ class EncodeJobs:
                 return
             await asyncio.sleep(DISCONNECT_POLL_S)
 
+    async def stop(self, wait: float = STOP_WAIT_S) -> None:
+        """Stop every encode still running or waiting: the grace period is over.
+
+        Their ffmpeg is killed (an encode in ffmpeg's final flush checks nothing), their
+        temp files go with their threads, and their requests get to send a 503 before
+        the pool is shut down.
+        """
+        self.stopping = True
+        for cancel in list(self._cancels):
+            cancel.set()
+        killed = kill_running()
+        if killed:
+            log.warning("shutdown: killed %d ffmpeg process(es) still encoding", killed)
+        current = asyncio.current_task()
+        pending = {t for t in self._requests if t is not current and not t.done()}
+        if pending:
+            await asyncio.wait(pending, timeout=wait)
+        await asyncio.to_thread(self.pool.shutdown, wait=True, cancel_futures=True)
+
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _after_stop(
+    job: Prepared, task: asyncio.Task[tuple[int, OutputResult]]
+) -> tuple[int, OutputResult]:
+    """An output's outcome once a shutdown stopped its request: done, or stopped."""
+    if task.done() and not task.cancelled() and task.exception() is None:
+        return task.result()
+    log.warning("output %s stopped: the worker is shutting down", job.path)
+    error = ErrorInfo(code="shutting_down", message=SHUTTING_DOWN)
+    return Unavailable.status, OutputResult(path=str(job.path), ok=False, error=error)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     allowed_gids: Annotated[list[int], NoDecode] = Field(default_factory=list)
     fallback: bool = True
     log_level: str = "info"
+    log_format: Literal["plain", "json"] = "plain"
+    # Seconds a SIGTERM waits for requests in flight before stopping what still runs.
+    shutdown_grace: float = Field(default=30.0, ge=0)
 
     @field_validator("output_roots", "input_roots", "shm_prefixes", mode="before")
     @classmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ from framewire.client.errors import BadRequest, Forbidden, NotFound
 from framewire.client.wire import DType, Layout
 
 from .convert import TORCH_DTYPES, WIRE_DTYPES, slice_frames
+
+if TYPE_CHECKING:
+    from .stream import ChunkWriter
 
 
 @dataclass
@@ -52,6 +56,15 @@ class FrameSource:
     def zero_copy(self) -> tuple[int, int] | None:
         """(fd, offset) of contiguous THWC uint8 bytes that can be sent as they are."""
         return None
+
+    def chunk_writer(self) -> ChunkWriter | None:
+        """A converter of its own (a GPU source converts where its frames are); None: the
+        host converts what ``read`` returns."""
+        return None
+
+    def gpu_bytes(self, frames_per_chunk: int) -> int:
+        """GPU memory its conversion holds at ``frames_per_chunk`` frames a chunk."""
+        return 0
 
     def materialize(self) -> torch.Tensor:
         return self.read(0, self.geometry.frames)[0]

@@ -9,18 +9,28 @@ capacity plus a page) is punched out (``MADV_REMOVE``): the pipe keeps the old
 pages, the next write gets fresh ones. Punching whole slots would cost a page
 fault and a zero-fill per page of every chunk.
 
+Staging that a GPU copies into is page-locked (``cudaHostRegister``), and
+punching a page-locked page would leave the GPU writing to a page the memfd no
+longer holds. Such slots are never punched: a slot is rewritten only once the
+reader has consumed every byte it last sent (the pipe's unread count says so),
+after which the pipe holds none of its pages.
+
 Conversion walks each chunk in blocks of about ``BLOCK_BYTES`` of source data
 (whole frames, or rows of one frame), so the float temporaries stay in cache
-and each source byte crosses memory once.
+and each source byte crosses memory once. What fills a slot is pluggable
+(``ChunkWriter``): the host converter here, or a source's own (the GPU's).
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import fcntl
 import mmap
 import os
 import select
+import termios
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -36,6 +46,7 @@ F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 BLOCK_BYTES = 1 << 20  # source bytes converted at once: fits a core's L2
 SLOT_TARGET = 8 << 20  # staging bytes per chunk: small enough to start ffmpeg early
+DRAIN_POLL_S = 0.001  # how often a writer waiting on a pinned slot looks at the pipe again
 
 
 def widen_pipe(fd: int) -> None:
@@ -51,6 +62,20 @@ def pipe_capacity(fd: int) -> int | None:
         return fcntl.fcntl(fd, F_GETPIPE_SZ)
     except OSError:
         return None
+
+
+def reader_gone(fd: int) -> bool:
+    """Whether the read end of the pipe behind write end ``fd`` is closed."""
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+
+
+def pipe_unread(fd: int) -> int:
+    """Bytes written into the pipe behind ``fd`` (either end) that are not read yet."""
+    count = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, count, True)
+    return count[0]
 
 
 SEND_SLICE = 16 << 20  # bytes per sendfile call: how often ``check`` gets a say
@@ -91,21 +116,33 @@ class Staging:
     def __init__(self, slot_bytes: int, slots: int = 2, *, in_flight: int | None = None):
         # Page-aligned slots: MADV_REMOVE works on whole pages.
         self.slot_bytes = -(-slot_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.size = self.slot_bytes * slots
         self.in_flight = in_flight
         self._sent = [0] * slots
         self.fd = os.memfd_create("framewire-staging", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(self.fd, self.slot_bytes * slots)
-            self._map = mmap.mmap(self.fd, self.slot_bytes * slots)
+            os.ftruncate(self.fd, self.size)
+            self._map = mmap.mmap(self.fd, self.size)
         except BaseException:
             os.close(self.fd)
             raise
 
-    def slot(self, index: int, nbytes: int) -> torch.Tensor:
-        """Slot ``index`` as a writable uint8 tensor of ``nbytes``, safe to overwrite."""
+    def address(self) -> int:
+        """Where the mapping starts in this process (for page-locking it)."""
+        view = torch.frombuffer(self._map, dtype=torch.uint8, count=1)
+        try:
+            return view.data_ptr()
+        finally:
+            del view
+
+    def slot(self, index: int, nbytes: int, *, punch: bool = True) -> torch.Tensor:
+        """Slot ``index`` as a writable uint8 tensor of ``nbytes``, safe to overwrite.
+
+        ``punch=False``: the caller has made sure the reader is done with it (pinned slots).
+        """
         start = index * self.slot_bytes
         sent = self._sent[index]
-        if sent:
+        if sent and punch:
             tail = sent if self.in_flight is None else min(sent, self.in_flight + mmap.PAGESIZE)
             lo = (start + sent - tail) // mmap.PAGESIZE * mmap.PAGESIZE
             hi = -(-(start + sent) // mmap.PAGESIZE) * mmap.PAGESIZE
@@ -153,43 +190,128 @@ def chunk_spans(frames: int, per_chunk: int) -> list[tuple[int, int]]:
     return [(t0, min(t0 + per_chunk, frames)) for t0 in range(0, frames, per_chunk)]
 
 
+class ChunkWriter:
+    """Converts frames [t0, t1) of one source into (t, H, W, 3) uint8 host memory.
+
+    One per encode, called from one thread at a time. ``write`` gets ``take``,
+    which hands out the destination once it may be written: a writer that
+    computes elsewhere first (on a GPU) asks for it last.
+    """
+
+    pinned = False  # set by ``open`` once it page-locked the staging: then never punched
+
+    def open(self, staging: Staging | None, frames: int) -> None:
+        """Before the first chunk; ``frames`` is the most any chunk holds. No staging: the
+        destinations are plain host memory (the reference route)."""
+
+    def write(self, take: Callable[[], torch.Tensor], t0: int, t1: int) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """After the last chunk (or a failure), before the staging is unmapped."""
+
+
+class HostWriter(ChunkWriter):
+    """The CPU converter: cache-sized blocks of what the source's ``read`` returns."""
+
+    def __init__(self, source: FrameSource):
+        self.source = source
+        self.scratch: torch.Tensor | None = None  # float scaling space, for frames not ours
+        self.planes = torch.empty(BLOCK_BYTES, dtype=torch.uint8)  # the cast, pre-interleave
+
+    def write(self, take: Callable[[], torch.Tensor], t0: int, t1: int) -> None:
+        g = self.source.geometry
+        out = take().view(t1 - t0, g.height, g.width, 3)
+        try:
+            for a, b, r0, r1 in blocks(g, t0, t1):
+                block, owned = self.source.read(a, b, r0, r1)
+                if not owned and block.dtype != torch.uint8 and self.scratch is None:
+                    self.scratch = torch.empty(BLOCK_BYTES, dtype=block.dtype)
+                convert_into(
+                    block,
+                    g.layout,
+                    out[a - t0 : b - t0, r0:r1],
+                    scratch=self.scratch,
+                    planes=self.planes,
+                    inplace=owned,
+                )
+        finally:
+            del out  # no view of the mapping may outlive the call
+
+
+class PumpStopped(Exception):
+    """The pump gave up (ffmpeg gone, cancelled) while a writer waited for a slot."""
+
+
+class PipeDrain:
+    """Tells a writer when the pipe's reader has consumed all a slot last sent.
+
+    For pinned slots, which cannot be punched. The reader has consumed at least
+    ``written - unread`` bytes, where ``written`` counts completed sends only: a
+    send still running adds to ``unread`` alone, so the estimate errs low, never high.
+    """
+
+    def __init__(self, fd: int, slots: int):
+        self.fd = fd
+        self.written = 0
+        self.ends = [0] * slots  # ``written`` when each slot's last send completed
+        self._cond = threading.Condition()
+        self._stopped = False
+
+    def sent(self, slot: int, nbytes: int) -> None:
+        with self._cond:
+            self.written += nbytes
+            self.ends[slot] = self.written
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def wait(self, slot: int) -> None:
+        with self._cond:
+            while not self._stopped:
+                if self.written - pipe_unread(self.fd) >= self.ends[slot]:
+                    return
+                # Bytes left in a pipe nobody reads never drain, and the sender waits on us.
+                if reader_gone(self.fd):
+                    raise FfmpegExited("ffmpeg closed its input early")
+                self._cond.wait(DRAIN_POLL_S)
+        raise PumpStopped("the pump stopped")
+
+
 def pump_converted(
     source: FrameSource,
     out_fd: int,
     per_chunk: int,
     *,
     check: Callable[[], None] = lambda: None,
+    writer: ChunkWriter | None = None,
 ) -> int:
     """Convert ``source`` chunk by chunk into staging and sendfile each chunk to ``out_fd``.
 
     Chunk k+1 is converted on a helper thread while chunk k is sent (both
     release the GIL). Returns the bytes sent. ``check`` runs between chunks and
-    may raise to stop (cancellation).
+    may raise to stop (cancellation). ``writer`` defaults to the source's own
+    converter, else the host one.
     """
     g = source.geometry
     frame_bytes = 3 * g.height * g.width
     spans = chunk_spans(g.frames, per_chunk)
-    scratch: list[torch.Tensor] = []  # float scaling space, for sources we must not write
-    planes = torch.empty(BLOCK_BYTES, dtype=torch.uint8)  # the cast, before the interleave
+    writer = writer or source.chunk_writer() or HostWriter(source)
+    drain: PipeDrain | None = None
 
     def convert(slot: int, t0: int, t1: int) -> int:
         nbytes = (t1 - t0) * frame_bytes
-        out = staging.slot(slot, nbytes).view(t1 - t0, g.height, g.width, 3)
-        try:
-            for a, b, r0, r1 in blocks(g, t0, t1):
-                block, owned = source.read(a, b, r0, r1)
-                if not owned and block.dtype != torch.uint8 and not scratch:
-                    scratch.append(torch.empty(BLOCK_BYTES, dtype=block.dtype))
-                convert_into(
-                    block,
-                    g.layout,
-                    out[a - t0 : b - t0, r0:r1],
-                    scratch=scratch[0] if scratch else None,
-                    planes=planes,
-                    inplace=owned,
-                )
-        finally:
-            del out  # no view of the mapping may outlive the call
+
+        def take() -> torch.Tensor:
+            if drain is None:
+                return staging.slot(slot, nbytes)
+            drain.wait(slot)
+            return staging.slot(slot, nbytes, punch=False)
+
+        writer.write(take, t0, t1)
         return nbytes
 
     sent = 0
@@ -197,21 +319,29 @@ def pump_converted(
         Staging(per_chunk * frame_bytes, in_flight=pipe_capacity(out_fd)) as staging,
         ThreadPoolExecutor(1, thread_name_prefix="framewire-convert") as pool,
     ):
-        pending: Future[int] | None = pool.submit(convert, 0, *spans[0])
+        pending: Future[int] | None = None
         try:
+            writer.open(staging, per_chunk)
+            if writer.pinned:
+                drain = PipeDrain(out_fd, 2)
+            pending = pool.submit(convert, 0, *spans[0])
             for i in range(len(spans)):
-                assert pending is not None
                 nbytes = pending.result()
                 pending = (
                     pool.submit(convert, (i + 1) % 2, *spans[i + 1]) if i + 1 < len(spans) else None
                 )
                 check()
                 send_all(out_fd, staging.fd, (i % 2) * staging.slot_bytes, nbytes)
+                if drain is not None:
+                    drain.sent(i % 2, nbytes)
                 sent += nbytes
         finally:
             # The converter writes into the mapping: it must be done before the unmap.
+            if drain is not None:
+                drain.stop()
             if pending is not None:
                 pending.cancel()
                 with contextlib.suppress(BaseException):
                     pending.result()
+            writer.close()
     return sent

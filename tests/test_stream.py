@@ -15,7 +15,14 @@ from framewire.client.wire import Layout
 from framewire.service import stream
 from framewire.service.ffmpeg import FfmpegExited
 from framewire.service.sources import TensorSource
-from framewire.service.stream import Staging, pump_converted, send_all, widen_pipe
+from framewire.service.stream import (
+    ChunkWriter,
+    HostWriter,
+    Staging,
+    pump_converted,
+    send_all,
+    widen_pipe,
+)
 
 from tests.conftest import make_clip, reference_uint8
 
@@ -31,13 +38,13 @@ def drain_later(fd: int, delay: float, out: bytearray) -> threading.Thread:
     return t
 
 
-def pump_through_slow_pipe(clip: torch.Tensor) -> bytes:
+def pump_through_slow_pipe(clip: torch.Tensor, writer: ChunkWriter | None = None) -> bytes:
     r, w = os.pipe()
     widen_pipe(w)
     got = bytearray()
     reader = drain_later(r, 0.3, got)
     try:
-        pump_converted(TensorSource(clip), w, per_chunk=1)
+        pump_converted(TensorSource(clip), w, per_chunk=1, writer=writer)
     finally:
         os.close(w)
         reader.join()
@@ -62,6 +69,62 @@ def test_without_punching_slots_the_pipe_sees_rewritten_pages(monkeypatch):
     clip = make_clip(frames=40, height=48, width=64)
     if pump_through_slow_pipe(clip) == reference_uint8(clip, Layout.CTHW).tobytes():
         pytest.skip("this kernel copies on sendfile into a pipe; the hazard cannot show here")
+
+
+class PinnedHostWriter(HostWriter):
+    """The host converter declaring its staging page-locked, as the GPU writer does when
+    cudaHostRegister succeeds: its slots must then never be punched."""
+
+    def open(self, staging: Staging | None, frames: int) -> None:
+        self.pinned = True
+
+
+def test_pinned_slots_are_reused_only_once_the_pipe_drained(monkeypatch):
+    punches: list[bool] = []
+    real_slot = Staging.slot
+
+    def slot(self: Staging, index: int, nbytes: int, *, punch: bool = True) -> torch.Tensor:
+        punches.append(punch)
+        return real_slot(self, index, nbytes, punch=punch)
+
+    monkeypatch.setattr(stream.Staging, "slot", slot)
+    clip = make_clip(frames=40, height=48, width=64)
+    got = pump_through_slow_pipe(clip, PinnedHostWriter(TensorSource(clip)))
+    assert got == reference_uint8(clip, Layout.CTHW).tobytes()
+    assert len(punches) == 40 and not any(punches)
+
+
+def test_pinned_slots_without_the_drain_wait_would_be_overwritten(monkeypatch):
+    """Shows why pinned slots wait: not punched and not waited for, they corrupt."""
+    monkeypatch.setattr(stream.PipeDrain, "wait", lambda self, slot: None)
+    clip = make_clip(frames=40, height=48, width=64)
+    got = pump_through_slow_pipe(clip, PinnedHostWriter(TensorSource(clip)))
+    if got == reference_uint8(clip, Layout.CTHW).tobytes():
+        pytest.skip("this kernel copies on sendfile into a pipe; the hazard cannot show here")
+
+
+def test_pinned_pump_stops_when_the_reader_goes_away():
+    r, w = os.pipe()
+    widen_pipe(w)
+
+    def read_a_little_then_close() -> None:
+        os.read(r, 4096)
+        time.sleep(0.2)
+        os.close(r)
+
+    reader = threading.Thread(target=read_a_little_then_close)
+    reader.start()
+    clip = make_clip(frames=60, height=96, width=128)
+    started = time.monotonic()
+    try:
+        with pytest.raises(FfmpegExited):
+            pump_converted(
+                TensorSource(clip), w, per_chunk=1, writer=PinnedHostWriter(TensorSource(clip))
+            )
+    finally:
+        reader.join()
+        os.close(w)
+    assert time.monotonic() - started < 10
 
 
 def test_send_all_handles_nonblocking_pipe_and_partial_writes():

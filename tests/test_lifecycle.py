@@ -1,0 +1,264 @@
+"""The worker's lifecycle: SIGTERM drains within the grace period and stops what outlives
+it; a start after a SIGKILL removes the temp files the killed worker left."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from tests.conftest import framewire_temps, make_clip
+from tests.worker import Worker, start_worker
+
+
+@pytest.fixture
+def segment() -> Iterator:
+    keys: list[str] = []
+
+    def make(clip: torch.Tensor) -> dict[str, Any]:
+        key = f"/framewire-test-{secrets.token_hex(6)}"
+        data = clip.contiguous().view(torch.uint8).numpy().tobytes()
+        Path(f"/dev/shm{key}").write_bytes(data)
+        keys.append(key)
+        return {
+            "kind": "shm",
+            "key": key,
+            "offset": 0,
+            "byte_size": len(data),
+            "dtype": str(clip.dtype).removeprefix("torch."),
+            "shape": list(clip.shape),
+            "layout": "CTHW",
+        }
+
+    yield make
+    for key in keys:
+        Path(f"/dev/shm{key}").unlink(missing_ok=True)
+
+
+def encode_body(source: dict[str, Any], path: str, **over: Any) -> dict[str, Any]:
+    return {"outputs": [{"source": source, "path": path, "fps": 24} | over]}
+
+
+class Request(threading.Thread):
+    """One HTTP request to the worker on its own thread; ``response`` once it returns."""
+
+    def __init__(self, worker: Worker, method: str, path: str, **kw: Any):
+        super().__init__(daemon=True)
+        self.worker, self.method, self.path, self.kw = worker, method, path, kw
+        self.response: httpx.Response | None = None
+        self.error: Exception | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with self.worker.http() as http:
+                self.response = http.request(self.method, self.path, **self.kw)
+        except Exception as exc:
+            self.error = exc
+
+    def result(self, timeout: float = 60) -> httpx.Response:
+        self.join(timeout)
+        assert not self.is_alive(), "the request did not return"
+        assert self.response is not None, self.error
+        return self.response
+
+
+def wait_for_ffmpeg(worker: Worker, timeout: float = 20) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while not (pids := worker.children()):
+        assert worker.proc.poll() is None, worker.log.read_text()
+        assert time.monotonic() < deadline, "ffmpeg never started"
+        time.sleep(0.02)
+    return pids
+
+
+def gone(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return status.rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has stopped running
+
+
+def wait_gone(pids: set[int], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(gone(p) for p in pids):
+        assert time.monotonic() < deadline, f"processes {pids} still running"
+        time.sleep(0.05)
+
+
+def log_records(worker: Worker) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in worker.log.read_text().splitlines() if line.strip()]
+
+
+def assert_not_accepting(path: Path) -> None:
+    with socket.socket(socket.AF_UNIX) as s, pytest.raises(OSError):
+        s.connect(str(path))
+
+
+def test_sigterm_lets_the_encode_in_flight_finish(tmp_path, segment):
+    w = start_worker(
+        tmp_path, "--shutdown-grace", "30", "--log-format", "json", "--log-level", "info"
+    )
+    clip = make_clip(frames=96, height=256, width=256)
+    request = Request(
+        w, "POST", "/v1/videos:encode", json=encode_body(segment(clip), "done.mp4", preset="slow")
+    )
+    ffmpeg = wait_for_ffmpeg(w)
+    w.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert_not_accepting(w.uds)  # new connections are refused while it drains
+    assert_not_accepting(tmp_path / "fd.sock")
+    response = request.result()
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"][0]["ok"]
+    assert w.proc.wait(timeout=30) == 0
+    assert (w.outputs / "done.mp4").stat().st_size > 0
+    assert framewire_temps(w.outputs) == []
+    wait_gone(ffmpeg)
+    messages = [r["message"] for r in log_records(w)]
+    assert any("Waiting for connections to close" in m for m in messages), messages
+
+
+def test_sigterm_past_the_grace_period_stops_the_encode(tmp_path, segment):
+    w = start_worker(
+        tmp_path, "--shutdown-grace", "0.5", "--log-format", "json", "--log-level", "info"
+    )
+    clip = make_clip(frames=240, height=256, width=256)
+    request = Request(
+        w,
+        "POST",
+        "/v1/videos:encode",
+        json=encode_body(segment(clip), "stopped.mp4", preset="veryslow"),
+        headers={"x-request-id": "grace-1"},
+    )
+    ffmpeg = wait_for_ffmpeg(w)
+    sent = time.monotonic()
+    w.proc.send_signal(signal.SIGTERM)
+    response = request.result()
+    assert w.proc.wait(timeout=20) == 0
+    assert time.monotonic() - sent < 10
+    assert response.status_code == 503, response.text
+    body = response.json()
+    assert body["code"] == "shutting_down"
+    assert body["outputs"][0]["error"]["code"] == "shutting_down"
+    assert response.headers["x-request-id"] == "grace-1"
+    wait_gone(ffmpeg)
+    assert not (w.outputs / "stopped.mp4").exists()
+    assert framewire_temps(w.outputs) == []
+    records = log_records(w)
+    stopped = [r for r in records if "stopped: the worker is shutting down" in r["message"]]
+    assert [r.get("request_id") for r in stopped] == ["grace-1"], records
+
+
+def test_ffmpeg_failures_are_logged_with_the_request_id(tmp_path, segment):
+    w = start_worker(tmp_path, "--log-format", "json")
+    try:
+        (w.inputs / "not-audio.wav").write_bytes(b"not a wav file at all" * 10)
+        body = encode_body(segment(make_clip()), "a.mp4", audio="not-audio.wav")
+        with w.http() as http:
+            failed = http.post("/v1/videos:encode", json=body, headers={"x-request-id": "rid-7"})
+            generated = http.get("/healthz").headers["x-request-id"]
+            replaced = http.get("/healthz", headers={"x-request-id": "no spaces\tplease"})
+        assert failed.status_code == 422
+        assert failed.headers["x-request-id"] == "rid-7"
+        assert len(generated) == 16
+        assert replaced.headers["x-request-id"] not in ("no spaces\tplease", generated)
+    finally:
+        assert w.stop() == 0
+    [record] = [r for r in log_records(w) if r.get("code") == "ffmpeg_failed"]
+    assert record["request_id"] == "rid-7"
+    assert record["level"] == "WARNING"
+    assert record["detail"]  # ffmpeg's stderr tail
+
+
+def test_start_after_sigkill_removes_the_stale_temp_files(tmp_path, segment):
+    w = start_worker(tmp_path)
+    clip = make_clip(frames=240, height=256, width=256)
+    body = json.dumps(encode_body(segment(clip), "killed.mp4", preset="veryslow")).encode()
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(w.uds))
+        sock.sendall(
+            b"POST /v1/videos:encode HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        ffmpeg = wait_for_ffmpeg(w)
+        deadline = time.monotonic() + 10
+        while not (stale := framewire_temps(w.outputs)):
+            assert time.monotonic() < deadline, "no temp file appeared"
+            time.sleep(0.02)
+        os.kill(w.pid, signal.SIGKILL)
+        w.proc.wait()
+    for pid in ffmpeg:  # orphaned when the worker died; stop them rather than wait
+        if not gone(pid):
+            os.kill(pid, signal.SIGKILL)
+    wait_gone(ffmpeg)
+    assert stale[0].exists()
+
+    keep = w.outputs / "keep.mp4"
+    keep.write_bytes(b"a finished output")
+    lookalike = w.outputs / ".framewire-tmp-notes.txt"  # not a name the worker makes
+    lookalike.write_bytes(b"someone else's")
+    live = w.outputs / f".framewire-tmp-{os.getpid()}-0123abcd-live.mp4"  # a live writer's
+    live.write_bytes(b"being written")
+    link = w.outputs / f".framewire-tmp-{w.pid}-0123abcd-link.mp4"
+    link.symlink_to(keep)
+    try:
+        w2 = start_worker(tmp_path)
+        assert w2.stop() == 0
+        assert not any(p.exists() for p in stale)
+        assert keep.read_bytes() == b"a finished output"
+        assert lookalike.exists() and live.exists() and link.is_symlink()
+    finally:
+        for path in (lookalike, live, link):
+            path.unlink(missing_ok=True)
+
+
+def test_stale_temp_sweep_is_conservative(tmp_path):
+    from framewire.service.atomic import atomic_output, remove_stale_temps
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+
+    def temp(directory: Path, pid: int, name: str) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f".framewire-tmp-{pid}-{secrets.token_hex(4)}-{name}"
+        path.write_bytes(b"x")
+        return path
+
+    removed = [
+        temp(tmp_path, dead.pid, "dead.mp4"),
+        temp(tmp_path, os.getpid(), "mine.mp4"),  # a previous worker's, same pid as ours
+        temp(tmp_path / "a" / "b" / "c" / "d", dead.pid, "deep.mp4"),
+    ]
+    kept = [
+        temp(tmp_path, os.getppid(), "alive.mp4"),
+        temp(tmp_path / "a" / "b" / "c" / "d" / "e", dead.pid, "too-deep.mp4"),
+    ]
+    (tmp_path / f".framewire-tmp-{dead.pid}-0123abcd-dir.mp4").mkdir()
+    try:
+        with atomic_output(tmp_path / "writing.mp4") as writing:
+            # Our pid, so only its lock shows that a live writer holds it.
+            got = remove_stale_temps([str(tmp_path), str(tmp_path)], depth=4)
+            assert writing.exists()
+            raise RuntimeError("stop before the rename")
+    except RuntimeError:
+        pass
+    assert sorted(got) == sorted(removed)
+    assert all(p.exists() for p in kept)
+    for path in kept:
+        path.unlink()
+    (tmp_path / f".framewire-tmp-{dead.pid}-0123abcd-dir.mp4").rmdir()
