@@ -41,8 +41,8 @@ from framewire.client.wire import (
     normalize_uuid,
 )
 
-from .convert import TORCH_DTYPES, WIRE_DTYPES, slice_frames, to_thwc
-from .sources import FrameSource, Geometry
+from .convert import TORCH_DTYPES, slice_frames, to_thwc
+from .sources import FrameSource, tensor_geometry
 from .stream import ChunkWriter, Staging
 
 if TYPE_CHECKING:
@@ -80,24 +80,15 @@ class CudaTensorSource(FrameSource):
     ):
         if tensor.device.type != "cuda":
             raise BadRequest("CudaTensorSource takes CUDA tensors", code="bad_device")
-        if tensor.dtype not in WIRE_DTYPES:
-            raise BadRequest(f"unsupported dtype {tensor.dtype}", code="bad_dtype")
-        layout = Layout(layout)
-        try:
-            channels, frames, height, width = layout.dims(tuple(tensor.shape))
-        except ValueError as exc:
-            raise BadRequest(str(exc), code="bad_shape") from exc
-        if channels != 3 or frames < 1:
-            raise BadRequest(
-                f"shape {list(tensor.shape)} is not a 3-channel clip in {layout}", code="bad_shape"
-            )
+        self.geometry = tensor_geometry(tensor, layout)
         self.tensor: torch.Tensor | None = tensor
         self.device = tensor.device
         self.event = event
-        self.geometry = Geometry(WIRE_DTYPES[tensor.dtype], layout, frames, height, width)
         # Already rgb24 bytes in order: copied to the host as they are, no temporaries.
         self.as_is = (
-            tensor.dtype == torch.uint8 and layout is Layout.THWC and tensor.is_contiguous()
+            tensor.dtype == torch.uint8
+            and self.geometry.layout is Layout.THWC
+            and tensor.is_contiguous()
         )
 
     def frames(self) -> torch.Tensor:

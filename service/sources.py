@@ -41,6 +41,22 @@ class Geometry:
         return 3 * self.frames * self.height * self.width * self.dtype.itemsize
 
 
+def tensor_geometry(tensor: torch.Tensor, layout: Layout | str) -> Geometry:
+    """The geometry of a clip tensor in ``layout``, or the 4xx that says why it is none."""
+    if tensor.dtype not in WIRE_DTYPES:
+        raise BadRequest(f"unsupported dtype {tensor.dtype}", code="bad_dtype")
+    layout = Layout(layout)
+    try:
+        channels, frames, height, width = layout.dims(tuple(tensor.shape))
+    except ValueError as exc:
+        raise BadRequest(str(exc), code="bad_shape") from exc
+    if channels != 3 or frames < 1:
+        raise BadRequest(
+            f"shape {list(tensor.shape)} is not a 3-channel clip in {layout}", code="bad_shape"
+        )
+    return Geometry(WIRE_DTYPES[tensor.dtype], layout, frames, height, width)
+
+
 class FrameSource:
     """What the encoder reads. Subclasses fill in ``read``."""
 
@@ -80,19 +96,8 @@ class TensorSource(FrameSource):
         tensor = torch.from_numpy(np.asarray(data)) if isinstance(data, np.ndarray) else data
         if tensor.device.type != "cpu":
             raise BadRequest("TensorSource takes CPU tensors", code="bad_device")
-        if tensor.dtype not in WIRE_DTYPES:
-            raise BadRequest(f"unsupported dtype {tensor.dtype}", code="bad_dtype")
-        layout = Layout(layout)
-        try:
-            channels, frames, height, width = layout.dims(tuple(tensor.shape))
-        except ValueError as exc:
-            raise BadRequest(str(exc), code="bad_shape") from exc
-        if channels != 3 or frames < 1:
-            raise BadRequest(
-                f"shape {list(tensor.shape)} is not a 3-channel clip in {layout}", code="bad_shape"
-            )
+        self.geometry = tensor_geometry(tensor, layout)
         self.tensor = tensor
-        self.geometry = Geometry(WIRE_DTYPES[tensor.dtype], layout, frames, height, width)
 
     def read(
         self, t0: int, t1: int, r0: int = 0, r1: int | None = None
