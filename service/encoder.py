@@ -197,7 +197,7 @@ class Encoder:
                     code=_failure_code(rc),
                     detail=ff.stderr_tail(),
                 ) from exc
-            _finish(ff)
+            _finish(ff, check)
 
     def _reference(
         self,
@@ -238,15 +238,15 @@ class Encoder:
                 ff.stdin.write(memoryview(frames.numpy()).cast("B"))
             except BrokenPipeError:
                 pass  # _finish reports ffmpeg's exit status and stderr
-            _finish(ff)
+            _finish(ff, check)
 
 
 def _failure_code(rc: int) -> str:
     return "ffmpeg_killed" if rc < 0 else "ffmpeg_failed"
 
 
-def _finish(ff: FfmpegProcess) -> None:
-    rc = ff.finish()
+def _finish(ff: FfmpegProcess, check: Callable[[], None]) -> None:
+    rc = ff.finish(check)
     if rc != 0:
         raise MediaError(
             f"ffmpeg exited with status {rc}", code=_failure_code(rc), detail=ff.stderr_tail()

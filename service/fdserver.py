@@ -217,7 +217,8 @@ class FdServer:
             return failure("bad_request", f"request line over {MAX_LINE} bytes"), None, "invalid"
         try:
             message: Any = json.loads(line)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            # RecursionError: nesting deeper than the parser's stack, well within MAX_LINE
             return failure("bad_request", f"request is not JSON: {exc}"), None, "invalid"
         op = message.get("op") if isinstance(message, dict) else None
         if op not in ("decode", "ping"):

@@ -7,6 +7,7 @@ import functools
 import os
 import subprocess
 import threading
+from collections.abc import Callable
 
 from framewire.client.errors import Unavailable
 from framewire.client.ffmpeg_argv import resolve_ffmpeg as resolve_ffmpeg  # shared resolver
@@ -31,6 +32,7 @@ class FfmpegExited(Exception):
 
 
 STDERR_TAIL = 4096
+FINISH_POLL_S = 0.1
 
 # Every ffmpeg child alive in this process, so a shutdown can stop them all at once.
 _running: set[FfmpegProcess] = set()
@@ -74,11 +76,20 @@ class FfmpegProcess:
         with _running_lock:
             _running.add(self)
 
-    def finish(self) -> int:
-        """Close stdin (end of frames) and wait for ffmpeg to write its trailer."""
+    def finish(self, check: Callable[[], None] = lambda: None) -> int:
+        """Close stdin (end of frames) and wait for ffmpeg to write its trailer.
+
+        x264's lookahead can hold many frames, so the flush after the last one may
+        take seconds: ``check`` runs while waiting and may raise (cancellation);
+        the caller's ``close`` then kills ffmpeg.
+        """
         with contextlib.suppress(BrokenPipeError):
             self.stdin.close()
-        return self.proc.wait()
+        while True:
+            try:
+                return self.proc.wait(timeout=FINISH_POLL_S)
+            except subprocess.TimeoutExpired:
+                check()
 
     def kill(self) -> None:
         if self.proc.poll() is None:

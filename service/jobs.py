@@ -90,7 +90,9 @@ class EncodeJobs:
         self._requests: set[asyncio.Task[object]] = set()  # the tasks serving them
 
     async def _prepare(self, spec: OutputSpec, stack: contextlib.AsyncExitStack) -> Prepared:
-        path = resolve_output(spec.path, self.settings.output_roots)
+        # Judged first, but its directories are made only once the rest checked out:
+        # a refused request leaves nothing behind.
+        resolve_output(spec.path, self.settings.output_roots, create_dirs=False)
         audio = None if spec.audio is None else resolve_input(spec.audio, self.settings.input_roots)
         src = spec.source
         source: FrameSource
@@ -121,6 +123,7 @@ class EncodeJobs:
             # Opening a handle is driver work (milliseconds): off the event loop.
             source = await asyncio.to_thread(self.cuda.open_ipc, src)
         stack.callback(source.close)
+        path = resolve_output(spec.path, self.settings.output_roots)
         params = EncodeParams(
             fps=spec.fps,
             quality=spec.quality,
