@@ -23,6 +23,7 @@ from framewire.client.wire import (
 )
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .atomic import remove_stale_temps
@@ -41,6 +42,15 @@ from .scheduler import Scheduler
 from .settings import Settings
 
 log = logging.getLogger("framewire.app")
+
+
+HTTP_CODES = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+}
 
 
 def error_body(code: str, message: str, detail: object = None) -> dict[str, object]:
@@ -123,7 +133,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await regions.close()
         jobs.close()
 
-    app = FastAPI(title="framewire", version=__version__, lifespan=lifespan)
+    app = FastAPI(
+        title="framewire",
+        version=__version__,
+        lifespan=lifespan,
+        max_body_size=settings.max_body_bytes,
+    )
     app.state.settings, app.state.metrics, app.state.jobs = settings, metrics, jobs
     app.state.fd_server = fd_server
 
@@ -145,6 +160,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         status = 401 if exc.code == "unauthorized" else exc.status
         headers = {"Retry-After": f"{exc.retry_after:.0f}"} if isinstance(exc, Overloaded) else None
         return JSONResponse(error_body(exc.code, exc.message, exc.detail), status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Framework-level refusals (oversized or unparsable bodies, unknown routes) in
+        # the same {"error", "code"} shape as everything else.
+        code = HTTP_CODES.get(
+            exc.status_code, "bad_request" if exc.status_code < 500 else "internal"
+        )
+        return JSONResponse(
+            error_body(code, str(exc.detail)),
+            exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

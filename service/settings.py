@@ -40,6 +40,8 @@ class Settings(BaseSettings):
     chunk_bytes: int = Field(default=128 << 20, ge=1)
     cpu_slots: int = Field(default_factory=lambda: len(os.sched_getaffinity(0)), ge=1)
     max_queue: int = Field(default=64, ge=0)
+    # An encode request is a few hundred bytes an output; anything near this is not one.
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
     decode_cache_bytes: int = Field(default_factory=_default_cache_bytes, ge=0)
     allowed_uids: Annotated[list[int], NoDecode] = Field(default_factory=lambda: [os.getuid()])
     allowed_gids: Annotated[list[int], NoDecode] = Field(default_factory=list)
