@@ -82,9 +82,6 @@ class FrameSource:
         """GPU memory its conversion holds at ``frames_per_chunk`` frames a chunk."""
         return 0
 
-    def materialize(self) -> torch.Tensor:
-        return self.read(0, self.geometry.frames)[0]
-
     def close(self) -> None:
         pass
 
@@ -181,11 +178,6 @@ class FileSource(FrameSource):
                 got += n
             pos += length
         return out.view(shape), True
-
-    def materialize(self) -> torch.Tensor:
-        chunk, _ = self.read(0, self.geometry.frames)
-        self._buffer = None  # the caller owns this one now
-        return chunk
 
     def zero_copy(self) -> tuple[int, int] | None:
         g = self.geometry
