@@ -1,9 +1,15 @@
-"""Outputs that appear whole or not at all: write beside, fsync, rename.
+"""Outputs that appear whole or not at all: write aside, fsync, rename.
 
-A temp file is created and ``flock``-ed by the worker before ffmpeg writes it,
-and stays locked until it is renamed or removed. The lock dies with the
-process, even on SIGKILL, so a later worker can tell an abandoned temp file
-from one a live worker (maybe in another PID namespace, sharing the volume) is
+ffmpeg writes into a private directory (mode 0700) made beside the output, and
+names it through ``/proc/self/fd/<dir fd>``. The directory is reached through
+an fd opened when it was made, never by path again, and nobody else can put a
+file or a link inside it: a directory or link swapped in anywhere along the
+output's path after the worker judged it cannot redirect the write. The
+finished file is then renamed into the output directory, again by fd.
+
+The private directory is ``flock``-ed while it is in use. The lock dies with
+the process, even on SIGKILL, so a later worker can tell an abandoned one from
+one that a live worker (maybe in another PID namespace, sharing the volume) is
 still writing.
 """
 
@@ -11,18 +17,19 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import re
 import secrets
-import stat
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from framewire.client.errors import MediaError
 
-# Temp names carry this prefix and the writer's pid, so a restarted worker can
-# tell its own leftovers (from a SIGKILL) from anybody else's files.
+# Private directories carry this prefix and the writer's pid, so a restarted
+# worker can tell its own leftovers (from a SIGKILL) from anybody else's files.
 TEMP_PREFIX = ".framewire-tmp-"
 _TEMP_NAME = re.compile(re.escape(TEMP_PREFIX) + r"(\d+)-[0-9a-f]{8}-.+", re.DOTALL)
 
@@ -31,56 +38,94 @@ _TEMP_NAME = re.compile(re.escape(TEMP_PREFIX) + r"(\d+)-[0-9a-f]{8}-.+", re.DOT
 SWEEP_DEPTH = 4
 SWEEP_MAX_DIRS = 10_000
 
-
-def temp_path_for(path: Path) -> Path:
-    # The target's name stays at the end: ffmpeg picks the muxer from the extension.
-    return path.with_name(f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{path.name}")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def fsync_path(path: Path, *, directory: bool = False) -> None:
-    fd = os.open(path, (os.O_RDONLY | os.O_DIRECTORY) if directory else os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def temp_name_for(name: str) -> str:
+    return f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{name}"
 
 
-def _claim_temp(path: Path) -> tuple[Path, int]:
-    """Create and lock a fresh temp file beside ``path``; returns it and the lock's fd."""
+@dataclass(frozen=True)
+class Staged:
+    """Where an output is written before it is renamed into place."""
+
+    fd: int  # the private directory: a child process must inherit it to use ``path``
+    name: str  # the output's own name: ffmpeg picks the muxer from its extension
+
+    @property
+    def path(self) -> str:
+        return f"/proc/self/fd/{self.fd}/{self.name}"
+
+    def digest(self) -> tuple[int, str]:
+        """Size and sha256 of what was written."""
+        fd = os.open(self.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        with open(fd, "rb") as f:
+            h = hashlib.sha256()
+            while block := f.read(1 << 20):
+                h.update(block)
+            return f.tell(), h.hexdigest()
+
+
+def _claim(directory: int, name: str) -> tuple[str, int]:
+    """Make and lock a fresh private directory in ``directory``; returns its name and fd."""
     while True:
-        tmp = temp_path_for(path)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        temp = temp_name_for(name)
+        os.mkdir(temp, 0o700, dir_fd=directory)
+        fd = os.open(temp, _DIR_FLAGS, dir_fd=directory)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:
-            return tmp, fd  # no locks on this filesystem: the pid in the name still tells
+            return temp, fd  # no locks on this filesystem: the pid in the name still tells
         try:
-            if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
-                return tmp, fd
+            if os.stat(temp, dir_fd=directory, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                return temp, fd
         except FileNotFoundError:
             pass
-        os.close(fd)  # a sweeper removed it between create and lock: take another name
+        os.close(fd)  # a sweeper removed it between mkdir and lock: take another name
+
+
+def _discard(directory: int, temp: str, fd: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=fd)
+    with contextlib.suppress(OSError):  # moved away or filled by someone else: theirs now
+        os.rmdir(temp, dir_fd=directory)
 
 
 @contextlib.contextmanager
-def atomic_output(path: Path) -> Iterator[Path]:
-    """Yield a temp path beside ``path``; on success it becomes ``path``, else it is removed."""
+def atomic_output(directory: int, name: str) -> Iterator[Staged]:
+    """Yield where to write ``name``; on success it is renamed into ``directory``.
+
+    ``directory`` is an open directory fd that stays the caller's. On any
+    exception the written file and the private directory are removed.
+    """
     try:
-        tmp, lock = _claim_temp(path)
+        temp, fd = _claim(directory, name)
     except OSError as exc:
         raise MediaError(
-            f"cannot create a file in {path.parent}: {exc.strerror}", code="output_not_writable"
+            f"cannot create a file in the output directory: {exc.strerror}",
+            code="output_not_writable",
         ) from exc
     try:
-        yield tmp
-        fsync_path(tmp)
-        os.replace(tmp, path)
+        yield Staged(fd, name)
+        written = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        try:
+            os.fsync(written)
+        finally:
+            os.close(written)
+        # By fds on both sides: a link placed at the output's name is replaced, not followed.
+        os.replace(name, name, src_dir_fd=fd, dst_dir_fd=directory)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _discard(directory, temp, fd, name)
+        os.close(fd)
         raise
-    finally:
-        os.close(lock)
-    fsync_path(path.parent, directory=True)
+    _discard(directory, temp, fd, name)
+    os.close(fd)
+    os.fsync(directory)
+
+
+def open_directory(path: Path) -> int:
+    """An fd for an existing directory (symlinks followed: for callers choosing their own path)."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
 def _alive(pid: int) -> bool:
@@ -94,7 +139,7 @@ def _alive(pid: int) -> bool:
 
 
 def _remove_if_abandoned(path: Path) -> bool:
-    """Remove ``path`` if it is a framewire temp file that nobody is writing any more."""
+    """Remove ``path`` if it is a private directory that nobody is writing any more."""
     found = _TEMP_NAME.fullmatch(path.name)
     if found is None:
         return False
@@ -103,19 +148,22 @@ def _remove_if_abandoned(path: Path) -> bool:
     if pid != os.getpid() and _alive(pid):
         return False
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, _DIR_FLAGS | os.O_NONBLOCK)
     except OSError:
-        return False  # a symlink, or gone already
+        return False  # a symlink, not a directory, or gone already
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False  # a live writer whose pid we cannot see holds it
         except OSError:
             pass  # no locks on this filesystem: the dead pid is all there is to go on
-        path.unlink()  # under our lock: a writer racing us sees it gone and takes a new name
+        # Under our lock: a writer racing us sees it gone and takes a new name.
+        for entry in os.scandir(fd):
+            if entry.is_dir(follow_symlinks=False):
+                return False  # the worker makes no subdirectories: not ours to judge
+            os.unlink(entry.name, dir_fd=fd)
+        os.rmdir(path)
         return True
     except OSError:
         return False
@@ -126,12 +174,12 @@ def _remove_if_abandoned(path: Path) -> bool:
 def remove_stale_temps(
     roots: list[str], *, depth: int = SWEEP_DEPTH, max_dirs: int = SWEEP_MAX_DIRS
 ) -> list[Path]:
-    """Remove temp files that killed workers left under ``roots``; returns what went.
+    """Remove private directories that killed workers left under ``roots``; returns them.
 
-    Only names this module makes, only regular files, only when their writer's
-    pid is not alive and nobody holds their lock. Directories are walked
-    breadth-first, at most ``depth`` levels below a root and ``max_dirs`` in
-    all; symlinks are not followed.
+    Only names this module makes, only directories holding no directory, only
+    when their writer's pid is not alive and nobody holds their lock.
+    Directories are walked breadth-first, at most ``depth`` levels below a root
+    and ``max_dirs`` in all; symlinks are not followed.
     """
     removed: list[Path] = []
     queue = deque((Path(root), 0) for root in roots)

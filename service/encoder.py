@@ -8,8 +8,10 @@ produces the same bytes. Either way the file appears only when complete.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +24,7 @@ import torch
 from framewire.client.errors import BadRequest, Cancelled, MediaError, NotFound
 from framewire.client.ffmpeg_argv import encode_argv, x264_auto_threads
 
-from .atomic import atomic_output
+from .atomic import Staged, atomic_output, open_directory
 from .convert import chunk_frames, convert_into
 from .ffmpeg import FfmpegExited, FfmpegProcess, resolve_ffmpeg
 from .sources import FrameSource, Geometry
@@ -52,6 +54,7 @@ class Encoded:
     threads: int
     encode_ms: float
     fast_path_error: str | None = None  # why the fallback ran, when it did
+    inspected: object = None  # what the caller's ``inspect`` returned
 
 
 def sha256_file(path: Path) -> str:
@@ -107,17 +110,45 @@ class Encoder:
         params: EncodeParams,
         *,
         cancel: threading.Event | None = None,
+        directory: int | None = None,
+        inspect: Callable[[str], object] | None = None,
     ) -> Encoded:
+        """Encode ``source`` to ``path``.
+
+        ``directory``: an open fd for ``path``'s directory (the worker's, opened
+        without following links); by default the directory is opened here.
+        ``inspect`` runs on the finished file before it is renamed into place and
+        may raise to refuse it; what it returns is ``Encoded.inspected``.
+        """
         check_params(params)
         path = Path(path)
-        if not path.parent.is_dir():
-            raise NotFound(
-                f"output directory {path.parent} does not exist", code="output_dir_missing"
-            )
-        if path.is_dir():
-            raise BadRequest(f"output path {path} is a directory", code="output_is_directory")
         if params.audio is not None and not params.audio.is_file():
             raise NotFound(f"audio file {params.audio} does not exist", code="audio_missing")
+        if directory is not None:
+            return self._encode(source, path, params, cancel, directory, inspect)
+        try:
+            directory = open_directory(path.parent)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise NotFound(
+                f"output directory {path.parent} does not exist", code="output_dir_missing"
+            ) from exc
+        try:
+            return self._encode(source, path, params, cancel, directory, inspect)
+        finally:
+            os.close(directory)
+
+    def _encode(
+        self,
+        source: FrameSource,
+        path: Path,
+        params: EncodeParams,
+        cancel: threading.Event | None,
+        directory: int,
+        inspect: Callable[[str], object] | None,
+    ) -> Encoded:
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISDIR(os.stat(path.name, dir_fd=directory, follow_symlinks=False).st_mode):
+                raise BadRequest(f"output path {path} is a directory", code="output_is_directory")
 
         def check() -> None:
             if cancel is not None and cancel.is_set():
@@ -128,9 +159,9 @@ class Encoder:
         started = time.perf_counter()
         route: Route = "stream"
         fast_error: str | None = None
-        with atomic_output(path) as tmp:
+        with atomic_output(directory, path.name) as staged:
             try:
-                self._stream(source, tmp, params, threads, check)
+                self._stream(source, staged, params, threads, check)
             except (Cancelled, BadRequest):
                 raise  # the caller's fault or wish: the reference route would not help
             except (MediaError, OSError) as exc:
@@ -142,22 +173,26 @@ class Encoder:
                     raise
                 check()
                 route, fast_error = "fallback", str(exc)
-                self._reference(source, tmp, params, check)
+                self._reference(source, staged, params, check)
+            encode_ms = (time.perf_counter() - started) * 1e3
+            size, sha256 = staged.digest()
+            inspected = None if inspect is None else inspect(staged.path)
         return Encoded(
             path=path,
-            bytes=path.stat().st_size,
-            sha256=sha256_file(path),
+            bytes=size,
+            sha256=sha256,
             frames=g.frames,
             width=g.width,
             height=g.height,
             route=route,
             threads=threads,
-            encode_ms=(time.perf_counter() - started) * 1e3,
+            encode_ms=encode_ms,
             fast_path_error=fast_error,
+            inspected=inspected,
         )
 
     def _argv(
-        self, tmp: Path, source: FrameSource, params: EncodeParams, **kw: object
+        self, staged: Staged, source: FrameSource, params: EncodeParams, **kw: object
     ) -> list[str]:
         g = source.geometry
         return encode_argv(
@@ -165,7 +200,7 @@ class Encoder:
             width=g.width,
             height=g.height,
             fps=params.fps,
-            output=tmp.absolute(),
+            output=staged.path,
             quality=params.quality,
             preset=params.preset,
             audio=None if params.audio is None else params.audio.absolute(),
@@ -175,13 +210,14 @@ class Encoder:
     def _stream(
         self,
         source: FrameSource,
-        tmp: Path,
+        staged: Staged,
         params: EncodeParams,
         threads: int,
         check: Callable[[], None],
     ) -> None:
         g = source.geometry
-        with FfmpegProcess(self._argv(tmp, source, params, threads=threads)) as ff:
+        argv = self._argv(staged, source, params, threads=threads)
+        with FfmpegProcess(argv, pass_fds=(staged.fd,)) as ff:
             stdin = ff.stdin.fileno()
             widen_pipe(stdin)
             try:
@@ -202,7 +238,7 @@ class Encoder:
     def _reference(
         self,
         source: FrameSource,
-        tmp: Path,
+        staged: Staged,
         params: EncodeParams,
         check: Callable[[], None] = lambda: None,
     ) -> None:
@@ -231,9 +267,8 @@ class Encoder:
                 chunk, owned = source.read(t0, t1)
                 convert_into(chunk, g.layout, frames[t0:t1], inplace=owned)
         check()
-        with FfmpegProcess(
-            self._argv(tmp, source, params, threads=params.threads, stdin_name="-")
-        ) as ff:
+        argv = self._argv(staged, source, params, threads=params.threads, stdin_name="-")
+        with FfmpegProcess(argv, pass_fds=(staged.fd,)) as ff:
             try:
                 ff.stdin.write(memoryview(frames.numpy()).cast("B"))
             except BrokenPipeError:

@@ -55,7 +55,7 @@ class FfmpegProcess:
     whatever it prints, and no reader thread is needed.
     """
 
-    def __init__(self, argv: list[str]):
+    def __init__(self, argv: list[str], *, pass_fds: tuple[int, ...] = ()):
         self.argv = argv
         self._stderr = os.memfd_create("framewire-ffmpeg-stderr", os.MFD_CLOEXEC)
         try:
@@ -65,6 +65,7 @@ class FfmpegProcess:
                 stdout=subprocess.DEVNULL,
                 stderr=self._stderr,
                 close_fds=True,
+                pass_fds=pass_fds,  # the output's private directory, named via /proc/self/fd
             )
         except OSError as exc:
             os.close(self._stderr)

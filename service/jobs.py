@@ -26,6 +26,7 @@ from framewire.client.wire import (
     CudaIpcSource,
     EncodeRequest,
     ErrorInfo,
+    MediaInfo,
     OutputResult,
     OutputSpec,
     RegionSource,
@@ -36,7 +37,7 @@ from framewire.client.wire import (
 from .encoder import Encoded, EncodeParams, Encoder
 from .ffmpeg import kill_running
 from .metrics import Metrics
-from .paths import resolve_input, resolve_output
+from .paths import open_output_dir, resolve_input, resolve_output
 from .regions import CudaRegion, RegionRegistry, SystemRegion
 from .scheduler import Scheduler
 from .settings import Settings
@@ -57,6 +58,7 @@ log = logging.getLogger("framewire.jobs")
 class Prepared:
     spec: OutputSpec
     path: Path
+    directory: int  # fd of path's directory, opened without following links
     source: FrameSource
     params: EncodeParams
 
@@ -92,7 +94,7 @@ class EncodeJobs:
     async def _prepare(self, spec: OutputSpec, stack: contextlib.AsyncExitStack) -> Prepared:
         # Judged first, but its directories are made only once the rest checked out:
         # a refused request leaves nothing behind.
-        resolve_output(spec.path, self.settings.output_roots, create_dirs=False)
+        path = resolve_output(spec.path, self.settings.output_roots)
         audio = None if spec.audio is None else resolve_input(spec.audio, self.settings.input_roots)
         src = spec.source
         source: FrameSource
@@ -123,7 +125,8 @@ class EncodeJobs:
             # Opening a handle is driver work (milliseconds): off the event loop.
             source = await asyncio.to_thread(self.cuda.open_ipc, src)
         stack.callback(source.close)
-        path = resolve_output(spec.path, self.settings.output_roots)
+        directory = await asyncio.to_thread(open_output_dir, path, self.settings.output_roots)
+        stack.callback(os.close, directory)
         params = EncodeParams(
             fps=spec.fps,
             quality=spec.quality,
@@ -131,35 +134,45 @@ class EncodeJobs:
             threads=spec.threads,
             audio=audio,
         )
-        return Prepared(spec, path, source, params)
+        return Prepared(spec, path, directory, source, params)
 
     def _encode_one(self, job: Prepared, validate: bool, cancel: threading.Event) -> OutputResult:
         started = time.time()
-        encoded: Encoded = self.encoder.encode(job.source, job.path, job.params, cancel=cancel)
-        if encoded.fast_path_error is not None:
-            log.warning(
-                "output %s was redone on the reference route",
-                job.path,
-                extra={"fast_path_error": encoded.fast_path_error},
-            )
         g = job.source.geometry
         validate_ms = 0.0
-        info = None
-        if validate:
+
+        def check_file(staged: str) -> MediaInfo:
+            # Before the rename: a file that fails validation never appears.
+            nonlocal validate_ms
             t0 = time.perf_counter()
             try:
-                info = validate_output(
-                    job.path,
+                return validate_output(
+                    Path(staged),
                     frames=g.frames,
                     width=g.width,
                     height=g.height,
                     fps=job.params.fps,
                     audio=job.params.audio is not None,
                 )
-            except FramewireError:
-                job.path.unlink(missing_ok=True)  # a wrong file is a failed output
-                raise
-            validate_ms = (time.perf_counter() - t0) * 1e3
+            finally:
+                validate_ms = (time.perf_counter() - t0) * 1e3
+
+        encoded: Encoded = self.encoder.encode(
+            job.source,
+            job.path,
+            job.params,
+            cancel=cancel,
+            directory=job.directory,
+            inspect=check_file if validate else None,
+        )
+        if encoded.fast_path_error is not None:
+            log.warning(
+                "output %s was redone on the reference route",
+                job.path,
+                extra={"fast_path_error": encoded.fast_path_error},
+            )
+        info = encoded.inspected if validate else None
+        assert info is None or isinstance(info, MediaInfo)
         self.metrics.encode_seconds.labels(encoded.route).observe(encoded.encode_ms / 1e3)
         self.metrics.bytes_written.inc(encoded.bytes)
         if encoded.route == "fallback":

@@ -7,12 +7,14 @@ components are refused before any resolution: no legitimate caller needs them.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import os
 import stat
 from pathlib import Path
 
-from framewire.client.errors import BadRequest, Forbidden, NotFound
+from framewire.client.errors import BadRequest, Forbidden, MediaError, NotFound
 
 
 def _under(path: str, root: str) -> bool:
@@ -36,10 +38,10 @@ def _no_dotdot(raw: str) -> None:
         raise Forbidden(f"path {raw!r} contains '..'", code="path_traversal")
 
 
-def resolve_output(raw: str, roots: list[str], *, create_dirs: bool = True) -> Path:
+def resolve_output(raw: str, roots: list[str]) -> Path:
     """An output path under one of ``roots``; relative paths resolve against the first.
 
-    Missing directories below the root are created (never outside a root).
+    Only judges the path: ``open_output_dir`` opens (and makes) its directory.
     """
     _no_dotdot(raw)
     if not roots:
@@ -47,27 +49,69 @@ def resolve_output(raw: str, roots: list[str], *, create_dirs: bool = True) -> P
     path = Path(raw) if os.path.isabs(raw) else Path(roots[0]) / raw
     if path.name in ("", ".", ".."):
         raise BadRequest(f"output path {raw!r} names no file", code="bad_path")
-    real_roots = _real_roots(roots)
     parent = os.path.realpath(path.parent)
-    if not any(_under(parent, r) for r in real_roots):
+    if not any(_under(parent, r) for r in _real_roots(roots)):
         raise Forbidden(
             f"output path {raw!r} is outside the output roots", code="path_outside_roots"
         )
-    if create_dirs and not os.path.isdir(parent):
-        os.makedirs(parent, exist_ok=True)
-        # makedirs follows links that appeared meanwhile; judge the result again
-        if not any(_under(os.path.realpath(parent), r) for r in real_roots):
-            raise Forbidden(f"output path {raw!r} left the roots", code="path_outside_roots")
     target = Path(parent) / path.name
     try:
-        mode = os.lstat(target).st_mode
+        _check_target(os.lstat(target).st_mode, raw)
     except FileNotFoundError:
-        return target
+        pass
+    return target
+
+
+def _check_target(mode: int, raw: str) -> None:
     if stat.S_ISLNK(mode):
         raise Forbidden(f"output path {raw!r} is a symbolic link", code="path_outside_roots")
     if not stat.S_ISREG(mode):
         raise BadRequest(f"output path {raw!r} exists and is not a file", code="output_not_a_file")
-    return target
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_output_dir(target: Path, roots: list[str]) -> int:
+    """An fd for the directory of ``target`` (from ``resolve_output``), made if missing.
+
+    Opened one component at a time from the root, never following a symlink,
+    so a directory swapped for a link since the path was judged is refused
+    rather than followed. Writes then go through this fd (``atomic``).
+    """
+    parent = str(target.parent)
+    root = next(r for r in _real_roots(roots) if _under(parent, r))
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for part in Path(parent).relative_to(root).parts:
+            try:
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, dir_fd=fd)
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        try:
+            mode = os.stat(target.name, dir_fd=fd, follow_symlinks=False).st_mode
+            _check_target(mode, str(target))
+        except FileNotFoundError:
+            pass
+        return fd
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise Forbidden(
+                f"output directory {parent!r} changed to a link or a file after it was checked",
+                code="path_outside_roots",
+            ) from exc
+        raise MediaError(
+            f"cannot open or make the output directory {parent!r}: {exc.strerror}",
+            code="output_not_writable",
+        ) from exc
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def resolve_input(raw: str, roots: list[str]) -> Path:

@@ -99,9 +99,9 @@ def test_ffmpeg_refusing_is_not_retried_on_the_reference_route(tmp_path, monkeyp
     runs: list[list[str]] = []
     real = FfmpegProcess.__init__
 
-    def spy(self, argv):
+    def spy(self, argv, **kw):
         runs.append(argv)
-        real(self, argv)
+        real(self, argv, **kw)
 
     monkeypatch.setattr(FfmpegProcess, "__init__", spy)
     out = tmp_path / "a.notacontainer"

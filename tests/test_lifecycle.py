@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -213,7 +214,8 @@ def test_start_after_sigkill_removes_the_stale_temp_files(tmp_path, segment):
     lookalike = w.outputs / ".framewire-tmp-notes.txt"  # not a name the worker makes
     lookalike.write_bytes(b"someone else's")
     live = w.outputs / f".framewire-tmp-{os.getpid()}-0123abcd-live.mp4"  # a live writer's
-    live.write_bytes(b"being written")
+    live.mkdir()
+    (live / "live.mp4").write_bytes(b"being written")
     link = w.outputs / f".framewire-tmp-{w.pid}-0123abcd-link.mp4"
     link.symlink_to(keep)
     try:
@@ -223,8 +225,9 @@ def test_start_after_sigkill_removes_the_stale_temp_files(tmp_path, segment):
         assert keep.read_bytes() == b"a finished output"
         assert lookalike.exists() and live.exists() and link.is_symlink()
     finally:
-        for path in (lookalike, live, link):
+        for path in (lookalike, live / "live.mp4", link):
             path.unlink(missing_ok=True)
+        live.rmdir()
 
 
 def test_stale_temp_sweep_is_conservative(tmp_path):
@@ -234,9 +237,9 @@ def test_stale_temp_sweep_is_conservative(tmp_path):
     dead.wait()
 
     def temp(directory: Path, pid: int, name: str) -> Path:
-        directory.mkdir(parents=True, exist_ok=True)
         path = directory / f".framewire-tmp-{pid}-{secrets.token_hex(4)}-{name}"
-        path.write_bytes(b"x")
+        path.mkdir(parents=True)
+        (path / name).write_bytes(b"x")
         return path
 
     removed = [
@@ -248,17 +251,23 @@ def test_stale_temp_sweep_is_conservative(tmp_path):
         temp(tmp_path, os.getppid(), "alive.mp4"),
         temp(tmp_path / "a" / "b" / "c" / "d" / "e", dead.pid, "too-deep.mp4"),
     ]
-    (tmp_path / f".framewire-tmp-{dead.pid}-0123abcd-dir.mp4").mkdir()
+    nested = temp(tmp_path, dead.pid, "nested.mp4") / "sub"  # holds a directory: not ours
+    nested.mkdir()
+    plain = tmp_path / f".framewire-tmp-{dead.pid}-0123abcd-file.mp4"  # a file, not ours
+    plain.write_bytes(b"x")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        with atomic_output(tmp_path / "writing.mp4") as writing:
+        with atomic_output(fd, "writing.mp4") as writing:
             # Our pid, so only its lock shows that a live writer holds it.
             got = remove_stale_temps([str(tmp_path), str(tmp_path)], depth=4)
-            assert writing.exists()
+            assert Path(writing.path).parent.exists()
             raise RuntimeError("stop before the rename")
     except RuntimeError:
         pass
+    finally:
+        os.close(fd)
     assert sorted(got) == sorted(removed)
-    assert all(p.exists() for p in kept)
-    for path in kept:
-        path.unlink()
-    (tmp_path / f".framewire-tmp-{dead.pid}-0123abcd-dir.mp4").rmdir()
+    assert all(p.exists() for p in kept) and nested.exists() and plain.exists()
+    for path in [*kept, nested.parent]:
+        shutil.rmtree(path)
+    plain.unlink()

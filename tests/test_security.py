@@ -11,11 +11,15 @@ import json
 import os
 import secrets
 import socket
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from framewire.client.errors import Forbidden
+from framewire.service.atomic import atomic_output
+from framewire.service.paths import open_output_dir, resolve_output
 
 from tests.refclips import RawConnection
 from tests.worker import Worker, start_worker
@@ -169,32 +173,73 @@ def test_output_that_is_a_directory_or_a_device_is_refused(worker, segment):
         (worker.outputs / "sock.mp4").unlink()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="check-then-use: resolve_output judges the parent directory, atomic_output later "
-    "creates the temp file by path, so a directory swapped for a symlink in between is followed",
-)
 def test_directory_swapped_for_a_symlink_after_the_check(tmp_path):
     """The window between the path check and the open, made deterministic in-process.
 
-    Only a caller that can write inside an output root can swap a directory there;
-    the test shows the write then lands outside the roots.
+    Only a caller that can write inside an output root can swap a directory there.
     """
-    from framewire.service.atomic import atomic_output
-    from framewire.service.paths import resolve_output
-
     root, outside = tmp_path / "root", tmp_path / "outside"
     (root / "sub").mkdir(parents=True)
     outside.mkdir()
     target = resolve_output("sub/out.mp4", [str(root)])  # judged: inside the root
     (root / "sub").rmdir()
     (root / "sub").symlink_to(outside)  # swapped before the worker opens it
+    with pytest.raises(Forbidden) as err:
+        open_output_dir(target, [str(root)])
+    assert err.value.code == "path_outside_roots"
+    assert list(outside.iterdir()) == []
+
+
+def test_missing_directories_are_made_without_following_links(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    target = resolve_output("a/b/out.mp4", [str(root)])  # a/ and b/ do not exist yet
+    (root / "a").symlink_to(outside)  # appears before they are made
+    with pytest.raises(Forbidden):
+        open_output_dir(target, [str(root)])
+    assert list(outside.iterdir()) == []
+    (root / "a").unlink()
+    fd = open_output_dir(target, [str(root)])
+    os.close(fd)
+    assert (root / "a" / "b").is_dir() and not (root / "a").is_symlink()
+
+
+def test_swaps_while_the_output_is_written(tmp_path):
+    """Once opened, the directory is used by fd: moving it away and linking its old
+    name elsewhere, or linking the output's own name, moves nothing out of the root."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "victim").write_bytes(b"keep")
+    target = resolve_output("sub/out.mp4", [str(root)])
+    fd = open_output_dir(target, [str(root)])
     try:
-        with atomic_output(target) as tmp:
-            tmp.write_bytes(b"data")
-    except Exception:
+        with atomic_output(fd, target.name) as staged:
+            (root / "sub").rename(root / "moved")
+            (root / "sub").symlink_to(outside)
+            (root / "moved" / "out.mp4").symlink_to(outside / "victim")
+            Path(staged.path).write_bytes(b"data")  # what ffmpeg does, by name
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in outside.iterdir()) == ["victim"]
+    assert (outside / "victim").read_bytes() == b"keep"
+    assert (root / "moved" / "out.mp4").read_bytes() == b"data"  # the link was replaced
+    assert [p.name for p in (root / "moved").iterdir()] == ["out.mp4"]  # no private dir left
+
+
+def test_private_directory_is_the_workers_alone(tmp_path):
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with atomic_output(fd, "out.mp4") as staged:
+            private = Path(staged.path).parent.resolve()
+            assert private.parent == tmp_path and stat.S_IMODE(private.stat().st_mode) == 0o700
+            raise RuntimeError("abandon the write")
+    except RuntimeError:
         pass
-    assert list(outside.iterdir()) == [], "the write followed the swapped-in symlink"
+    finally:
+        os.close(fd)
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- shared memory -------------------------------------------------------------------------
