@@ -35,6 +35,16 @@ class Unavailable(FramewireError):
     default_code = "unavailable"
 
 
+class InsufficientStorage(Unavailable):
+    """The output's filesystem is full, over quota, or past a file-size limit.
+
+    A kind of Unavailable: the request was fine, the host cannot take it now.
+    """
+
+    status = 507
+    default_code = "no_space"
+
+
 class BadRequest(FramewireError):
     """The request is malformed or describes data that does not match."""
 
@@ -81,5 +91,14 @@ class Cancelled(FramewireError):
 
 ERROR_CLASSES: dict[int, type[FramewireError]] = {
     cls.status: cls
-    for cls in (Unavailable, BadRequest, Forbidden, NotFound, MediaError, Overloaded, Cancelled)
+    for cls in (
+        Unavailable,
+        InsufficientStorage,
+        BadRequest,
+        Forbidden,
+        NotFound,
+        MediaError,
+        Overloaded,
+        Cancelled,
+    )
 }

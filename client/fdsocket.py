@@ -33,6 +33,7 @@ ERROR_CLASSES: dict[str, type[FramewireError]] = {
     "forbidden": Forbidden,
     "not_found": NotFound,
     "decode_failed": MediaError,
+    "input_changed": MediaError,
     "overloaded": Overloaded,
 }
 

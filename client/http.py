@@ -15,6 +15,7 @@ from .errors import (
     BadRequest,
     Forbidden,
     FramewireError,
+    InsufficientStorage,
     MediaError,
     NotFound,
     Overloaded,
@@ -42,6 +43,7 @@ _STATUS_CLASSES: dict[int, type[FramewireError]] = {
     422: MediaError,
     429: Overloaded,
     503: Unavailable,
+    507: InsufficientStorage,
 }
 
 

@@ -16,6 +16,7 @@ still writing.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -26,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from framewire.client.errors import MediaError
+from framewire.client.errors import FramewireError, InsufficientStorage, MediaError
 
 # Private directories carry this prefix and the writer's pid, so a restarted
 # worker can tell its own leftovers (from a SIGKILL) from anybody else's files.
@@ -101,19 +102,19 @@ def atomic_output(directory: int, name: str) -> Iterator[Staged]:
     try:
         temp, fd = _claim(directory, name)
     except OSError as exc:
-        raise MediaError(
-            f"cannot create a file in the output directory: {exc.strerror}",
-            code="output_not_writable",
-        ) from exc
+        raise _write_error(exc, "cannot create a file in the output directory") from exc
     try:
         yield Staged(fd, name)
-        written = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
         try:
-            os.fsync(written)
-        finally:
-            os.close(written)
-        # By fds on both sides: a link placed at the output's name is replaced, not followed.
-        os.replace(name, name, src_dir_fd=fd, dst_dir_fd=directory)
+            written = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            try:
+                os.fsync(written)
+            finally:
+                os.close(written)
+            # By fds on both sides: a link placed at the output's name is replaced, not followed.
+            os.replace(name, name, src_dir_fd=fd, dst_dir_fd=directory)
+        except OSError as exc:
+            raise _write_error(exc, "cannot complete the output") from exc
     except BaseException:
         _discard(directory, temp, fd, name)
         os.close(fd)
@@ -121,6 +122,12 @@ def atomic_output(directory: int, name: str) -> Iterator[Staged]:
     _discard(directory, temp, fd, name)
     os.close(fd)
     os.fsync(directory)
+
+
+def _write_error(exc: OSError, what: str) -> FramewireError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return InsufficientStorage(f"{what}: {exc.strerror}")
+    return MediaError(f"{what}: {exc.strerror}", code="output_not_writable")
 
 
 def open_directory(path: Path) -> int:

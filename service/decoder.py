@@ -19,13 +19,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from framewire.client.errors import Overloaded, Unavailable
+from framewire.client.errors import MediaError, NotFound, Overloaded, Unavailable
 from framewire.client.memdecode import Decoded, DecodeRun
 from framewire.client.wire import DecodeRequest
 
 from .metrics import Metrics
 from .paths import resolve_input
 from .settings import Settings
+
+# A file that changes during this many decodes in a row is being written: refused.
+DECODE_ATTEMPTS = 2
 
 
 @dataclass(frozen=True)
@@ -195,13 +198,39 @@ class ReferenceDecoder:
                 w.set_result(
                     Answer(dup, decoded.frames, decoded.byte_size, decoded.decode_ms, False)
                 )
-        # A file rewritten during the decode may have given mixed content: answer, don't keep.
+        # Frames of a newer version of the file than the key names: answer, don't keep.
         if not (unchanged and not self._closed and self.cache.put(key, decoded)):
             os.close(decoded.fd)
 
     def _decode_blocking(
         self, path: Path, request: DecodeRequest, key: DecodeKey
     ) -> tuple[Decoded, bool]:
+        """Decode ``path``; returns the frames and whether they are of ``key``'s file.
+
+        ffmpeg reads by path, so a file replaced or rewritten during the run may
+        give frames of either version or a mix. The identity is compared after
+        the run: changed means decoded again (the waiters get the file as it is
+        now, never a mix); changing again means the file is being written to.
+        """
+        expected = (key.dev, key.ino, key.size, key.mtime_ns)
+        for attempt in range(DECODE_ATTEMPTS):
+            decoded = self._run_ffmpeg(path, request)
+            try:
+                now = file_identity(path)
+            except OSError:
+                now = None
+            if now == expected:
+                return decoded, attempt == 0
+            os.close(decoded.fd)
+            if now is None:
+                raise NotFound(f"reference video {path} went away while decoding", code="not_found")
+            expected = now
+        raise MediaError(
+            f"reference video {path} changed during each of {DECODE_ATTEMPTS} decodes",
+            code="input_changed",
+        )
+
+    def _run_ffmpeg(self, path: Path, request: DecodeRequest) -> Decoded:
         with self._runs_lock:  # close() kills what is registered here, so start under it
             if self._closed:
                 raise Unavailable("the worker is shutting down")
@@ -209,15 +238,10 @@ class ReferenceDecoder:
             run = DecodeRun(self.ffmpeg, path, request)
             self._runs.add(run)
         try:
-            decoded = run.wait()
+            return run.wait()
         finally:
             with self._runs_lock:
                 self._runs.discard(run)
-        try:
-            unchanged = file_identity(path) == (key.dev, key.ino, key.size, key.mtime_ns)
-        except OSError:
-            unchanged = False
-        return decoded, unchanged
 
     async def close(self) -> None:
         """Stop running decodes (their waiters fail), wait for the threads, drop the cache."""

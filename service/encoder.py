@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import signal
 import stat
 import threading
 import time
@@ -21,7 +22,14 @@ from typing import Literal
 
 import numpy as np
 import torch
-from framewire.client.errors import BadRequest, Cancelled, MediaError, NotFound
+from framewire.client.errors import (
+    BadRequest,
+    Cancelled,
+    FramewireError,
+    InsufficientStorage,
+    MediaError,
+    NotFound,
+)
 from framewire.client.ffmpeg_argv import encode_argv, x264_auto_threads
 
 from .atomic import Staged, atomic_output, open_directory
@@ -228,11 +236,7 @@ class Encoder:
                     pump_converted(source, stdin, self.frames_per_chunk(g), check=check)
             except FfmpegExited as exc:
                 rc = ff.proc.wait()
-                raise MediaError(
-                    f"ffmpeg exited ({rc}) before it had every frame",
-                    code=_failure_code(rc),
-                    detail=ff.stderr_tail(),
-                ) from exc
+                raise _failure(ff, rc, f"ffmpeg exited ({rc}) before it had every frame") from exc
             _finish(ff, check)
 
     def _reference(
@@ -276,13 +280,22 @@ class Encoder:
             _finish(ff, check)
 
 
-def _failure_code(rc: int) -> str:
-    return "ffmpeg_killed" if rc < 0 else "ffmpeg_failed"
+# What ffmpeg prints when the output cannot grow (ENOSPC, EFBIG, EDQUOT).
+_NO_SPACE = ("No space left on device", "File too large", "Disk quota exceeded")
+
+
+def _failure(ff: FfmpegProcess, rc: int, message: str) -> FramewireError:
+    tail = ff.stderr_tail()
+    # SIGXFSZ: ffmpeg ran past RLIMIT_FSIZE without ignoring the signal.
+    if rc == -signal.SIGXFSZ or (rc > 0 and any(s in tail for s in _NO_SPACE)):
+        return InsufficientStorage(
+            f"{message}: the output filesystem is full or the file exceeds a size limit",
+            detail=tail,
+        )
+    return MediaError(message, code="ffmpeg_killed" if rc < 0 else "ffmpeg_failed", detail=tail)
 
 
 def _finish(ff: FfmpegProcess, check: Callable[[], None]) -> None:
     rc = ff.finish(check)
     if rc != 0:
-        raise MediaError(
-            f"ffmpeg exited with status {rc}", code=_failure_code(rc), detail=ff.stderr_tail()
-        )
+        raise _failure(ff, rc, f"ffmpeg exited with status {rc}")

@@ -146,3 +146,7 @@ def no_leaks(tmp_path: Path):
     assert child_pids() - before_children == set(), "child processes left running"
     assert framewire_temps(tmp_path) == [], "temp outputs left behind"
     assert memfds() <= before_memfds, "memfds left open"
+
+
+# Last: it imports tests.worker, which needs child_pids above.
+from tests.requests import shm_clip  # noqa: E402, F401  (a fixture for every suite)

@@ -1,6 +1,6 @@
 """A gloo group of ranks calling decode_reference_shared, scenario after scenario.
 
-    python -m tests.dist_ranks CONFIG.json
+    python -m tests.dist_ranks CONFIG.json   (or ``run_ranks`` from a test)
 
 CONFIG: {"world": 4, "store": path, "out": dir, "scenarios": [{"name", "params",
 "sockets": [per rank], "paths": [per rank]}]}. Each rank writes out/rank{N}.json:
@@ -13,11 +13,40 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_ranks(config: dict, tmp_path: Path, timeout: float = 120) -> list[dict]:
+    """Run the group to the end, or kill all of it at ``timeout`` (a hang fails the test)."""
+    config_path = tmp_path / "ranks.json"
+    config_path.write_text(json.dumps(config))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.dist_ranks", str(config_path)],
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"the rank group did not finish within {timeout} s")
+    assert proc.returncode == 0, out
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(config["world"])]
 
 
 def rank_main(rank: int, config: dict[str, Any]) -> None:

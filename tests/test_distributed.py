@@ -8,45 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
 import torch.distributed as dist
 from framewire.client import MediaError
 from framewire.client.distributed import _error, _status, decode_reference_shared
 
+from tests.dist_ranks import run_ranks
 from tests.refclips import make_video, metric, oracle
 from tests.worker import start_worker
 
-REPO = Path(__file__).resolve().parent.parent
 PARAMS = {"fps": 12, "width": 40, "height": 24, "max_frames": 15}
-
-
-def run_ranks(config: dict, tmp_path: Path, timeout: float = 120) -> list[dict]:
-    """Run the group to the end, or kill all of it at ``timeout`` (a hang fails the test)."""
-    config_path = tmp_path / "ranks.json"
-    config_path.write_text(json.dumps(config))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.dist_ranks", str(config_path)],
-        cwd=REPO,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"the rank group did not finish within {timeout} s")
-    assert proc.returncode == 0, out
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(config["world"])]
 
 
 def test_two_hosts_share_fall_back_and_fail_together(tmp_path):

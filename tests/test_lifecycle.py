@@ -10,94 +10,15 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-import torch
 
 from tests.conftest import framewire_temps, make_clip
+from tests.requests import Request, encode_body, gone, wait_for_ffmpeg, wait_gone
 from tests.worker import Worker, start_worker
-
-
-@pytest.fixture
-def segment() -> Iterator:
-    keys: list[str] = []
-
-    def make(clip: torch.Tensor) -> dict[str, Any]:
-        key = f"/framewire-test-{secrets.token_hex(6)}"
-        data = clip.contiguous().view(torch.uint8).numpy().tobytes()
-        Path(f"/dev/shm{key}").write_bytes(data)
-        keys.append(key)
-        return {
-            "kind": "shm",
-            "key": key,
-            "offset": 0,
-            "byte_size": len(data),
-            "dtype": str(clip.dtype).removeprefix("torch."),
-            "shape": list(clip.shape),
-            "layout": "CTHW",
-        }
-
-    yield make
-    for key in keys:
-        Path(f"/dev/shm{key}").unlink(missing_ok=True)
-
-
-def encode_body(source: dict[str, Any], path: str, **over: Any) -> dict[str, Any]:
-    return {"outputs": [{"source": source, "path": path, "fps": 24} | over]}
-
-
-class Request(threading.Thread):
-    """One HTTP request to the worker on its own thread; ``response`` once it returns."""
-
-    def __init__(self, worker: Worker, method: str, path: str, **kw: Any):
-        super().__init__(daemon=True)
-        self.worker, self.method, self.path, self.kw = worker, method, path, kw
-        self.response: httpx.Response | None = None
-        self.error: Exception | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            with self.worker.http() as http:
-                self.response = http.request(self.method, self.path, **self.kw)
-        except Exception as exc:
-            self.error = exc
-
-    def result(self, timeout: float = 60) -> httpx.Response:
-        self.join(timeout)
-        assert not self.is_alive(), "the request did not return"
-        assert self.response is not None, self.error
-        return self.response
-
-
-def wait_for_ffmpeg(worker: Worker, timeout: float = 20) -> set[int]:
-    deadline = time.monotonic() + timeout
-    while not (pids := worker.children()):
-        assert worker.proc.poll() is None, worker.log.read_text()
-        assert time.monotonic() < deadline, "ffmpeg never started"
-        time.sleep(0.02)
-    return pids
-
-
-def gone(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return status.rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has stopped running
-
-
-def wait_gone(pids: set[int], timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(gone(p) for p in pids):
-        assert time.monotonic() < deadline, f"processes {pids} still running"
-        time.sleep(0.05)
 
 
 def log_records(worker: Worker) -> list[dict[str, Any]]:
@@ -109,13 +30,13 @@ def assert_not_accepting(path: Path) -> None:
         s.connect(str(path))
 
 
-def test_sigterm_lets_the_encode_in_flight_finish(tmp_path, segment):
+def test_sigterm_lets_the_encode_in_flight_finish(tmp_path, shm_clip):
     w = start_worker(
         tmp_path, "--shutdown-grace", "30", "--log-format", "json", "--log-level", "info"
     )
     clip = make_clip(frames=96, height=256, width=256)
     request = Request(
-        w, "POST", "/v1/videos:encode", json=encode_body(segment(clip), "done.mp4", preset="slow")
+        w, "POST", "/v1/videos:encode", json=encode_body(shm_clip(clip), "done.mp4", preset="slow")
     )
     ffmpeg = wait_for_ffmpeg(w)
     w.proc.send_signal(signal.SIGTERM)
@@ -133,7 +54,7 @@ def test_sigterm_lets_the_encode_in_flight_finish(tmp_path, segment):
     assert any("Waiting for connections to close" in m for m in messages), messages
 
 
-def test_sigterm_past_the_grace_period_stops_the_encode(tmp_path, segment):
+def test_sigterm_past_the_grace_period_stops_the_encode(tmp_path, shm_clip):
     w = start_worker(
         tmp_path, "--shutdown-grace", "0.5", "--log-format", "json", "--log-level", "info"
     )
@@ -142,7 +63,7 @@ def test_sigterm_past_the_grace_period_stops_the_encode(tmp_path, segment):
         w,
         "POST",
         "/v1/videos:encode",
-        json=encode_body(segment(clip), "stopped.mp4", preset="veryslow"),
+        json=encode_body(shm_clip(clip), "stopped.mp4", preset="veryslow"),
         headers={"x-request-id": "grace-1"},
     )
     ffmpeg = wait_for_ffmpeg(w)
@@ -164,11 +85,11 @@ def test_sigterm_past_the_grace_period_stops_the_encode(tmp_path, segment):
     assert [r.get("request_id") for r in stopped] == ["grace-1"], records
 
 
-def test_ffmpeg_failures_are_logged_with_the_request_id(tmp_path, segment):
+def test_ffmpeg_failures_are_logged_with_the_request_id(tmp_path, shm_clip):
     w = start_worker(tmp_path, "--log-format", "json")
     try:
         (w.inputs / "not-audio.wav").write_bytes(b"not a wav file at all" * 10)
-        body = encode_body(segment(make_clip()), "a.mp4", audio="not-audio.wav")
+        body = encode_body(shm_clip(make_clip()), "a.mp4", audio="not-audio.wav")
         with w.http() as http:
             failed = http.post("/v1/videos:encode", json=body, headers={"x-request-id": "rid-7"})
             generated = http.get("/healthz").headers["x-request-id"]
@@ -185,10 +106,10 @@ def test_ffmpeg_failures_are_logged_with_the_request_id(tmp_path, segment):
     assert record["detail"]  # ffmpeg's stderr tail
 
 
-def test_start_after_sigkill_removes_the_stale_temp_files(tmp_path, segment):
+def test_start_after_sigkill_removes_the_stale_temp_files(tmp_path, shm_clip):
     w = start_worker(tmp_path)
     clip = make_clip(frames=240, height=256, width=256)
-    body = json.dumps(encode_body(segment(clip), "killed.mp4", preset="veryslow")).encode()
+    body = json.dumps(encode_body(shm_clip(clip), "killed.mp4", preset="veryslow")).encode()
     with socket.socket(socket.AF_UNIX) as sock:
         sock.connect(str(w.uds))
         sock.sendall(
