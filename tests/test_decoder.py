@@ -180,9 +180,13 @@ def test_rewritten_file_gets_a_new_identity(tmp_path):
 # --- the worker's single flight, in process, with a stand-in ffmpeg of known timing -------
 
 # Stands in for ffmpeg: waits, then writes FAKE_BYTES zero bytes to its last argument's
-# pipe:FD. One process (no shell and sleep child), so a kill leaves nothing behind.
+# pipe:FD; with FAKE_APPEND it first appends to its input, like a writer of that file.
+# One process (no shell and sleep child), so a kill leaves nothing behind.
 FAKE_FFMPEG = """#!{python} -S
 import os, sys, time
+if os.environ.get("FAKE_APPEND"):
+    with open(sys.argv[sys.argv.index("-i") + 1], "ab") as f:
+        f.write(b"x")
 time.sleep(float(os.environ.get("FAKE_DELAY", "0.3")))
 os.write(int(sys.argv[-1].removeprefix("pipe:")), bytes(int(os.environ.get("FAKE_BYTES", "12"))))
 """
@@ -252,6 +256,16 @@ def test_failure_reaches_every_waiter_and_is_not_cached(slow_decoder):
     assert isinstance(asyncio.run(go())[0], MediaError)
     assert _count(decoder, "framewire_decodes_total") == 2  # tried again, not cached
     assert _count(decoder, "framewire_decode_failures_total") == 2
+
+
+def test_a_file_written_during_every_decode_is_refused(slow_decoder):
+    decoder, inputs, monkeypatch = slow_decoder
+    monkeypatch.setenv("FAKE_APPEND", "1")
+    with pytest.raises(MediaError) as err:
+        asyncio.run(decoder.decode(_req(inputs / "a.mp4")))
+    assert err.value.code == "input_changed"
+    assert _count(decoder, "framewire_decodes_total") == 2  # decoded again once, then refused
+    assert len(decoder.cache) == 0
 
 
 def test_distinct_decodes_past_the_queue_are_overloaded(slow_decoder):
