@@ -11,9 +11,11 @@ descriptor (key, offset, dtype, shape, layout).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import mmap
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +26,9 @@ from .wire import CudaIpcSource, DType, Layout, ShmSource
 
 SHM_PREFIX = "/framewire-"
 _counter = itertools.count()
+# Our segments: /framewire-<creator pid>-<counter>-<random>.
+_OURS = re.compile(re.escape(SHM_PREFIX[1:]) + r"(\d+)-\d+-[0-9a-f]{8}")
+_swept = False
 
 NUMPY_DTYPES = {
     np.dtype("float32"): DType.float32,
@@ -143,18 +148,68 @@ def shared(video: Any, *, layout: Layout | str | None = None) -> Iterator[ShmSou
         if existing is not None:
             yield ShmSource(key=existing[0], offset=existing[1], **fields)
             return
+    global _swept
+    if not _swept:
+        _swept = True
+        remove_abandoned_segments()
     key = f"{SHM_PREFIX}{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
     path = f"/dev/shm{key}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
+        # Held until the unlink, and dropped by the kernel if this process dies: how a
+        # later sweep tells a segment in use from one a killed process left behind.
+        fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, max(nbytes, 1))
         with mmap.mmap(fd, nbytes) as m:
             np.frombuffer(m, np.uint8)[:] = _as_bytes(video).reshape(-1)
-        os.close(fd)
-        fd = -1
         yield ShmSource(key=key, **fields)
     finally:
-        if fd >= 0:
-            os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+        os.close(fd)
+
+
+def remove_abandoned_segments() -> list[str]:
+    """Unlink the segments killed clients left in /dev/shm; returns their keys.
+
+    Only names ``shared`` makes, and only when their creator's lock is free: a
+    live creator holds it, also one in another PID namespace sharing /dev/shm.
+    Runs once per process, at its first ``shared``; the worker runs it at start.
+    """
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir("/dev/shm"))
+    except OSError:
+        return removed
+    for entry in entries:
+        found = _OURS.fullmatch(entry.name)
+        if found is None:
+            continue
+        pid = int(found.group(1))
+        if pid != os.getpid() and pid_alive(pid):
+            continue  # its creator may still be using it: not even worth a look
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino == os.stat(entry.path, follow_symlinks=False).st_ino:
+                os.unlink(entry.path)
+                removed.append("/" + entry.name)
+        except OSError:
+            pass  # locked (in use), or gone already
+        finally:
+            os.close(fd)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` names a process (somebody else's counts) in this PID namespace."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from framewire.client import __version__
 from framewire.client.errors import Forbidden, FramewireError, Overloaded
+from framewire.client.share import remove_abandoned_segments
 from framewire.client.wire import (
     EncodeRequest,
     EncodeResponse,
@@ -122,6 +123,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         for path in remove_stale_temps(settings.output_roots):
             log.warning("removed %s, left by a worker that was killed", path)
+        for key in remove_abandoned_segments():
+            log.warning("removed shm segment %s, left by a client that was killed", key)
         await fd_server.start()
         try:
             yield

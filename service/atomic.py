@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from framewire.client.errors import FramewireError, InsufficientStorage, MediaError
+from framewire.client.share import pid_alive
 
 # Private directories carry this prefix and the writer's pid, so a restarted
 # worker can tell its own leftovers (from a SIGKILL) from anybody else's files.
@@ -135,16 +136,6 @@ def open_directory(path: Path) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # somebody else's process
-    return True
-
-
 def _remove_if_abandoned(path: Path) -> bool:
     """Remove ``path`` if it is a private directory that nobody is writing any more."""
     found = _TEMP_NAME.fullmatch(path.name)
@@ -152,7 +143,7 @@ def _remove_if_abandoned(path: Path) -> bool:
         return False
     pid = int(found.group(1))
     # Our own pid at startup is a previous worker's (pid reuse is the rule in containers).
-    if pid != os.getpid() and _alive(pid):
+    if pid != os.getpid() and pid_alive(pid):
         return False
     try:
         fd = os.open(path, _DIR_FLAGS | os.O_NONBLOCK)

@@ -402,3 +402,23 @@ def test_token_required_when_set(tmp_path):
             c.save_video(clip, "no.mp4", fps=24)
     finally:
         assert w.stop() == 0
+
+
+def test_segments_of_killed_clients_are_swept(tmp_path):
+    from framewire.client.share import remove_abandoned_segments
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    abandoned = Path(f"/dev/shm/framewire-{dead.pid}-0-0123abcd")
+    abandoned.write_bytes(b"x")
+    not_ours = Path(f"/dev/shm/framewire-{dead.pid}-notes")
+    not_ours.write_bytes(b"x")
+    try:
+        assert f"/{abandoned.name}" in remove_abandoned_segments()
+        assert not abandoned.exists() and not_ours.exists()
+        with shared(np.zeros((3, 1, 2, 2), np.float32)) as live:  # its creator, alive
+            assert live.key not in remove_abandoned_segments()
+            assert Path(f"/dev/shm{live.key}").exists()
+    finally:
+        abandoned.unlink(missing_ok=True)
+        not_ours.unlink()

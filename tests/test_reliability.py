@@ -10,7 +10,6 @@ those records (``scripts/reliability-report`` rewrites it).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 from framewire.client import Client, Unavailable
+from framewire.client.share import remove_abandoned_segments
 
 from tests import faultmatrix
 from tests.conftest import FFMPEG, framewire_temps, make_clip, reference_mp4, sha256
@@ -157,18 +157,20 @@ def test_full_disk(tmp_path, shm_clip, request, sigxfsz):
 
 
 CLIENT = """
-import json, sys, httpx
-body = json.loads(sys.argv[2])
-with httpx.Client(transport=httpx.HTTPTransport(uds=sys.argv[1]), timeout=600) as c:
-    c.post("http://framewire/v1/videos:encode", json=body)
+import sys, numpy as np
+from framewire.client import Client
+with Client("unix://" + sys.argv[1]) as c:
+    c.save_video(np.load(sys.argv[2]), "orphan.mp4", fps=24, preset="veryslow")
 """
 
 
 def test_client_killed_mid_request(worker, baseline, shm_clip, tmp_path, request):
-    """A client process sends a 120-frame encode and is SIGKILLed once ffmpeg runs."""
-    clip = make_clip(frames=120, height=192, width=192)
-    body = encode_body(shm_clip(clip), "orphan.mp4", preset="veryslow")
-    client = subprocess.Popen([sys.executable, "-c", CLIENT, str(worker.uds), json.dumps(body)])
+    """A client process calls save_video with a 120-frame clip and is SIGKILLed once ffmpeg
+    runs."""
+    np.save(tmp_path / "clip.npy", make_clip(frames=120, height=192, width=192).numpy())
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, str(worker.uds), tmp_path / "clip.npy"]
+    )
     try:
         ffmpeg = wait_for_ffmpeg(worker)
         client.kill()
@@ -177,6 +179,9 @@ def test_client_killed_mid_request(worker, baseline, shm_clip, tmp_path, request
     started = time.monotonic()
     wait_gone(ffmpeg)
     stopped_s = time.monotonic() - started
+    left = [f"/{n}" for n in os.listdir("/dev/shm") if n.startswith(f"framewire-{client.pid}-")]
+    assert len(left) == 1  # the killed client could not unlink its segment...
+    assert left[0] in remove_abandoned_segments()  # ...the next client's first share does
     settle(worker, baseline, keep=frozenset(shm_clip.keys))
     assert not (worker.outputs / "orphan.mp4").exists()
     still_serving(worker, shm_clip, tmp_path)
@@ -186,7 +191,11 @@ def test_client_killed_mid_request(worker, baseline, shm_clip, tmp_path, request
         fault="client killed mid-request",
         observed="the encode is cancelled: ffmpeg killed within 5 s of the disconnect",
         output="nothing",
-        afterwards=CLEAN,
+        afterwards=(
+            "nothing leaked by the worker; the killed client's shm segment is unlinked by the"
+            " next client's first share (or the worker's next start); the next encode is"
+            " byte-exact"
+        ),
     )
 
 
