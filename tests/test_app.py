@@ -404,7 +404,7 @@ def test_token_required_when_set(tmp_path):
         assert w.stop() == 0
 
 
-def test_segments_of_killed_clients_are_swept(tmp_path):
+def test_client_segments_are_private_and_swept_once_abandoned(tmp_path):
     from framewire.client.share import remove_abandoned_segments
 
     dead = subprocess.Popen(["true"])
@@ -418,7 +418,7 @@ def test_segments_of_killed_clients_are_swept(tmp_path):
         assert not abandoned.exists() and not_ours.exists()
         with shared(np.zeros((3, 1, 2, 2), np.float32)) as live:  # its creator, alive
             assert live.key not in remove_abandoned_segments()
-            assert Path(f"/dev/shm{live.key}").exists()
+            assert Path(f"/dev/shm{live.key}").stat().st_mode & 0o777 == 0o600
     finally:
         abandoned.unlink(missing_ok=True)
         not_ours.unlink()
