@@ -12,34 +12,13 @@ import os
 import socket
 from typing import Any
 
-from .errors import (
-    BadRequest,
-    Cancelled,
-    Forbidden,
-    FramewireError,
-    MediaError,
-    NotFound,
-    Overloaded,
-    Unavailable,
-)
+from .errors import HIERARCHY, FramewireError, Overloaded
 from .http import Client
 from .reference import ReferenceFrames, decode_reference
 
 # Errors are rebuilt from their class name, limited to this hierarchy: only plain
 # strings travel between ranks, never an exception object.
-_CLASSES: dict[str, type[FramewireError]] = {
-    cls.__name__: cls
-    for cls in (
-        FramewireError,
-        Unavailable,
-        BadRequest,
-        Forbidden,
-        NotFound,
-        MediaError,
-        Overloaded,
-        Cancelled,
-    )
-}
+_CLASSES: dict[str, type[FramewireError]] = {cls.__name__: cls for cls in HIERARCHY}
 _MESSAGE_LIMIT = 2000
 _DETAIL_LIMIT = 4096
 

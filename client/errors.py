@@ -89,16 +89,16 @@ class Cancelled(FramewireError):
     default_code = "cancelled"
 
 
-ERROR_CLASSES: dict[int, type[FramewireError]] = {
-    cls.status: cls
-    for cls in (
-        Unavailable,
-        InsufficientStorage,
-        BadRequest,
-        Forbidden,
-        NotFound,
-        MediaError,
-        Overloaded,
-        Cancelled,
-    )
-}
+# The whole hierarchy: what a status, a class name or a code can be turned back into.
+HIERARCHY: tuple[type[FramewireError], ...] = (
+    FramewireError,
+    Unavailable,
+    InsufficientStorage,
+    BadRequest,
+    Forbidden,
+    NotFound,
+    MediaError,
+    Overloaded,
+    Cancelled,
+)
+ERROR_CLASSES: dict[int, type[FramewireError]] = {cls.status: cls for cls in HIERARCHY}
