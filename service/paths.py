@@ -34,6 +34,10 @@ def _real_roots(roots: list[str]) -> list[str]:
 def _no_dotdot(raw: str) -> None:
     if not raw or "\x00" in raw:
         raise BadRequest("empty path or NUL byte in path", code="bad_path")
+    try:
+        os.fsencode(raw)
+    except UnicodeEncodeError as exc:  # lone surrogates from JSON "\udxxx" escapes
+        raise BadRequest(f"path {raw!r} cannot be encoded", code="bad_path") from exc
     if ".." in Path(raw).parts:
         raise Forbidden(f"path {raw!r} contains '..'", code="path_traversal")
 
@@ -59,6 +63,8 @@ def resolve_output(raw: str, roots: list[str]) -> Path:
         _check_target(os.lstat(target).st_mode, raw)
     except FileNotFoundError:
         pass
+    except OSError as exc:  # a name too long, or a "directory" that is a file
+        raise BadRequest(f"output path {raw!r}: {exc.strerror}", code="bad_path") from exc
     return target
 
 

@@ -204,6 +204,8 @@ def open_shm(key: str, prefixes: list[str]) -> int:
         raise NotFound(f"no shared-memory segment {key!r}", code="shm_not_found") from exc
     except OSError as exc:
         raise Forbidden(f"cannot open shm {key!r}: {exc.strerror}", code="shm_denied") from exc
+    except ValueError as exc:  # a NUL byte, or a lone surrogate that names no file
+        raise BadRequest(f"shm key {key!r} is not a file name", code="bad_shm_key") from exc
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise BadRequest(f"shm key {key!r} is not a segment", code="bad_shm_key")

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -422,3 +423,15 @@ def test_client_segments_are_private_and_swept_once_abandoned(tmp_path):
     finally:
         abandoned.unlink(missing_ok=True)
         not_ours.unlink()
+
+
+def test_tcp_answers_are_not_held_by_delayed_acks(worker):
+    """On a kept-alive TCP connection each answer must go out at once (TCP_NODELAY):
+    without it, every request after the first waited ~40 ms for a delayed ACK."""
+    with httpx.Client(base_url=worker.tcp_url) as http:
+        times = []
+        for _ in range(21):
+            t0 = time.perf_counter()
+            assert http.post("/v1/probe", json={"paths": []}).status_code < 500
+            times.append(time.perf_counter() - t0)
+    assert sorted(times)[10] < 0.02, f"median {sorted(times)[10] * 1e3:.1f} ms"

@@ -123,6 +123,27 @@ def test_traversal_and_absolute_paths_are_refused(worker, segment, tmp_path):
     assert not (worker.outputs.parent / "evil.mp4").exists()
 
 
+def test_names_no_file_system_takes_are_bad_requests(worker, segment):
+    """Found by hand while checking the fuzz suite: these reached a system call as a 500."""
+    ok = source(segment())
+    (worker.outputs / "file.mp4").write_bytes(b"x")
+    try:
+        refused(worker, one(ok, path="a" * 300 + ".mp4"), 400, "bad_path")  # ENAMETOOLONG
+        refused(worker, one(ok, path="file.mp4/x.mp4"), 400, "bad_path")  # ENOTDIR
+        # A lone surrogate: valid JSON ("\ud800"), but no file name.
+        raw = b'{"paths": ["\\ud800.mp4"]}'
+        refused(worker, raw, 400, "bad_path", url="/v1/probe")
+        raw = json.dumps(one(ok, path="x.mp4")).replace("x.mp4", "\\ud800.mp4").encode()
+        refused(worker, raw, 400, "bad_path")
+        for key in ("/framewire\x00a", "/framewire\ud800"):
+            body = json.dumps({"key": key, "byte_size": 1}).encode()
+            refused(
+                worker, body, 400, "bad_shm_key", url="/v2/systemsharedmemory/region/x/register"
+            )
+    finally:
+        (worker.outputs / "file.mp4").unlink()
+
+
 def test_symlinks_out_of_the_root_are_refused(worker, segment, tmp_path):
     ok = source(segment())
     outside = tmp_path / "outside"
