@@ -9,15 +9,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 import torch
 
-from tests.conftest import framewire_temps, make_clip, reference_mp4
 from tests.refclips import metric
-from tests.worker import Worker
+
+if TYPE_CHECKING:  # tests.worker imports conftest, which imports this module
+    from tests.worker import Worker
 
 
 @pytest.fixture
@@ -122,6 +123,8 @@ def settle(
 ) -> None:
     """Wait until the worker holds no more than ``baseline`` (its decode cache apart), runs
     no child, and neither temp outputs nor new shm segments (but ``keep``) are left."""
+    from tests.conftest import framewire_temps  # imported here: conftest imports this module
+
     deadline = time.monotonic() + timeout
     while True:
         problems = []
@@ -148,6 +151,8 @@ def settle(
 
 def still_serving(worker: Worker, shm_clip: Any, tmp_path: Path) -> None:
     """A small encode right after the fault: answered, and byte-exact."""
+    from tests.conftest import make_clip, reference_mp4
+
     clip = make_clip(frames=3, height=32, width=32, seed=7)
     with worker.http() as http:
         r = http.post("/v1/videos:encode", json=encode_body(shm_clip(clip), "after.mp4"))
