@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from framewire.client.errors import FramewireError, InsufficientStorage, MediaError
 from framewire.client.share import pid_alive
@@ -40,7 +41,8 @@ _TEMP_NAME = re.compile(re.escape(TEMP_PREFIX) + r"(\d+)-[0-9a-f]{8}-.+", re.DOT
 SWEEP_DEPTH = 4
 SWEEP_MAX_DIRS = 10_000
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# A directory opened as itself, never through a symlink.
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def temp_name_for(name: str) -> str:
@@ -62,10 +64,15 @@ class Staged:
         """Size and sha256 of what was written."""
         fd = os.open(self.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
         with open(fd, "rb") as f:
-            h = hashlib.sha256()
-            while block := f.read(1 << 20):
-                h.update(block)
-            return f.tell(), h.hexdigest()
+            return sha256_of(f)
+
+
+def sha256_of(f: BinaryIO) -> tuple[int, str]:
+    """Bytes read from ``f`` to its end, and their sha256."""
+    h = hashlib.sha256()
+    while block := f.read(1 << 20):
+        h.update(block)
+    return f.tell(), h.hexdigest()
 
 
 def _claim(directory: int, name: str) -> tuple[str, int]:
@@ -73,7 +80,7 @@ def _claim(directory: int, name: str) -> tuple[str, int]:
     while True:
         temp = temp_name_for(name)
         os.mkdir(temp, 0o700, dir_fd=directory)
-        fd = os.open(temp, _DIR_FLAGS, dir_fd=directory)
+        fd = os.open(temp, DIR_FLAGS, dir_fd=directory)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:
@@ -116,12 +123,9 @@ def atomic_output(directory: int, name: str) -> Iterator[Staged]:
             os.replace(name, name, src_dir_fd=fd, dst_dir_fd=directory)
         except OSError as exc:
             raise _write_error(exc, "cannot complete the output") from exc
-    except BaseException:
-        _discard(directory, temp, fd, name)
+    finally:
+        _discard(directory, temp, fd, name)  # after the rename: only the empty directory
         os.close(fd)
-        raise
-    _discard(directory, temp, fd, name)
-    os.close(fd)
     os.fsync(directory)
 
 
@@ -146,7 +150,7 @@ def _remove_if_abandoned(path: Path) -> bool:
     if pid != os.getpid() and pid_alive(pid):
         return False
     try:
-        fd = os.open(path, _DIR_FLAGS | os.O_NONBLOCK)
+        fd = os.open(path, DIR_FLAGS | os.O_NONBLOCK)
     except OSError:
         return False  # a symlink, not a directory, or gone already
     try:

@@ -9,7 +9,6 @@ produces the same bytes. Either way the file appears only when complete.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import signal
 import stat
@@ -32,7 +31,7 @@ from framewire.client.errors import (
 )
 from framewire.client.ffmpeg_argv import encode_argv, x264_auto_threads
 
-from .atomic import Staged, atomic_output, open_directory
+from .atomic import Staged, atomic_output, open_directory, sha256_of
 from .convert import chunk_frames, convert_into
 from .ffmpeg import FfmpegExited, FfmpegProcess, resolve_ffmpeg
 from .sources import FrameSource, Geometry
@@ -62,15 +61,11 @@ class Encoded:
     threads: int
     encode_ms: float
     fast_path_error: str | None = None  # why the fallback ran, when it did
-    inspected: object = None  # what the caller's ``inspect`` returned
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+        return sha256_of(f)[1]
 
 
 def check_params(params: EncodeParams) -> None:
@@ -119,31 +114,32 @@ class Encoder:
         *,
         cancel: threading.Event | None = None,
         directory: int | None = None,
-        inspect: Callable[[str], object] | None = None,
+        inspect: Callable[[str], None] | None = None,
     ) -> Encoded:
         """Encode ``source`` to ``path``.
 
         ``directory``: an open fd for ``path``'s directory (the worker's, opened
         without following links); by default the directory is opened here.
-        ``inspect`` runs on the finished file before it is renamed into place and
-        may raise to refuse it; what it returns is ``Encoded.inspected``.
+        ``inspect`` runs on the finished file (by its staged path) before it is
+        renamed into place, and may raise to refuse it.
         """
         check_params(params)
         path = Path(path)
         if params.audio is not None and not params.audio.is_file():
             raise NotFound(f"audio file {params.audio} does not exist", code="audio_missing")
-        if directory is not None:
-            return self._encode(source, path, params, cancel, directory, inspect)
-        try:
-            directory = open_directory(path.parent)
-        except (FileNotFoundError, NotADirectoryError) as exc:
-            raise NotFound(
-                f"output directory {path.parent} does not exist", code="output_dir_missing"
-            ) from exc
+        own = directory is None
+        if directory is None:
+            try:
+                directory = open_directory(path.parent)
+            except (FileNotFoundError, NotADirectoryError) as exc:
+                raise NotFound(
+                    f"output directory {path.parent} does not exist", code="output_dir_missing"
+                ) from exc
         try:
             return self._encode(source, path, params, cancel, directory, inspect)
         finally:
-            os.close(directory)
+            if own:
+                os.close(directory)
 
     def _encode(
         self,
@@ -152,7 +148,7 @@ class Encoder:
         params: EncodeParams,
         cancel: threading.Event | None,
         directory: int,
-        inspect: Callable[[str], object] | None,
+        inspect: Callable[[str], None] | None,
     ) -> Encoded:
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISDIR(os.stat(path.name, dir_fd=directory, follow_symlinks=False).st_mode):
@@ -184,7 +180,8 @@ class Encoder:
                 self._reference(source, staged, params, check)
             encode_ms = (time.perf_counter() - started) * 1e3
             size, sha256 = staged.digest()
-            inspected = None if inspect is None else inspect(staged.path)
+            if inspect is not None:
+                inspect(staged.path)
         return Encoded(
             path=path,
             bytes=size,
@@ -196,7 +193,6 @@ class Encoder:
             threads=threads,
             encode_ms=encode_ms,
             fast_path_error=fast_error,
-            inspected=inspected,
         )
 
     def _argv(

@@ -140,13 +140,14 @@ class EncodeJobs:
         started = time.time()
         g = job.source.geometry
         validate_ms = 0.0
+        info: MediaInfo | None = None
 
-        def check_file(staged: str) -> MediaInfo:
+        def check_file(staged: str) -> None:
             # Before the rename: a file that fails validation never appears.
-            nonlocal validate_ms
+            nonlocal validate_ms, info
             t0 = time.perf_counter()
             try:
-                return validate_output(
+                info = validate_output(
                     Path(staged),
                     frames=g.frames,
                     width=g.width,
@@ -171,8 +172,6 @@ class EncodeJobs:
                 job.path,
                 extra={"fast_path_error": encoded.fast_path_error},
             )
-        info = encoded.inspected if validate else None
-        assert info is None or isinstance(info, MediaInfo)
         self.metrics.encode_seconds.labels(encoded.route).observe(encoded.encode_ms / 1e3)
         self.metrics.bytes_written.inc(encoded.bytes)
         if encoded.route == "fallback":

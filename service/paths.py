@@ -16,6 +16,8 @@ from pathlib import Path
 
 from framewire.client.errors import BadRequest, Forbidden, MediaError, NotFound
 
+from .atomic import DIR_FLAGS
+
 
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
@@ -75,9 +77,6 @@ def _check_target(mode: int, raw: str) -> None:
         raise BadRequest(f"output path {raw!r} exists and is not a file", code="output_not_a_file")
 
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
 def open_output_dir(target: Path, roots: list[str]) -> int:
     """An fd for the directory of ``target`` (from ``resolve_output``), made if missing.
 
@@ -87,15 +86,15 @@ def open_output_dir(target: Path, roots: list[str]) -> int:
     """
     parent = str(target.parent)
     root = next(r for r in _real_roots(roots) if _under(parent, r))
-    fd = os.open(root, _DIR_FLAGS)
+    fd = os.open(root, DIR_FLAGS)
     try:
         for part in Path(parent).relative_to(root).parts:
             try:
-                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(part, dir_fd=fd)
-                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = child
         try:
