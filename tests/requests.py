@@ -27,23 +27,32 @@ def shm_clip() -> Iterator:
 
     def make(clip: torch.Tensor) -> dict[str, Any]:
         key = f"/framewire-test-{secrets.token_hex(6)}"
-        data = clip.contiguous().view(torch.uint8).numpy().tobytes()
-        Path(f"/dev/shm{key}").write_bytes(data)
+        Path(f"/dev/shm{key}").write_bytes(raw_bytes(clip))
         keys.append(key)
-        return {
-            "kind": "shm",
-            "key": key,
-            "offset": 0,
-            "byte_size": len(data),
-            "dtype": str(clip.dtype).removeprefix("torch."),
-            "shape": list(clip.shape),
-            "layout": "CTHW",
-        }
+        return shm_source(key, clip)
 
     make.keys = keys  # type: ignore[attr-defined]
     yield make
     for key in keys:
         Path(f"/dev/shm{key}").unlink(missing_ok=True)
+
+
+def shm_source(key: str, clip: torch.Tensor, layout: str = "CTHW", **over: object) -> dict:
+    """The wire descriptor of ``clip`` written whole at offset 0 of segment ``key``."""
+    src = {
+        "kind": "shm",
+        "key": key,
+        "offset": 0,
+        "byte_size": clip.numel() * clip.element_size(),
+        "dtype": str(clip.dtype).removeprefix("torch."),
+        "shape": list(clip.shape),
+        "layout": layout,
+    }
+    return src | over
+
+
+def raw_bytes(clip: torch.Tensor) -> bytes:
+    return clip.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def encode_body(source: dict[str, Any], path: str, **over: Any) -> dict[str, Any]:

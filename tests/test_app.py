@@ -22,6 +22,7 @@ from framewire.client import AsyncClient, BadRequest, Client, Forbidden, NotFoun
 from framewire.client.share import shared
 
 from tests.conftest import make_clip, reference_mp4, sha256
+from tests.requests import raw_bytes, shm_source
 from tests.worker import Worker, start_worker
 
 
@@ -59,23 +60,6 @@ def segment() -> Iterator:
     yield make
     for key in keys:
         Path(f"/dev/shm{key}").unlink(missing_ok=True)
-
-
-def shm_source(key: str, clip: torch.Tensor, layout: str = "CTHW", **over: object) -> dict:
-    src = {
-        "kind": "shm",
-        "key": key,
-        "offset": 0,
-        "byte_size": clip.numel() * clip.element_size(),
-        "dtype": str(clip.dtype).removeprefix("torch."),
-        "shape": list(clip.shape),
-        "layout": layout,
-    }
-    return src | over
-
-
-def raw_bytes(clip: torch.Tensor) -> bytes:
-    return clip.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 @pytest.mark.parametrize("via", ["uds", "tcp"])

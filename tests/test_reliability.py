@@ -33,7 +33,9 @@ from tests.requests import (
     Baseline,
     encode_body,
     gone,
+    raw_bytes,
     settle,
+    shm_source,
     still_serving,
     wait_for_ffmpeg,
     wait_gone,
@@ -54,12 +56,11 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
 def baseline(worker: Worker) -> Baseline:
     clip = make_clip(frames=2, height=32, width=32)
     key = f"/framewire-test-warmup-{os.getpid()}"
-    Path(f"/dev/shm{key}").write_bytes(clip.numpy().tobytes())
+    Path(f"/dev/shm{key}").write_bytes(raw_bytes(clip))
     try:
         with worker.http() as http:
-            src = {"kind": "shm", "key": key, "offset": 0, "byte_size": clip.numel() * 4,
-                   "dtype": "float32", "shape": list(clip.shape), "layout": "CTHW"}  # fmt: skip
-            assert http.post("/v1/videos:encode", json=encode_body(src, "warm.mp4")).is_success
+            body = encode_body(shm_source(key, clip), "warm.mp4")
+            assert http.post("/v1/videos:encode", json=body).is_success
     finally:
         os.unlink(f"/dev/shm{key}")
     (worker.outputs / "warm.mp4").unlink()
@@ -115,10 +116,9 @@ def test_ffmpeg_killed_mid_encode(worker, baseline, shm_clip, tmp_path, request)
     )
 
 
-def _limited_ffmpeg(path: Path, *, ignore_sigxfsz: bool) -> Path:
-    # dash's ulimit -f counts 512-byte blocks: 32 KiB, much less than the clip's MP4.
-    trap = "trap '' XFSZ\n" if ignore_sigxfsz else ""
-    path.write_text(f'#!/bin/sh\n{trap}ulimit -f 64\nexec {FFMPEG} "$@"\n')
+def wrapped_ffmpeg(path: Path, prelude: str) -> Path:
+    """An ffmpeg for ``FRAMEWIRE_FFMPEG``: a shell script running ``prelude``, then ffmpeg."""
+    path.write_text(f'#!/bin/sh\n{prelude}\nexec {FFMPEG} "$@"\n')
     path.chmod(0o755)
     return path
 
@@ -128,7 +128,9 @@ def test_full_disk(tmp_path, shm_clip, request, sigxfsz):
     """ffmpeg runs under RLIMIT_FSIZE of 32 KiB, the output of a 24-frame clip being larger.
     With SIGXFSZ ignored its writes fail with EFBIG, as ENOSPC would on a full disk; with the
     signal's default action ffmpeg is killed by it."""
-    wrapper = _limited_ffmpeg(tmp_path / "ffmpeg", ignore_sigxfsz=sigxfsz == "ignored")
+    # dash's ulimit -f counts 512-byte blocks: 32 KiB, much less than the clip's MP4.
+    trap = "trap '' XFSZ; " if sigxfsz == "ignored" else ""
+    wrapper = wrapped_ffmpeg(tmp_path / "ffmpeg", f"{trap}ulimit -f 64")
     w = start_worker(tmp_path / "w", env=os.environ | {"FRAMEWIRE_FFMPEG": str(wrapper)})
     try:
         baseline = Baseline.of(w)
@@ -329,16 +331,10 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _slow_ffmpeg(path: Path, delay_s: float) -> Path:
-    path.write_text(f'#!/bin/sh\nsleep {delay_s}\nexec {FFMPEG} "$@"\n')
-    path.chmod(0o755)
-    return path
-
-
 def test_reference_replaced_during_decode(tmp_path, request):
     """The reference video is replaced (a new file renamed over it) while the worker's decode
     of it runs; ffmpeg is made to start 1 s late so the swap always lands inside the decode."""
-    wrapper = _slow_ffmpeg(tmp_path / "ffmpeg", 1.0)
+    wrapper = wrapped_ffmpeg(tmp_path / "ffmpeg", "sleep 1")
     w = start_worker(tmp_path / "w", env=os.environ | {"FRAMEWIRE_FFMPEG": str(wrapper)})
     try:
         baseline = Baseline.of(w)
