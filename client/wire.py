@@ -60,7 +60,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _kind_required(schema: dict[str, Any]) -> None:
+    # ``kind`` has a default for Python callers, but on the wire it is the union's tag.
+    required = schema.setdefault("required", [])
+    if "kind" not in required:
+        required.insert(0, "kind")
+
+
 class _TensorFields(_Strict):
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_kind_required)
+
     dtype: DType
     shape: list[int] = Field(min_length=4, max_length=4)
     layout: Layout = Layout.CTHW
@@ -404,7 +413,7 @@ def error_code(errors: list[Any]) -> str:
     first = errors[0] if errors else {}
     if first.get("type") in OUR_CODES:
         return str(first["type"])
-    if first.get("type") == "union_tag_invalid":
+    if first.get("type") in ("union_tag_invalid", "union_tag_not_found"):
         return "bad_source_kind"
     for part in reversed(first.get("loc", ())):  # type: ignore[arg-type]
         if isinstance(part, str) and part in FIELD_CODES:

@@ -24,6 +24,7 @@ from framewire.client.wire import (
 )
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -89,6 +90,42 @@ class RequestCounter:
             self.metrics.requests.labels(route, str(status)).inc()
 
 
+class BodyLimit:
+    """Refuses request bodies over ``limit`` bytes with 413 ``body_too_large`` as JSON.
+
+    Framework limiters answer in plain text. A declared Content-Length over the limit
+    is refused before anything is read; a body without one (chunked) fails its read
+    once it passes the limit, and the error handlers answer it like any other.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app = app
+        self.limit = limit
+        self.message = f"the request body is over {limit} bytes (FRAMEWIRE_MAX_BODY_BYTES)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            response = JSONResponse(error_body("body_too_large", self.message), 413)
+            await response(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise StarletteHTTPException(413, self.message)
+            return message
+
+        await self.app(scope, limited, send)
+
+
 class RegisterSystem(BaseModel):
     key: str
     offset: int = Field(default=0, ge=0)
@@ -140,7 +177,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="framewire",
         version=__version__,
         lifespan=lifespan,
-        max_body_size=settings.max_body_bytes,
     )
     app.state.settings, app.state.metrics, app.state.jobs = settings, metrics, jobs
     app.state.fd_server = fd_server
@@ -155,6 +191,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     auth = [Depends(authorize)]
 
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequestCounter, metrics=metrics)
     app.add_middleware(RequestIds)  # outermost: whatever runs inside logs with the id
 

@@ -203,6 +203,7 @@ def test_bad_inputs_get_their_4xx(worker, baseline, segment, tmp_path):
     bad(worker, one(ok | {"key": other}), 403, "shm_prefix")
     bad(worker, one(ok | {"layout": "HWCT"}), 400, "bad_layout")
     bad(worker, one(ok | {"kind": "pickle"}), 400, "bad_source_kind")
+    bad(worker, one({k: v for k, v in ok.items() if k != "kind"}), 400, "bad_source_kind")
     bad(worker, one(ok, fps=0), 400, "bad_fps")
     bad(worker, one(ok, fps=-5), 400, "bad_fps")
     bad(worker, one(ok, path="/etc/evil.mp4"), 403, "path_outside_roots")
@@ -254,6 +255,17 @@ def test_probe_info_readyz_metrics(worker, baseline):
     assert "framewire_bytes_written_total" in text
     assert "framewire_fallbacks_total" in text
     assert "framewire_encodes_in_flight" in text
+
+
+def test_openapi_sources_name_their_kind(worker):
+    with worker.http() as h:
+        schemas = h.get("/openapi.json").json()["components"]["schemas"]
+    kinds = {}
+    for name in ("ShmSource", "RegionSource", "CudaIpcSource"):
+        # The tag of the union: required on the wire, though Python callers may omit it.
+        assert "kind" in schemas[name]["required"], schemas[name]
+        kinds[name] = schemas[name]["properties"]["kind"]["const"]
+    assert kinds == {"ShmSource": "shm", "RegionSource": "region", "CudaIpcSource": "cuda_ipc"}
 
 
 def test_async_client(worker, baseline, tmp_path):

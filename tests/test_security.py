@@ -332,8 +332,17 @@ def test_huge_http_body_is_refused_and_the_worker_keeps_serving(worker, segment)
     before = tree(worker.outputs)
     with worker.http(TOKEN) as h:
         r = h.post("/v1/videos:encode", content=big, headers=JSON)
-        # Refused from its Content-Length by the framework's limiter, before it is read.
-        assert r.status_code == 413, r.text[:200]
+        # Refused from its Content-Length, before it is read.
+        assert (r.status_code, r.json()["code"]) == (413, "body_too_large"), r.text[:200]
+
+        # Chunked, so no Content-Length to go by: refused once the limit is passed.
+        def chunks() -> Iterator[bytes]:
+            for at in range(0, len(big), 1 << 16):
+                yield big[at : at + (1 << 16)]
+
+        r = h.post("/v1/videos:encode", content=chunks(), headers=JSON)
+        assert (r.status_code, r.json()["code"]) == (413, "body_too_large"), r.text[:200]
+        assert "FRAMEWIRE_MAX_BODY_BYTES" in r.json()["error"]
     assert tree(worker.outputs) == before
     healthy(worker)
     # Deeply nested JSON, under the body limit: a 400 with a code, not a 5xx.
