@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import numpy as np
 
 WIDTH, HEIGHT, FPS = 1344, 768, 24
@@ -176,7 +177,7 @@ def start_worker(root: Path) -> subprocess.Popen[bytes]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--ranks", type=harness.count, default=8)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--rank", nargs=3, help=argparse.SUPPRESS)
@@ -234,10 +235,9 @@ def main() -> int:
     print(f"goals ({n} x framewire, cold): wall <= {GOAL_WALL}x one decode: "
           f"{'met' if wall_ok else 'MISSED'}; memory <= {GOAL_MEMORY}x one copy: "
           f"{'met' if mem_ok else 'MISSED'}")  # fmt: skip
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    harness.write_json(args.json, results)
     return 0 if len(digests) == 1 else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    harness.run(main)

@@ -28,7 +28,6 @@ import mmap
 import os
 import resource
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import numpy as np
 
 VARIANTS = ("bare ffmpeg", "imageio", "framewire")
@@ -323,13 +323,15 @@ def report(rows: list[dict[str, Any]]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--frames", type=int, nargs="+", default=[48, 120, 240])
-    parser.add_argument("--width", type=int, default=1344)
-    parser.add_argument("--height", type=int, default=768)
+    parser.add_argument("--frames", type=harness.count, nargs="+", default=[48, 120, 240])
+    parser.add_argument("--width", type=harness.count, default=1344)
+    parser.add_argument("--height", type=harness.count, default=768)
     parser.add_argument(
-        "--repeat", type=int, default=1, help="runs per variant; wall is the median"
+        "--repeat", type=harness.count, default=1, help="runs per variant; wall is the median"
     )
-    parser.add_argument("--chunk-mib", type=int, default=128, help="framewire's chunk_bytes")
+    parser.add_argument(
+        "--chunk-mib", type=harness.count, default=128, help="framewire's chunk_bytes"
+    )
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--_run", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -337,8 +339,6 @@ def main() -> int:
         print(json.dumps(run_variant(json.loads(args._run))), flush=True)
         return 0
 
-    # A plain `kill` unwinds like Ctrl-C does, so the finally blocks remove the files.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix=PREFIX.lstrip("/"), dir="/dev/shm"))
     try:
         rows = [row for frames in args.frames for row in bench_length(frames, args, work)]
@@ -352,14 +352,9 @@ def main() -> int:
         f"-threads {rows[0]['threads']} for all, {os.cpu_count()} CPUs, median of {args.repeat}"
     )
     report(rows)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    harness.write_json(args.json, rows)
     return 0 if all(r["same_bytes"] for r in rows) else 1
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        sys.exit(130)
+    harness.run(main)

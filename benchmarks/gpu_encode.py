@@ -29,7 +29,6 @@ See DESIGN.md section 8 for the goals.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -42,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import torch
 
 FPS = 24
@@ -294,16 +294,15 @@ def report(rows: list[dict[str, Any]]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--frames", type=int, nargs="+", default=[120, 240])
-    parser.add_argument("--width", type=int, default=1344)
-    parser.add_argument("--height", type=int, default=768)
-    parser.add_argument("--repeat", type=int, default=2, help="runs per variant (median)")
+    parser.add_argument("--frames", type=harness.count, nargs="+", default=[120, 240])
+    parser.add_argument("--width", type=harness.count, default=1344)
+    parser.add_argument("--height", type=harness.count, default=768)
+    parser.add_argument("--repeat", type=harness.count, default=2, help="runs per variant (median)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_encode: no CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: files get removed
     work = Path(tempfile.mkdtemp(prefix="framewire-gpubench-", dir="/dev/shm"))
     try:
         rows = [bench_length(frames, args, work) for frames in args.frames]
@@ -315,14 +314,9 @@ def main() -> int:
         f"-threads {rows[0]['threads']} for both, {os.cpu_count()} CPUs, median of {args.repeat}"
     )
     report(rows)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    harness.write_json(args.json, rows)
     return 0 if all(r["same_bytes"] for r in rows) else 1
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        sys.exit(130)
+    harness.run(main)

@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import harness  # noqa: E402
 from encode import write_clip  # noqa: E402  (the shared clip generator)
 from framewire.client import Client  # noqa: E402
 from framewire.client.ffmpeg_argv import encode_argv, x264_auto_threads  # noqa: E402
@@ -129,9 +130,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--repeat", type=int, default=40, help="tiny-clip repetitions")
-    parser.add_argument("--frames", type=int, default=120, help="frames of the 1344x768 clip")
-    parser.add_argument("--big-repeat", type=int, default=1)
+    parser.add_argument("--repeat", type=harness.count, default=40, help="tiny-clip repetitions")
+    parser.add_argument(
+        "--frames", type=harness.count, default=120, help="frames of the 1344x768 clip"
+    )
+    parser.add_argument("--big-repeat", type=harness.count, default=1)
     parser.add_argument("--skip-big", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="framewire-overhead-") as tmp:
@@ -163,4 +166,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    harness.run(main)

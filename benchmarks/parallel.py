@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import harness  # noqa: E402
 from encode import write_clip  # noqa: E402
 
 from tests.worker import start_worker  # noqa: E402
@@ -50,9 +51,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--outputs", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--frames", type=int, default=120)
-    parser.add_argument("--threads", type=int, default=max(1, cpus // 2))
+    parser.add_argument("--outputs", type=harness.count, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--frames", type=harness.count, default=120)
+    parser.add_argument("--threads", type=harness.count, default=max(1, cpus // 2))
     args = parser.parse_args()
     key = f"/framewire-bench-parallel-{os.getpid()}"
     segment, rgb = Path(f"/dev/shm{key}"), Path(f"/dev/shm{key.lstrip('/')}.rgb")
@@ -100,4 +101,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    harness.run(main)

@@ -1,0 +1,38 @@
+"""What the benchmark scripts share: a count argument, the JSON rows, how they exit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+
+def count(text: str) -> int:
+    """An argparse type: a whole number, at least 1 (medians of nothing are undefined)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1")
+    return value
+
+
+def write_json(path: Path | None, rows: object) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def run(main: Callable[[], int]) -> NoReturn:
+    """Exit with ``main()``'s status; SIGTERM and Ctrl-C unwind, so the scratch files go."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        status = 130
+    sys.exit(status)
