@@ -33,7 +33,6 @@ ERROR_CLASSES: dict[str, type[FramewireError]] = {
     "forbidden": Forbidden,
     "not_found": NotFound,
     "decode_failed": MediaError,
-    "input_changed": MediaError,
     "overloaded": Overloaded,
 }
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import resource
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import MediaError, NotFound, Unavailable
+from .errors import BadRequest, MediaError, NotFound, Unavailable
 from .ffmpeg_argv import decode_argv, resolve_ffmpeg
 from .wire import DecodeRequest
 
@@ -43,13 +45,26 @@ class Decoded:
 class DecodeRun:
     """One ffmpeg decode in flight; :meth:`wait` hands over the sealed memfd.
 
+    ``max_bytes`` bounds what the decode may hold. It is ffmpeg's file-size limit
+    (RLIMIT_FSIZE, set as it starts), so the kernel stops a decode at the bound,
+    whatever the file's length, without a word of the byte-exact argv changing.
     :meth:`kill` may be called from another thread (worker shutdown); the run
     then fails with ``decode_failed``.
     """
 
-    def __init__(self, ffmpeg: str, path: str | os.PathLike[str], request: DecodeRequest):
+    def __init__(
+        self,
+        ffmpeg: str,
+        path: str | os.PathLike[str],
+        request: DecodeRequest,
+        *,
+        max_bytes: int | None = None,
+    ):
         self.request = request
         self.path = os.fspath(path)
+        self.max_bytes = max_bytes
+        if max_bytes is not None and request.frame_bytes > max_bytes:
+            raise self._too_large()
         self._out = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         self._err = -1
         try:
@@ -76,6 +91,13 @@ class DecodeRun:
                 pass_fds=(self._out,),
                 close_fds=True,
             )
+            if max_bytes is not None:
+                # Set before ffmpeg has opened its input, let alone written a frame. If
+                # it cannot be set (ffmpeg gone already, a sandbox that forbids it),
+                # wait() still refuses a decode past the bound.
+                with contextlib.suppress(OSError):
+                    limit = (max_bytes, max_bytes)
+                    resource.prlimit(self.proc.pid, resource.RLIMIT_FSIZE, limit)
         except OSError as exc:
             self._close_fds()
             raise Unavailable(
@@ -92,6 +114,10 @@ class DecodeRun:
             decode_ms = (time.perf_counter() - self._started) * 1e3
             size = os.fstat(self._out).st_size
             frame_bytes = self.request.frame_bytes
+            if self.max_bytes is not None and (
+                rc == -signal.SIGXFSZ or size > self.max_bytes or (rc and size == self.max_bytes)
+            ):
+                raise self._too_large()
             if rc != 0:
                 why = f"ffmpeg exited {rc}" if rc > 0 else f"ffmpeg was killed (signal {-rc})"
                 raise self._failure(why)
@@ -107,6 +133,15 @@ class DecodeRun:
             return Decoded(fd, size // frame_bytes, size, decode_ms)
         finally:
             self.close()
+
+    def _too_large(self) -> BadRequest:
+        r = self.request
+        return BadRequest(
+            f"decoding {self.path} at {r.width}x{r.height} and {r.fps:g} fps needs more than "
+            f"{self.max_bytes} bytes (FRAMEWIRE_MAX_DECODE_BYTES): ask for fewer frames "
+            "(max_frames), a smaller size or a lower fps",
+            code="decode_too_large",
+        )
 
     def _failure(self, why: str) -> MediaError:
         tail = self.stderr_tail()

@@ -253,6 +253,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 "cpu_slots": settings.cpu_slots,
                 "max_queue": settings.max_queue,
                 "decode_cache_bytes": settings.decode_cache_bytes,
+                "max_decode_bytes": settings.max_decode_bytes,
             },
             "sockets": {"uds": str(settings.uds), "fd_socket": str(settings.fd_socket)},
             "output_roots": settings.output_roots,

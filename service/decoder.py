@@ -234,8 +234,8 @@ class ReferenceDecoder:
         with self._runs_lock:  # close() kills what is registered here, so start under it
             if self._closed:
                 raise Unavailable("the worker is shutting down")
+            run = DecodeRun(self.ffmpeg, path, request, max_bytes=self.settings.max_decode_bytes)
             self.metrics.decodes.inc()
-            run = DecodeRun(self.ffmpeg, path, request)
             self._runs.add(run)
         try:
             return run.wait()

@@ -17,7 +17,7 @@ def runtime_dir() -> Path:
     return Path(xdg) / "framewire" if xdg else Path(f"/tmp/framewire-{os.getuid()}")
 
 
-def _default_cache_bytes() -> int:
+def _eighth_of_ram() -> int:
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
@@ -42,7 +42,9 @@ class Settings(BaseSettings):
     max_queue: int = Field(default=64, ge=0)
     # An encode request is a few hundred bytes an output; anything near this is not one.
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
-    decode_cache_bytes: int = Field(default_factory=_default_cache_bytes, ge=0)
+    decode_cache_bytes: int = Field(default_factory=_eighth_of_ram, ge=0)
+    # One decode's frames: a long reference at a large size must not take the host's RAM.
+    max_decode_bytes: int = Field(default_factory=_eighth_of_ram, ge=1)
     allowed_uids: Annotated[list[int], NoDecode] = Field(default_factory=lambda: [os.getuid()])
     allowed_gids: Annotated[list[int], NoDecode] = Field(default_factory=list)
     fallback: bool = True

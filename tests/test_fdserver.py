@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from framewire.client import AsyncClient, Client, Forbidden, MediaError, NotFound
+from framewire.client import AsyncClient, BadRequest, Client, Forbidden, MediaError, NotFound
 from framewire.client.memdecode import SEALS
 from framewire.client.wire import DecodeRequest
 
@@ -303,3 +303,30 @@ def test_uid_not_allowed_is_forbidden(tmp_path):
             assert conn.call({"op": "ping"})[0]["code"] == "forbidden"
     finally:
         assert w.stop() == 0
+
+
+def test_decodes_past_the_bound_are_refused_and_leave_nothing(tmp_path):
+    frame = 40 * 30 * 3
+    w = start_worker(tmp_path, "--max-decode-bytes", str(10 * frame))
+    try:
+        make_clips(w.inputs)
+        video = w.inputs / "c30.mp4"  # 20 frames at 10 fps
+        with Client(fd_socket=tmp_path / "fd.sock", timeout=60) as c:
+            # An answer of the worker, not an unreachable one: no local decode either.
+            with pytest.raises(BadRequest) as err:
+                c.decode_reference(video, fps=10, width=40, height=30)
+            assert err.value.code == "bad_request"
+            assert "FRAMEWIRE_MAX_DECODE_BYTES" in err.value.message
+            with c.decode_reference(video, fps=10, width=40, height=30, max_frames=10) as ref:
+                assert ref.source == "worker" and len(ref) == 10
+                assert ref.frames.tobytes() == oracle(
+                    video, fps=10, width=40, height=30, max_frames=10
+                )
+        with w.http() as h:
+            assert metric(h, "framewire_decodes_total") == 2
+            assert metric(h, "framewire_decode_failures_total") == 1
+            assert h.get("/v1/info").json()["limits"]["max_decode_bytes"] == 10 * frame
+        assert w.children() == set()
+        assert not [f for f in w.open_fds() if "ffmpeg-stderr" in f]
+    finally:
+        assert w.stop() == 0, w.log.read_text()
