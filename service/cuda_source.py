@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-from framewire.client.errors import BadRequest, NotFound
+from framewire.client.errors import BadRequest, Forbidden, FramewireError, NotFound
 from framewire.client.wire import (
     IPC_HANDLE_BYTES,
     CudaIpcSource,
@@ -55,6 +55,7 @@ log = logging.getLogger("framewire.cuda")
 NO_REF_COUNTER = b"/framewire-none/none"
 CUDA_ERROR_NOT_FOUND = 500
 TORCH_MALLOC_HANDLE = b"c"  # the type byte of torch's handles to plain cudaMalloc memory
+TORCH_EXPANDABLE_HANDLE = b"e"  # ... and to its expandable segments (cuMemCreate memory)
 
 
 def cuda_available() -> bool:
@@ -285,13 +286,34 @@ def open_storage(device: int, handle: bytes, size: int, offset: int = 0) -> torc
                 device, handle, size, offset, NO_REF_COUNTER, 0, b"", False
             )
         except RuntimeError as exc:
-            raise BadRequest(
-                "cannot open the CUDA IPC handle (freed, from another host or container, "
-                f"or not for this GPU): {_first_line(exc)}",
-                code="cuda_handle_invalid",
-            ) from None
+            raise open_error(handle, exc) from None
         check_allocation(storage, handle, size)
     return storage
+
+
+def open_error(handle: bytes, exc: RuntimeError) -> FramewireError:
+    """What a handle that torch could not open is answered with.
+
+    Expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` in the
+    producer) are shared as file descriptors that the importer takes out of the
+    producer with ``pidfd_open``/``pidfd_getfd``. That needs the producer's PID
+    namespace and ptrace rights over it, which a default container or Yama's
+    ptrace_scope 1 denies: a deployment matter, answered as one.
+    """
+    why = _first_line(exc)
+    if handle[1:2] == TORCH_EXPANDABLE_HANDLE and "pidfd" in str(exc):
+        return Forbidden(
+            "the tensor lies in a torch expandable segment, whose memory the worker must "
+            "take from the producer process with pidfd_getfd, and it may not: run the "
+            "worker in the producer's PID namespace with CAP_SYS_PTRACE, or allocate the "
+            f"video outside expandable segments: {why}",
+            code="cuda_ipc_not_permitted",
+        )
+    return BadRequest(
+        "cannot open the CUDA IPC handle (freed, from another host or container, "
+        f"or not for this GPU): {why}",
+        code="cuda_handle_invalid",
+    )
 
 
 def tensor_on(

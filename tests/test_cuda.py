@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from framewire.client import BadRequest, Client
+from framewire.client import BadRequest, Client, FramewireError
 from framewire.client.cuda_share import CudaShare, describe
 from framewire.client.share import share
 from framewire.client.wire import (
@@ -349,6 +349,32 @@ def test_allocation_check_refuses_storage_past_the_allocation(monkeypatch):
     check_allocation(storage, expandable, 1 << 30)  # the driver cannot tell: not asked
     monkeypatch.setattr(cuda_source, "_allocation_of", lambda ptr: None)
     check_allocation(storage, plain, 1 << 30)  # unknown: let torch's own checks decide
+
+
+@pytest.mark.parametrize(
+    ("handle", "error", "status", "code"),
+    [
+        (b"\x01e" + bytes(200), "pidfd_getfd: Operation not permitted", 403,
+         "cuda_ipc_not_permitted"),
+        (b"\x01e" + bytes(200), "pidfd_open: No such process", 403, "cuda_ipc_not_permitted"),
+        (b"\x01e" + bytes(200), "CUDA error: invalid argument", 400, "cuda_handle_invalid"),
+        (b"\x01c" + bytes(64), "CUDA error: invalid resource handle", 400,
+         "cuda_handle_invalid"),
+        (bytes(64), "CUDA error: invalid device context", 400, "cuda_handle_invalid"),
+    ],
+)  # fmt: skip
+def test_handles_torch_cannot_open_are_answered_by_cause(monkeypatch, handle, error, status, code):
+    def refuse(*args: object) -> None:
+        raise RuntimeError(f"{error}\nException raised from getIpcDevPtr at ...")
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: _Noop())
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", refuse)
+    with pytest.raises(FramewireError) as err:
+        cuda_source.open_storage(0, handle, 4096)
+    assert (err.value.status, err.value.code) == (status, code)
+    assert error in err.value.message and "Exception raised" not in err.value.message
+    if code == "cuda_ipc_not_permitted":
+        assert "CAP_SYS_PTRACE" in err.value.message
 
 
 def test_tensor_views_are_bounds_checked():
