@@ -301,13 +301,20 @@ def open_error(handle: bytes, exc: RuntimeError) -> FramewireError:
     ptrace_scope 1 denies: a deployment matter, answered as one.
     """
     why = _first_line(exc)
-    if handle[1:2] == TORCH_EXPANDABLE_HANDLE and "pidfd" in str(exc):
-        return Forbidden(
-            "the tensor lies in a torch expandable segment, whose memory the worker must "
-            "take from the producer process with pidfd_getfd, and it may not: run the "
-            "worker in the producer's PID namespace with CAP_SYS_PTRACE, or allocate the "
-            f"video outside expandable segments: {why}",
-            code="cuda_ipc_not_permitted",
+    if handle[1:2] == TORCH_EXPANDABLE_HANDLE and "pidfd" in why:
+        if "not permitted" in why:
+            return Forbidden(
+                "the tensor lies in a torch expandable segment, whose memory the worker "
+                "must take from the producer process with pidfd_getfd, and it may not: "
+                "give the worker CAP_SYS_PTRACE (and the producer's PID namespace), or "
+                f"allocate the video outside expandable segments: {why}",
+                code="cuda_ipc_not_permitted",
+            )
+        return BadRequest(
+            "the tensor lies in a torch expandable segment, and its producer process is "
+            "not visible to the worker (it exited, or runs in another PID namespace: "
+            f"share the worker's): {why}",
+            code="cuda_handle_invalid",
         )
     return BadRequest(
         "cannot open the CUDA IPC handle (freed, from another host or container, "

@@ -356,7 +356,7 @@ def test_allocation_check_refuses_storage_past_the_allocation(monkeypatch):
     [
         (b"\x01e" + bytes(200), "pidfd_getfd: Operation not permitted", 403,
          "cuda_ipc_not_permitted"),
-        (b"\x01e" + bytes(200), "pidfd_open: No such process", 403, "cuda_ipc_not_permitted"),
+        (b"\x01e" + bytes(200), "pidfd_open: No such process", 400, "cuda_handle_invalid"),
         (b"\x01e" + bytes(200), "CUDA error: invalid argument", 400, "cuda_handle_invalid"),
         (b"\x01c" + bytes(64), "CUDA error: invalid resource handle", 400,
          "cuda_handle_invalid"),
@@ -375,6 +375,8 @@ def test_handles_torch_cannot_open_are_answered_by_cause(monkeypatch, handle, er
     assert error in err.value.message and "Exception raised" not in err.value.message
     if code == "cuda_ipc_not_permitted":
         assert "CAP_SYS_PTRACE" in err.value.message
+    if "pidfd_open" in error:
+        assert "PID namespace" in err.value.message
 
 
 def test_tensor_views_are_bounds_checked():
