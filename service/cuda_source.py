@@ -300,9 +300,9 @@ def open_error(handle: bytes, exc: RuntimeError) -> FramewireError:
     namespace and ptrace rights over it, which a default container or Yama's
     ptrace_scope 1 denies: a deployment matter, answered as one.
     """
-    why = _first_line(exc)
-    if handle[1:2] == TORCH_EXPANDABLE_HANDLE and "pidfd" in why:
-        if "not permitted" in why:
+    why, text = _first_line(exc), str(exc)
+    if handle[1:2] == TORCH_EXPANDABLE_HANDLE and "pidfd" in text:
+        if "not permitted" in text:
             return Forbidden(
                 "the tensor lies in a torch expandable segment, whose memory the worker "
                 "must take from the producer process with pidfd_getfd, and it may not: "
