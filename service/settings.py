@@ -17,12 +17,55 @@ def runtime_dir() -> Path:
     return Path(xdg) / "framewire" if xdg else Path(f"/tmp/framewire-{os.getuid()}")
 
 
-def _eighth_of_ram() -> int:
+def cgroup_memory_limit(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """The tightest memory limit on this process's cgroup and its ancestors, if any.
+
+    cgroup v2 (``memory.max``, also under ``unified/`` on hybrid hosts) and v1
+    (``memory/…/memory.limit_in_bytes``); None when nothing readable sets one.
+    """
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            places = [(root, "memory.max"), (root / "unified", "memory.max")]
+        elif "memory" in controllers.split(","):
+            places = [(root / "memory", "memory.limit_in_bytes")]
+        else:
+            continue
+        own = Path(path.lstrip("/"))
+        for base, name in places:
+            for group in (own, *own.parents):
+                try:
+                    text = (base / group / name).read_text().strip()
+                except OSError:
+                    continue
+                if text.isdigit():  # v2 writes "max" for none
+                    limits.append(int(text))
+    return min(limits, default=None)
+
+
+def usable_memory() -> int:
+    """RAM, or less where a cgroup (a container's memory limit) allows less.
+
+    sysconf reports the host's RAM even inside a container: budgets drawn from it
+    alone would outgrow the container and get the worker OOM-killed.
+    """
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         total = 8 << 30
-    return total // 8
+    limit = cgroup_memory_limit()
+    return total if limit is None else min(total, limit)
+
+
+def _eighth_of_memory() -> int:
+    return usable_memory() // 8
 
 
 class Settings(BaseSettings):
@@ -42,9 +85,9 @@ class Settings(BaseSettings):
     max_queue: int = Field(default=64, ge=0)
     # An encode request is a few hundred bytes an output; anything near this is not one.
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
-    decode_cache_bytes: int = Field(default_factory=_eighth_of_ram, ge=0)
+    decode_cache_bytes: int = Field(default_factory=_eighth_of_memory, ge=0)
     # One decode's frames: a long reference at a large size must not take the host's RAM.
-    max_decode_bytes: int = Field(default_factory=_eighth_of_ram, ge=1)
+    max_decode_bytes: int = Field(default_factory=_eighth_of_memory, ge=1)
     allowed_uids: Annotated[list[int], NoDecode] = Field(default_factory=lambda: [os.getuid()])
     allowed_gids: Annotated[list[int], NoDecode] = Field(default_factory=list)
     fallback: bool = True

@@ -43,6 +43,50 @@ def test_info_reports_settings_from_env(tmp_path):
     assert "token" not in info["settings"]
 
 
+def _cgroup_tree(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text + "\n")
+
+
+@pytest.mark.parametrize(
+    ("membership", "files", "limit"),
+    [
+        # v2: the tightest of the process's group and its ancestors; "max" is none.
+        ("0::/pods/a/worker", {"pods/a/worker/memory.max": "max", "pods/a/memory.max": "4096",
+                               "pods/memory.max": "8192", "memory.max": "max"}, 4096),
+        ("0::/", {"memory.max": "2048"}, 2048),  # a container's own cgroup namespace
+        ("0::/", {"unified/memory.max": "1024"}, 1024),  # hybrid host
+        # v1, with other controllers on the same line
+        ("5:cpu,cpuacct:/x\n4:memory:/docker/c1", {"memory/docker/c1/memory.limit_in_bytes":
+                                                    "9223372036854771712",
+                                                    "memory/docker/memory.limit_in_bytes":
+                                                    "3072"}, 3072),
+        ("0::/", {"memory.max": "max"}, None),
+        ("0::/gone", {}, None),
+    ],
+)  # fmt: skip
+def test_memory_budgets_follow_the_cgroup_limit(tmp_path, membership, files, limit):
+    from framewire.service.settings import cgroup_memory_limit, usable_memory
+
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    _cgroup_tree(root, files)
+    (tmp_path / "self").write_text(membership + "\n")
+    assert cgroup_memory_limit(tmp_path / "self", root) == limit
+    assert cgroup_memory_limit(tmp_path / "missing", root) is None
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < usable_memory() <= ram
+
+
+def test_decode_budgets_default_to_an_eighth_of_the_cgroup_limit(monkeypatch):
+    from framewire.service import settings
+
+    monkeypatch.setattr(settings, "cgroup_memory_limit", lambda: 800 << 20)
+    defaults = settings.Settings()
+    assert defaults.decode_cache_bytes == defaults.max_decode_bytes == 100 << 20
+
+
 @pytest.mark.parametrize(
     ("dtype", "layout", "extra"),
     [
