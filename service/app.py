@@ -35,6 +35,7 @@ from .encoder import Encoder
 from .fdserver import FdServer
 from .ffmpeg import ffmpeg_version
 from .jobs import EncodeJobs
+from .limits import cgroup_cpu_limit, cpu_quota_note
 from .logs import RequestIds
 from .media import probe
 from .metrics import Metrics
@@ -162,6 +163,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             log.warning("removed %s, left by a worker that was killed", path)
         for key in remove_abandoned_segments():
             log.warning("removed shm segment %s, left by a client that was killed", key)
+        if note := cpu_quota_note(settings.cpu_slots):
+            log.warning(note)
         await fd_server.start()
         try:
             yield
@@ -254,6 +257,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 "max_queue": settings.max_queue,
                 "decode_cache_bytes": settings.decode_cache_bytes,
                 "max_decode_bytes": settings.max_decode_bytes,
+                "cgroup_cpu_quota": cgroup_cpu_limit(),
             },
             "sockets": {"uds": str(settings.uds), "fd_socket": str(settings.fd_socket)},
             "output_roots": settings.output_roots,

@@ -9,59 +9,14 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .limits import usable_memory
+
 CommaList = Annotated[list[str], NoDecode]
 
 
 def runtime_dir() -> Path:
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     return Path(xdg) / "framewire" if xdg else Path(f"/tmp/framewire-{os.getuid()}")
-
-
-def cgroup_memory_limit(
-    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
-) -> int | None:
-    """The tightest memory limit on this process's cgroup and its ancestors, if any.
-
-    cgroup v2 (``memory.max``, also under ``unified/`` on hybrid hosts) and v1
-    (``memory/…/memory.limit_in_bytes``); None when nothing readable sets one.
-    """
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        return None
-    limits = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            places = [(root, "memory.max"), (root / "unified", "memory.max")]
-        elif "memory" in controllers.split(","):
-            places = [(root / "memory", "memory.limit_in_bytes")]
-        else:
-            continue
-        own = Path(path.lstrip("/"))
-        for base, name in places:
-            for group in (own, *own.parents):
-                try:
-                    text = (base / group / name).read_text().strip()
-                except OSError:
-                    continue
-                if text.isdigit():  # v2 writes "max" for none
-                    limits.append(int(text))
-    return min(limits, default=None)
-
-
-def usable_memory() -> int:
-    """RAM, or less where a cgroup (a container's memory limit) allows less.
-
-    sysconf reports the host's RAM even inside a container: budgets drawn from it
-    alone would outgrow the container and get the worker OOM-killed.
-    """
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        total = 8 << 30
-    limit = cgroup_memory_limit()
-    return total if limit is None else min(total, limit)
 
 
 def _eighth_of_memory() -> int:

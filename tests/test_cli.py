@@ -67,7 +67,7 @@ def _cgroup_tree(root: Path, files: dict[str, str]) -> None:
     ],
 )  # fmt: skip
 def test_memory_budgets_follow_the_cgroup_limit(tmp_path, membership, files, limit):
-    from framewire.service.settings import cgroup_memory_limit, usable_memory
+    from framewire.service.limits import cgroup_memory_limit, usable_memory
 
     root = tmp_path / "cgroup"
     root.mkdir()
@@ -80,11 +80,41 @@ def test_memory_budgets_follow_the_cgroup_limit(tmp_path, membership, files, lim
 
 
 def test_decode_budgets_default_to_an_eighth_of_the_cgroup_limit(monkeypatch):
-    from framewire.service import settings
+    from framewire.service import limits
+    from framewire.service.settings import Settings
 
-    monkeypatch.setattr(settings, "cgroup_memory_limit", lambda: 800 << 20)
-    defaults = settings.Settings()
+    monkeypatch.setattr(limits, "cgroup_memory_limit", lambda: 800 << 20)
+    defaults = Settings()
     assert defaults.decode_cache_bytes == defaults.max_decode_bytes == 100 << 20
+
+
+@pytest.mark.parametrize(
+    ("membership", "files", "cpus"),
+    [
+        ("0::/pods/w", {"pods/w/cpu.max": "max 100000", "pods/cpu.max": "250000 100000"}, 2.5),
+        ("0::/", {"cpu.max": "max 100000"}, None),
+        ("0::/", {"cpu.max": "garbage"}, None),
+        ("2:cpu,cpuacct:/docker/c1\nnot a cgroup line",
+         {"cpu,cpuacct/docker/c1/cpu.cfs_quota_us": "150000",
+          "cpu,cpuacct/docker/c1/cpu.cfs_period_us": "100000",
+          "cpu,cpuacct/cpu.cfs_quota_us": "-1", "cpu,cpuacct/cpu.cfs_period_us": "100000"}, 1.5),
+    ],
+)  # fmt: skip
+def test_cpu_quota_is_read_and_warned_about(tmp_path, monkeypatch, membership, files, cpus):
+    from framewire.service import limits
+
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    _cgroup_tree(root, files)
+    (tmp_path / "self").write_text(membership + "\n")
+    assert limits.cgroup_cpu_limit(tmp_path / "self", root) == cpus
+    monkeypatch.setattr(limits, "cgroup_cpu_limit", lambda: cpus)
+    note = limits.cpu_quota_note(cpu_slots=8)
+    if cpus is None:
+        assert note is None
+    else:
+        assert note is not None and f"FRAMEWIRE_CPU_SLOTS={int(cpus)}" in note
+        assert limits.cpu_quota_note(cpu_slots=int(cpus) + 1) is None  # within the quota
 
 
 @pytest.mark.parametrize(
