@@ -126,7 +126,11 @@ def test_compose_worker_has_a_gpu_its_sockets_on_a_volume_and_read_only_inputs()
     worker = doc["services"]["worker"]
     assert (REPO / worker["build"]["context"] / worker["build"]["dockerfile"]) == DOCKERFILE
     devices = worker["deploy"]["resources"]["reservations"]["devices"]
-    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+    # All of the host's GPUs: the ranks' tensors may lie on any of them.
+    assert any(
+        d["driver"] == "nvidia" and "gpu" in d["capabilities"] and d["count"] == "all"
+        for d in devices
+    )
     assert worker["ipc"] == "shareable" and worker["shm_size"]
     assert "ports" not in worker  # HTTP stays on the container's loopback
     env, mounts = worker["environment"], _mounts(worker)
