@@ -152,7 +152,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     scheduler = Scheduler(
         settings.cpu_slots,
         settings.max_queue,
-        gpu_budget=cuda.gpu_budget(lambda: scheduler.gpu_used) if cuda else None,
+        gpu_budget=cuda.gpu_budget(lambda index: scheduler.gpu_held(index)) if cuda else None,
     )
     jobs = EncodeJobs(settings, encoder, regions, metrics, scheduler, cuda)
     fd_server = FdServer(settings, ReferenceDecoder(settings, encoder.ffmpeg, metrics), metrics)

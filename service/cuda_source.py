@@ -84,6 +84,7 @@ class CudaTensorSource(FrameSource):
         self.geometry = tensor_geometry(tensor, layout)
         self.tensor: torch.Tensor | None = tensor
         self.device = tensor.device
+        self.gpu_index = tensor.device.index or 0
         self.event = event
         # Already rgb24 bytes in order: copied to the host as they are, no temporaries.
         self.as_is = (
@@ -445,18 +446,16 @@ class CudaRuntime:
         tensor = tensor_on(region.storage, src.dtype, src.offset // itemsize, src.shape, strides)
         return CudaTensorSource(tensor, src.layout)
 
-    def free_bytes(self) -> int:
-        """Free memory on the tightest device, counting blocks our cache holds unused."""
-        free = []
-        for index in self.devices.values():
-            driver_free, _ = torch.cuda.mem_get_info(index)
-            cached = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
-            free.append(driver_free + cached)
-        return min(free, default=0)
+    def free_bytes(self, index: int) -> int:
+        """Free memory on device ``index``, counting blocks our cache holds unused."""
+        driver_free, _ = torch.cuda.mem_get_info(index)
+        cached = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+        return int(driver_free + cached)
 
-    def gpu_budget(self, held: Callable[[], int]) -> Callable[[], int]:
-        """What the scheduler may admit: a quarter of free memory plus what is ``held``."""
-        return lambda: self.free_bytes() // 4 + held()
+    def gpu_budget(self, held: Callable[[int], int]) -> Callable[[int], int]:
+        """What the scheduler may admit on a device: a quarter of its free memory plus
+        what encodes already hold there (``held``)."""
+        return lambda index: self.free_bytes(index) // 4 + held(index)
 
     def info(self) -> dict[str, object]:
         devices = []

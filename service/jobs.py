@@ -270,7 +270,7 @@ class EncodeJobs:
         self.metrics.queue_waiting.inc()
         queued = True
         try:
-            async with self.scheduler.hold(threads, gpu) as waited:
+            async with self.scheduler.hold(threads, gpu, job.source.gpu_index) as waited:
                 self.metrics.queue_waiting.dec()
                 queued = False
                 self.metrics.queue_seconds.observe(waited)

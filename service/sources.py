@@ -61,6 +61,7 @@ class FrameSource:
     """What the encoder reads. Subclasses fill in ``read``."""
 
     geometry: Geometry
+    gpu_index = 0  # the CUDA device that ``gpu_bytes`` are held on
 
     def read(
         self, t0: int, t1: int, r0: int = 0, r1: int | None = None

@@ -46,6 +46,46 @@ def test_slots_fifo_and_release():
     assert order.index("start c") > order.index("start b")
 
 
+def test_gpu_bytes_are_admitted_per_device():
+    """A device's budget holds back encodes of its own frames only, in FIFO order, and an
+    encode on a device that holds nothing of ours always starts."""
+    free = {0: 100, 1: 1000}  # what a quarter of each device's free memory allows
+
+    async def go() -> list[str]:
+        s = Scheduler(cpu_slots=16, max_queue=10, gpu_budget=lambda d: free[d] + s.gpu_held(d))
+        order: list[str] = []
+        release = {name: asyncio.Event() for name in "abcde"}
+
+        async def encode(name: str, gpu: int, device: int) -> None:
+            async with s.hold(1, gpu, device):
+                order.append(f"start {name}")
+                await release[name].wait()
+            order.append(f"end {name}")
+
+        tasks = [
+            asyncio.create_task(encode("a", 80, 0)),  # device 0 holds nothing: starts
+            asyncio.create_task(encode("b", 300, 1)),  # another device: starts beside a
+            asyncio.create_task(encode("c", 80, 0)),  # 80 + 80 > 100 + 80? no: fits
+            asyncio.create_task(encode("d", 200, 0)),  # 160 + 200 > 100 + 160: waits
+            asyncio.create_task(encode("e", 10, 1)),  # fits on device 1, but d is first: FIFO
+        ]
+        await asyncio.sleep(0.05)
+        assert s.gpu_used == {0: 160, 1: 300} and s.waiting == 2
+        free[0] = 10_000  # device 0's memory was freed by someone else meanwhile
+        release["a"].set()  # any release re-reads the budgets: d, then e, start
+        await asyncio.sleep(0.05)
+        assert s.gpu_used == {0: 280, 1: 310} and s.waiting == 0
+        for name in "bcde":
+            release[name].set()
+        await asyncio.gather(*tasks)
+        assert s.gpu_used == {} and s.running == 0
+        return order
+
+    order = asyncio.run(go())
+    assert order[:3] == ["start a", "start b", "start c"]
+    assert order[3:6] == ["end a", "start d", "start e"]
+
+
 def test_threads_are_capped_at_the_slot_count():
     async def go() -> None:
         s = Scheduler(cpu_slots=2, max_queue=0)
