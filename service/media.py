@@ -9,18 +9,26 @@ import av
 from framewire.client.errors import MediaError, NotFound
 from framewire.client.wire import AudioInfo, MediaInfo
 
+# Opening a file decodes its first pictures, for facts that only decoding tells (the
+# pixel format); 1344x768 H.264 costs ~2.5 ms of a ~3.4 ms probe. Skipping them leaves
+# everything else as it was.
+NO_DECODING = {"skip_frame": "all"}
 
-def probe(path: str | os.PathLike[str]) -> MediaInfo:
+
+def probe(path: str | os.PathLike[str], *, pixel_format: bool = True) -> MediaInfo:
     """Frames, size, rate, codec, pixel format, duration and audio of a media file.
 
     Frame counts come from the container index (exact for MP4); streams without
     one are counted by demuxing, which reads packets but decodes nothing.
+    ``pixel_format=False`` decodes nothing at all and reports ``pix_fmt`` as None
+    (for checking outputs, whose first stream is their video).
     """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise NotFound(f"{path}: no such file", code="not_found")
+    stream_options = None if pixel_format else [NO_DECODING]
     try:
-        with av.open(path, metadata_errors="ignore") as container:
+        with av.open(path, metadata_errors="ignore", stream_options=stream_options) as container:
             videos = container.streams.video
             if not videos:
                 raise MediaError(f"{path}: no video stream", code="not_video")

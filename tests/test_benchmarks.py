@@ -60,6 +60,12 @@ def test_decode_benchmark(tmp_path: Path) -> None:
     assert "bytes identical across all ranks and variants: True" in r.stdout
 
 
+def test_validate_benchmark() -> None:
+    r = bench("validate.py", "--frames", "6", "--repeat", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "framewire, serial" in r.stdout and "goal: 4 outputs" in r.stdout, r.stdout
+
+
 @pytest.mark.parametrize("args", [["--repeat", "0"], ["--frames", "-1"], ["--width", "x"]])
 def test_counts_below_one_are_refused_up_front(args: list[str]) -> None:
     r = bench("encode.py", *args)
