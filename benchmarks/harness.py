@@ -6,6 +6,7 @@ import argparse
 import json
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -20,6 +21,16 @@ def count(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is less than 1")
     return value
+
+
+def timed_ms(fn: Callable[[int], object], repeat: int) -> list[float]:
+    """Milliseconds of each of ``repeat`` calls ``fn(0)``, ``fn(1)``, …"""
+    times = []
+    for i in range(repeat):
+        started = time.perf_counter()
+        fn(i)
+        times.append((time.perf_counter() - started) * 1e3)
+    return times
 
 
 def write_json(path: Path | None, rows: object) -> None:

@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -47,15 +46,6 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def timed(fn, repeat: int) -> list[float]:  # type: ignore[no-untyped-def]
-    times = []
-    for i in range(repeat):
-        t0 = time.perf_counter()
-        fn(i)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
 def p90(xs: list[float]) -> float:
     return sorted(xs)[int(0.9 * (len(xs) - 1))]
 
@@ -78,7 +68,7 @@ def tiny(worker, work: Path, repeat: int) -> list[tuple[str, float, float]]:  # 
             ("worker, unix socket, no validate", lambda i: client.save_video(
                 clip, f"n{i}.mp4", fps=24, validate=False)),
         ]:  # fmt: skip
-            xs = timed(fn, repeat)
+            xs = harness.timed_ms(fn, repeat)
             rows.append((name, statistics.median(xs), p90(xs)))
     return rows
 
@@ -95,7 +85,7 @@ def big(worker, work: Path, frames: int, repeat: int) -> list[tuple[str, float, 
             resolve_ffmpeg(None), width=width, height=height, fps=24, output=bare_out,
             threads=threads, stdin_name=str(rgb),
         )  # fmt: skip
-        bare = timed(lambda i: subprocess.run(argv, check=True), repeat)
+        bare = harness.timed_ms(lambda i: subprocess.run(argv, check=True), repeat)
         size = segment.stat().st_size
         body = {
             "outputs": [{
@@ -112,7 +102,7 @@ def big(worker, work: Path, frames: int, repeat: int) -> list[tuple[str, float, 
                 r.raise_for_status()
                 answers.append(r.json()["outputs"][0])
 
-            through = timed(post, repeat)
+            through = harness.timed_ms(post, repeat)
         same = answers[-1]["sha256"] == sha256(bare_out)
         route = answers[-1]["route"]
         b, w = statistics.median(bare), statistics.median(through)

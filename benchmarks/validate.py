@@ -30,7 +30,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -76,12 +75,7 @@ def probe_command(ffmpeg: str) -> tuple[str, list[str]]:
 
 def median_ms(fn: Callable[[], None], repeat: int) -> float:
     fn()  # warm: the page cache, the binary, PyAV's libraries
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+    return statistics.median(harness.timed_ms(lambda _: fn(), repeat))
 
 
 def main() -> int:
