@@ -71,7 +71,7 @@ def rank(mode: str, video: str, fd_socket: str) -> None:
     ref = None
     if mode == "ffmpeg":
         # What a rank does without framewire: its own ffmpeg, its own copy.
-        argv = decode_argv(ffmpeg, path=video, fps=FPS, width=WIDTH, height=HEIGHT)
+        argv = decode_argv(ffmpeg, path=video, fps=FPS, width=WIDTH, height=HEIGHT, guard=False)
         out = subprocess.run(argv, capture_output=True, check=True).stdout
         frames = np.frombuffer(out, np.uint8).reshape(-1, HEIGHT, WIDTH, 3)
         source = "ffmpeg"

@@ -146,7 +146,7 @@ def bare_ffmpeg(rgb: Path, out: Path, frames: int, args: argparse.Namespace, thr
 
     argv = encode_argv(
         resolve_ffmpeg(), width=args.width, height=args.height, fps=FPS, output=out,
-        threads=threads, stdin_name=str(rgb),
+        threads=threads, stdin_name=str(rgb), guard=False,
     )  # fmt: skip
     started = time.perf_counter()
     subprocess.run(argv, stdin=subprocess.DEVNULL, check=True)

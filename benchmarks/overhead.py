@@ -83,7 +83,7 @@ def big(worker, work: Path, frames: int, repeat: int) -> list[tuple[str, float, 
         bare_out = work / "bare.mp4"
         argv = encode_argv(
             resolve_ffmpeg(None), width=width, height=height, fps=24, output=bare_out,
-            threads=threads, stdin_name=str(rgb),
+            threads=threads, stdin_name=str(rgb), guard=False,
         )  # fmt: skip
         bare = harness.timed_ms(lambda i: subprocess.run(argv, check=True), repeat)
         size = segment.stat().st_size

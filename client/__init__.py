@@ -3,12 +3,14 @@
 from .errors import (
     BadRequest,
     Cancelled,
+    Conflict,
     Forbidden,
     FramewireError,
     InsufficientStorage,
     MediaError,
     NotFound,
     Overloaded,
+    Stalled,
     Unavailable,
 )
 from .http import AsyncClient, Client
@@ -34,6 +36,7 @@ __all__ = [
     "BadRequest",
     "Cancelled",
     "Client",
+    "Conflict",
     "Forbidden",
     "FramewireError",
     "InsufficientStorage",
@@ -41,6 +44,7 @@ __all__ = [
     "NotFound",
     "Overloaded",
     "ReferenceFrames",
+    "Stalled",
     "Unavailable",
     "__version__",
     "decode_reference",

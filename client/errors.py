@@ -8,6 +8,8 @@ raised.
 
 from __future__ import annotations
 
+import errno
+
 
 class FramewireError(Exception):
     """Base class. ``code`` is stable; ``message`` is for people."""
@@ -52,6 +54,13 @@ class BadRequest(FramewireError):
     default_code = "bad_request"
 
 
+class Conflict(BadRequest):
+    """The request clashes with the state of something in use (a busy output, a stream)."""
+
+    status = 409
+    default_code = "conflict"
+
+
 class Forbidden(FramewireError):
     """The request names something outside what the worker may touch."""
 
@@ -69,6 +78,13 @@ class MediaError(FramewireError):
 
     status = 422
     default_code = "media_error"
+
+
+class Stalled(MediaError):
+    """ffmpeg made no progress for the stall timeout and was stopped."""
+
+    status = 504
+    default_code = "ffmpeg_stalled"
 
 
 class Overloaded(FramewireError):
@@ -95,10 +111,29 @@ HIERARCHY: tuple[type[FramewireError], ...] = (
     Unavailable,
     InsufficientStorage,
     BadRequest,
+    Conflict,
     Forbidden,
     NotFound,
     MediaError,
+    Stalled,
     Overloaded,
     Cancelled,
 )
 ERROR_CLASSES: dict[int, type[FramewireError]] = {cls.status: cls for cls in HIERARCHY}
+
+
+def host_error(exc: OSError, what: str) -> FramewireError | None:
+    """What an OSError stands for when the host, not the request, is at fault; else None.
+
+    No file descriptor left is a 503 (``fd_exhausted``: retry later, raise the limit),
+    a full or over-quota filesystem a 507: never a 4xx that blames the caller.
+    """
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return Unavailable(
+            f"{what}: the worker has no file descriptor left ({exc.strerror}); "
+            "retry later, or raise its open-files limit",
+            code="fd_exhausted",
+        )
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return InsufficientStorage(f"{what}: {exc.strerror}")
+    return None

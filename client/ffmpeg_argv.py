@@ -15,6 +15,41 @@ from pathlib import Path
 
 MACRO_BLOCK = 16
 
+# What ffmpeg may open for each input, passed before its ``-i`` (``guard=True``).
+# Demuxers that follow references to other files (hls, dash, concat, image2,
+# ffmetadata, imf, ...) are left out: a file under the input roots must not be
+# able to make ffmpeg read anything else. None of these changes an output byte.
+VIDEO_DEMUXERS = "mov,matroska,avi,flv,mpegts,mpeg,gif,h264,hevc,m4v,ivf,ogg,asf,nut,yuv4mpegpipe"
+AUDIO_DEMUXERS = "wav,w64,mp3,flac,ogg,aac,mov,matroska,aiff,caf"
+PIPE_GUARD = ("-protocol_whitelist", "pipe,fd")  # "-" and pipe:N (ffmpeg 7+ calls "-" fd:)
+VIDEO_FILE_GUARD = ("-protocol_whitelist", "file", "-format_whitelist", VIDEO_DEMUXERS)
+AUDIO_FILE_GUARD = ("-protocol_whitelist", "file", "-format_whitelist", AUDIO_DEMUXERS)
+GUARD_OPTIONS = frozenset({"-protocol_whitelist", "-format_whitelist"})
+
+# Extensions whose muxer writes exactly one file. Segmenting muxers (hls, dash,
+# segment), image sequences and patterns would write files the worker never
+# names: refused up front.
+OUTPUT_EXTENSIONS = (".mp4", ".m4v", ".mov", ".mkv")
+
+
+def refused_input(stderr: str) -> bool:
+    """Whether ffmpeg's stderr says an input was refused by its whitelists."""
+    return "not on whitelist" in stderr
+
+
+def unguarded(argv: list[str]) -> list[str]:
+    """``argv`` without the whitelist options: the command as the engines spell it."""
+    out: list[str] = []
+    skip = False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token in GUARD_OPTIONS:
+            skip = True
+        else:
+            out.append(token)
+    return out
+
 
 def resolve_ffmpeg(configured: str | None = None) -> str:
     """The configured executable (a path or a name on PATH), else imageio-ffmpeg's binary.
@@ -88,17 +123,23 @@ def encode_argv(
     threads: int | None = None,
     audio: str | os.PathLike[str] | None = None,
     stdin_name: str = "pipe:0",
+    guard: bool = True,
 ) -> list[str]:
     """The encode command of DESIGN §3.
 
-    ``stdin_name="-"`` with ``threads=None`` is exactly imageio-ffmpeg's
-    ``write_frames`` command for ``mimsave(..., codec="libx264",
+    ``stdin_name="-"`` with ``threads=None`` and ``guard=False`` is exactly
+    imageio-ffmpeg's ``write_frames`` command for ``mimsave(..., codec="libx264",
     output_params=["-preset", preset])``; ``threads`` goes after the preset, as
-    ``output_params=["-preset", preset, "-threads", n]`` would put it.
+    ``output_params=["-preset", preset, "-threads", n]`` would put it. ``guard``
+    adds each input's protocol and demuxer whitelist (the worker always does).
     """
-    argv = [ffmpeg, "-y", "-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}"]
+    argv = [ffmpeg, "-y", *(PIPE_GUARD if guard else ())]
+    argv += ["-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}"]
     argv += ["-pix_fmt", "rgb24", "-r", fps_arg(fps), "-i", stdin_name]
-    argv += ["-an"] if audio is None else ["-i", os.fspath(audio)]
+    if audio is None:
+        argv += ["-an"]
+    else:
+        argv += [*(AUDIO_FILE_GUARD if guard else ()), "-i", os.fspath(audio)]
     argv += ["-vcodec", "libx264", "-pix_fmt", "yuv420p", "-crf", str(crf_for_quality(quality))]
     if (width, height) != padded_size(width, height):
         argv += ["-vf", "scale={}:{}".format(*padded_size(width, height))]
@@ -121,11 +162,18 @@ def decode_argv(
     start: float = 0.0,
     max_frames: int | None = None,
     out_fd: int = 1,
+    guard: bool = True,
 ) -> list[str]:
-    """The reference-decode command of DESIGN §4, writing rgb24 to ``pipe:{out_fd}``."""
+    """The reference-decode command of DESIGN §4, writing rgb24 to ``pipe:{out_fd}``.
+
+    ``guard`` adds the input's protocol and demuxer whitelist (the worker and the
+    local fallback always do: the same command either way).
+    """
     argv = [ffmpeg, "-v", "error"]
     if start > 0:
         argv += ["-ss", f"{start:.9g}"]
+    if guard:
+        argv += VIDEO_FILE_GUARD
     argv += ["-i", os.fspath(Path(path)), "-map", "0:v:0", "-an"]
     argv += ["-vf", f"fps={fps:g},scale={width}:{height}:flags=lanczos,setsar=1"]
     if max_frames is not None:

@@ -13,12 +13,14 @@ from pydantic import ValidationError
 
 from .errors import (
     BadRequest,
+    Conflict,
     Forbidden,
     FramewireError,
     InsufficientStorage,
     MediaError,
     NotFound,
     Overloaded,
+    Stalled,
     Unavailable,
 )
 from .reference import ReferenceFrames, decode_reference
@@ -40,9 +42,11 @@ _STATUS_CLASSES: dict[int, type[FramewireError]] = {
     401: Forbidden,
     403: Forbidden,
     404: NotFound,
+    409: Conflict,
     422: MediaError,
     429: Overloaded,
     503: Unavailable,
+    504: Stalled,
     507: InsufficientStorage,
 }
 

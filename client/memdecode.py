@@ -8,18 +8,16 @@ and no copy sit between it and the pages that ranks will map.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
-import resource
 import signal
-import subprocess
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from .errors import BadRequest, MediaError, NotFound, Unavailable
-from .ffmpeg_argv import decode_argv, resolve_ffmpeg
+from .errors import BadRequest, FramewireError, MediaError
+from .ffmpeg_argv import decode_argv, refused_input, resolve_ffmpeg
+from .ffmpeg_proc import FfmpegProcess
+from .inputs import InputFile
 from .wire import DecodeRequest
 
 MEMFD_NAME = "framewire-decode"
@@ -45,34 +43,34 @@ class Decoded:
 class DecodeRun:
     """One ffmpeg decode in flight; :meth:`wait` hands over the sealed memfd.
 
-    ``max_bytes`` bounds what the decode may hold. It is ffmpeg's file-size limit
-    (RLIMIT_FSIZE, set as it starts), so the kernel stops a decode at the bound,
-    whatever the file's length, without a word of the byte-exact argv changing.
-    :meth:`kill` may be called from another thread (worker shutdown); the run
-    then fails with ``decode_failed``.
+    ``source`` is the open reference video (read by ffmpeg through its fd: the
+    file judged is the file decoded). ``max_bytes`` bounds what the decode may
+    hold. It is ffmpeg's file-size limit (RLIMIT_FSIZE, set as it starts), so
+    the kernel stops a decode at the bound, whatever the file's length, without
+    a word of the byte-exact argv changing. ``stall_s``: a decode that makes no
+    progress this long is killed (:class:`Stalled`). :meth:`kill` may be called
+    from another thread (worker shutdown); the run then fails with ``decode_failed``.
     """
 
     def __init__(
         self,
         ffmpeg: str,
-        path: str | os.PathLike[str],
+        source: InputFile,
         request: DecodeRequest,
         *,
         max_bytes: int | None = None,
+        stall_s: float | None = None,
     ):
         self.request = request
-        self.path = os.fspath(path)
+        self.path = source.name
         self.max_bytes = max_bytes
         if max_bytes is not None and request.frame_bytes > max_bytes:
             raise self._too_large()
         self._out = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        self._err = -1
         try:
-            # stderr into a file, not a pipe: ffmpeg can never block on it.
-            self._err = os.memfd_create("framewire-ffmpeg-stderr", os.MFD_CLOEXEC)
             argv = decode_argv(
                 ffmpeg,
-                path=path,
+                path=source.ffmpeg_path,
                 fps=request.fps,
                 width=request.width,
                 height=request.height,
@@ -83,34 +81,21 @@ class DecodeRun:
             self._started = time.perf_counter()
             # pass_fds: the child inherits the memfd at the same number, so pipe:N
             # names it; a fresh memfd's offset is 0 and write() appends from there.
-            self.proc = subprocess.Popen(
+            self.ff = FfmpegProcess(
                 argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=self._err,
-                pass_fds=(self._out,),
-                close_fds=True,
+                stdin=False,
+                pass_fds=(self._out, source.fd),
+                stall_s=stall_s,
+                file_size_limit=max_bytes,
             )
-            if max_bytes is not None:
-                # Set before ffmpeg has opened its input, let alone written a frame. If
-                # it cannot be set (ffmpeg gone already, a sandbox that forbids it),
-                # wait() still refuses a decode past the bound.
-                with contextlib.suppress(OSError):
-                    limit = (max_bytes, max_bytes)
-                    resource.prlimit(self.proc.pid, resource.RLIMIT_FSIZE, limit)
-        except OSError as exc:
-            self._close_fds()
-            raise Unavailable(
-                f"cannot run ffmpeg {ffmpeg!r}: {exc.strerror or exc}", code="ffmpeg_missing"
-            ) from exc
         except BaseException:
-            self._close_fds()
+            self._close_out()
             raise
 
     def wait(self) -> Decoded:
         """Wait for ffmpeg, check what it wrote, seal it and hand it over."""
         try:
-            rc = self.proc.wait()
+            rc = self.ff.wait()
             decode_ms = (time.perf_counter() - self._started) * 1e3
             size = os.fstat(self._out).st_size
             frame_bytes = self.request.frame_bytes
@@ -143,42 +128,37 @@ class DecodeRun:
             code="decode_too_large",
         )
 
-    def _failure(self, why: str) -> MediaError:
-        tail = self.stderr_tail()
+    def _failure(self, why: str) -> FramewireError:
+        tail = self.ff.stderr_tail()
         last = tail.splitlines()[-1] if tail else ""
         message = f"cannot decode {self.path}: {why}" + (f": {last}" if last else "")
+        if refused_input(tail):
+            return BadRequest(
+                f"{self.path} is not a video file of an allowed format: playlists, "
+                "concat lists and image sequences are not decoded",
+                code="input_format_refused",
+                detail=tail,
+            )
         return MediaError(message, code="decode_failed", detail=tail or None)
 
     def stderr_tail(self, limit: int = STDERR_TAIL) -> str:
-        if self._err < 0:
-            return ""
-        size = os.fstat(self._err).st_size
-        start = max(0, size - limit)
-        return os.pread(self._err, size - start, start).decode("utf-8", "replace").strip()
+        return self.ff.stderr_tail(limit)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
+        self.ff.kill()
 
     def close(self) -> None:
         """Kill if still running, reap, release what was not handed over. Idempotent."""
-        self.kill()
-        self.proc.wait()
-        self._close_fds()
+        self.ff.close()
+        self._close_out()
 
-    def _close_fds(self) -> None:
-        for name in ("_out", "_err"):
-            fd = getattr(self, name)
-            if fd >= 0:
-                os.close(fd)
-                setattr(self, name, -1)
+    def _close_out(self) -> None:
+        if self._out >= 0:
+            os.close(self._out)
+            self._out = -1
 
 
 def decode_to_memfd(ffmpeg: str, path: str | os.PathLike[str], request: DecodeRequest) -> Decoded:
-    """Decode ``path`` (which must be a regular file) into a sealed memfd."""
-    # Absolute, so that no name can be read by ffmpeg as an option or a protocol.
-    path = os.path.abspath(path)
-    if not Path(path).is_file():
-        raise NotFound(f"reference video {path!r} does not exist", code="not_found")
-    return DecodeRun(ffmpeg, path, request).wait()
+    """Decode the regular file at ``path`` into a sealed memfd."""
+    with InputFile.open(os.path.abspath(path)) as source:
+        return DecodeRun(ffmpeg, source, request).wait()

@@ -13,12 +13,21 @@ import uuid
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 # Beyond these a request is absurd rather than big: 16K frames, 8K video.
 MAX_FRAMES = 1 << 20
 MAX_SIDE = 16384
+# Below this ffmpeg's rate rational (limit_denominator) and the MP4 timescale give out.
+MIN_FPS = 0.001
+MAX_FPS = 1000
+
+# Numbers on the wire are JSON numbers: "4", 4.0 for a count, or true, are refused
+# rather than coerced.
+Int = Annotated[int, Strict()]
+Number = Annotated[float, Strict()]  # an int is a number too
+Flag = Annotated[bool, Strict()]
 
 
 class DType(StrEnum):
@@ -71,7 +80,7 @@ class _TensorFields(_Strict):
     model_config = ConfigDict(extra="forbid", json_schema_extra=_kind_required)
 
     dtype: DType
-    shape: list[int] = Field(min_length=4, max_length=4)
+    shape: list[Int] = Field(min_length=4, max_length=4)
     layout: Layout = Layout.CTHW
 
     @model_validator(mode="after")
@@ -109,8 +118,8 @@ class _TensorFields(_Strict):
 
 
 class _HostBytes(_TensorFields):
-    offset: int = Field(default=0, ge=0)
-    byte_size: int = Field(gt=0)
+    offset: Int = Field(default=0, ge=0)
+    byte_size: Int = Field(gt=0)
 
     @model_validator(mode="after")
     def _check_size(self) -> _HostBytes:
@@ -192,16 +201,16 @@ class CudaIpcSource(_TensorFields):
 
     kind: Literal["cuda_ipc"] = "cuda_ipc"
     device_uuid: str = Field(min_length=1, max_length=64)
-    device: int = Field(default=0, ge=0)  # the producer's index, for messages only
+    device: Int = Field(default=0, ge=0)  # the producer's index, for messages only
     handle: str = Field(min_length=1)  # base64
-    storage_size_bytes: int = Field(gt=0)
-    storage_offset_bytes: int = Field(default=0, ge=0)
+    storage_size_bytes: Int = Field(gt=0)
+    storage_offset_bytes: Int = Field(default=0, ge=0)
     ref_counter_handle: str | None = None  # base64
-    ref_counter_offset: int = Field(default=0, ge=0)
+    ref_counter_offset: Int = Field(default=0, ge=0)
     event_handle: str | None = None  # base64; waited for when event_sync_required
-    event_sync_required: bool = False
-    tensor_offset: int = Field(default=0, ge=0)  # in elements, as Tensor.storage_offset()
-    stride: list[Annotated[int, Field(ge=0)]] | None = Field(
+    event_sync_required: Flag = False
+    tensor_offset: Int = Field(default=0, ge=0)  # in elements, as Tensor.storage_offset()
+    stride: list[Annotated[int, Strict(), Field(ge=0)]] | None = Field(
         default=None, min_length=4, max_length=4
     )
 
@@ -273,8 +282,8 @@ Source = Annotated[ShmSource | RegionSource | CudaIpcSource, Field(discriminator
 class OutputSpec(_Strict):
     source: Source
     path: str = Field(min_length=1, max_length=4096)
-    fps: float = Field(gt=0, le=1000)
-    quality: int = Field(default=5, ge=1, le=10)
+    fps: Number = Field(ge=MIN_FPS, le=MAX_FPS)
+    quality: Int = Field(default=5, ge=1, le=10)
     preset: Literal[
         "ultrafast",
         "superfast",
@@ -287,7 +296,7 @@ class OutputSpec(_Strict):
         "veryslow",
         "placebo",
     ] = "fast"
-    threads: int | None = Field(default=None, ge=1, le=128)
+    threads: Int | None = Field(default=None, ge=1, le=128)
     audio: str | None = Field(default=None, min_length=1, max_length=4096)
 
     @field_validator("fps")
@@ -307,7 +316,7 @@ class OutputSpec(_Strict):
 
 class EncodeRequest(_Strict):
     outputs: list[OutputSpec] = Field(min_length=1, max_length=64)
-    validate_: bool = Field(default=True, alias="validate")
+    validate_: Flag = Field(default=True, alias="validate")
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -374,6 +383,29 @@ class ProbeResponse(BaseModel):
     results: list[MediaInfo]
 
 
+# --- the shared-memory region registry (Triton's extension) -----------------------------
+
+
+class RegisterSystemRegion(BaseModel):
+    """``POST /v2/systemsharedmemory/region/{name}/register``"""
+
+    key: str
+    offset: Int = Field(default=0, ge=0)
+    byte_size: Int = Field(gt=0)
+
+
+class RawHandle(BaseModel):
+    b64: str
+
+
+class RegisterCudaRegion(BaseModel):
+    """``POST /v2/cudasharedmemory/region/{name}/register``"""
+
+    raw_handle: RawHandle
+    device_id: Int = Field(ge=0)
+    byte_size: Int = Field(gt=0)
+
+
 # Pydantic field names whose errors get a code of their own.
 FIELD_CODES = {
     "fps": "bad_fps",
@@ -429,11 +461,11 @@ class DecodeRequest(_Strict):
 
     op: Literal["decode"] = "decode"
     path: str = Field(min_length=1, max_length=4096)
-    fps: float = Field(gt=0, le=1000)
-    width: int = Field(ge=1, le=MAX_SIDE, strict=True)
-    height: int = Field(ge=1, le=MAX_SIDE, strict=True)
-    start: float = Field(default=0.0, ge=0)
-    max_frames: int | None = Field(default=None, ge=1, le=MAX_FRAMES, strict=True)
+    fps: Number = Field(ge=MIN_FPS, le=MAX_FPS)
+    width: Int = Field(ge=1, le=MAX_SIDE)
+    height: Int = Field(ge=1, le=MAX_SIDE)
+    start: Number = Field(default=0.0, ge=0)
+    max_frames: Int | None = Field(default=None, ge=1, le=MAX_FRAMES)
 
     @field_validator("fps", "start")
     @classmethod

@@ -16,25 +16,29 @@ still writing.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import os
 import re
 import secrets
+import stat
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from framewire.client.errors import FramewireError, InsufficientStorage, MediaError
+from framewire.client.errors import FramewireError, MediaError, host_error
 from framewire.client.share import pid_alive
 
 # Private directories carry this prefix and the writer's pid, so a restarted
 # worker can tell its own leftovers (from a SIGKILL) from anybody else's files.
+# Requests may not name a path component with this prefix (``paths``), so no
+# request can make a directory the sweep would take for one, nor write into
+# another request's. The output's name is not part of the directory's: a legal
+# 255-byte file name must still fit.
 TEMP_PREFIX = ".framewire-tmp-"
-_TEMP_NAME = re.compile(re.escape(TEMP_PREFIX) + r"(\d+)-[0-9a-f]{8}-.+", re.DOTALL)
+_TEMP_NAME = re.compile(re.escape(TEMP_PREFIX) + r"(\d+)-[0-9a-f]{16}")
 
 # How far below an output root the startup sweep looks: outputs are usually a
 # few directories deep, and a huge tree must not delay the start.
@@ -45,8 +49,8 @@ SWEEP_MAX_DIRS = 10_000
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def temp_name_for(name: str) -> str:
-    return f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{name}"
+def temp_name() -> str:
+    return f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
 
 
 @dataclass(frozen=True)
@@ -75,10 +79,10 @@ def sha256_of(f: BinaryIO) -> tuple[int, str]:
     return f.tell(), h.hexdigest()
 
 
-def _claim(directory: int, name: str) -> tuple[str, int]:
+def _claim(directory: int) -> tuple[str, int]:
     """Make and lock a fresh private directory in ``directory``; returns its name and fd."""
     while True:
-        temp = temp_name_for(name)
+        temp = temp_name()
         os.mkdir(temp, 0o700, dir_fd=directory)
         fd = os.open(temp, DIR_FLAGS, dir_fd=directory)
         try:
@@ -93,9 +97,20 @@ def _claim(directory: int, name: str) -> tuple[str, int]:
         os.close(fd)  # a sweeper removed it between mkdir and lock: take another name
 
 
-def _discard(directory: int, temp: str, fd: int, name: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(name, dir_fd=fd)
+def _empty(fd: int) -> bool:
+    """Remove every file in the directory open at ``fd``; False if it holds a directory."""
+    for entry in os.scandir(fd):
+        if entry.is_dir(follow_symlinks=False):
+            return False  # the worker makes none: not ours to judge
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.name, dir_fd=fd)
+    return True
+
+
+def _discard(directory: int, temp: str, fd: int) -> None:
+    # Whatever ffmpeg wrote, not only the output: the private directory is ours alone.
+    with contextlib.suppress(OSError):
+        _empty(fd)
     with contextlib.suppress(OSError):  # moved away or filled by someone else: theirs now
         os.rmdir(temp, dir_fd=directory)
 
@@ -108,7 +123,7 @@ def atomic_output(directory: int, name: str) -> Iterator[Staged]:
     exception the written file and the private directory are removed.
     """
     try:
-        temp, fd = _claim(directory, name)
+        temp, fd = _claim(directory)
     except OSError as exc:
         raise _write_error(exc, "cannot create a file in the output directory") from exc
     try:
@@ -124,15 +139,14 @@ def atomic_output(directory: int, name: str) -> Iterator[Staged]:
         except OSError as exc:
             raise _write_error(exc, "cannot complete the output") from exc
     finally:
-        _discard(directory, temp, fd, name)  # after the rename: only the empty directory
+        _discard(directory, temp, fd)  # after the rename: only the empty directory
         os.close(fd)
     os.fsync(directory)
 
 
 def _write_error(exc: OSError, what: str) -> FramewireError:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return InsufficientStorage(f"{what}: {exc.strerror}")
-    return MediaError(f"{what}: {exc.strerror}", code="output_not_writable")
+    refused = MediaError(f"{what}: {exc.strerror}", code="output_not_writable")
+    return host_error(exc, what) or refused
 
 
 def open_directory(path: Path) -> int:
@@ -154,6 +168,9 @@ def _remove_if_abandoned(path: Path) -> bool:
     except OSError:
         return False  # a symlink, not a directory, or gone already
     try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
+            return False  # not made by a worker of ours: someone else's look-alike
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -161,10 +178,8 @@ def _remove_if_abandoned(path: Path) -> bool:
         except OSError:
             pass  # no locks on this filesystem: the dead pid is all there is to go on
         # Under our lock: a writer racing us sees it gone and takes a new name.
-        for entry in os.scandir(fd):
-            if entry.is_dir(follow_symlinks=False):
-                return False  # the worker makes no subdirectories: not ours to judge
-            os.unlink(entry.name, dir_fd=fd)
+        if not _empty(fd):
+            return False
         os.rmdir(path)
         return True
     except OSError:

@@ -30,19 +30,36 @@ def _settings_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
+    """The settings the flags and FRAMEWIRE_* variables give; unusable ones end the command."""
+    from pydantic import ValidationError
+
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
-    return Settings(**given)
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        for error in exc.errors():
+            where = ".".join(str(p) for p in error["loc"])
+            print(f"framewire: setting {where}: {error['msg']}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .app import create_app
+    from .app import build
     from .convert import single_threaded_conversion
-    from .server import serve
+    from .limits import raise_open_files_limit
+    from .server import AlreadyServed, serve
 
     single_threaded_conversion()
     settings = settings_from(args)
-    app = create_app(settings)
-    serve(app, settings, on_drain=app.state.fd_server.stop_accepting)
+    raise_open_files_limit()
+    try:
+        serve(settings, lambda listeners: build(settings, listeners))
+    except AlreadyServed as exc:
+        print(f"framewire serve: {exc}; not starting", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"framewire serve: cannot listen: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -117,7 +134,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
 
     single_threaded_conversion()
     settings = settings_from(args)
-    encoder = Encoder(settings.ffmpeg, chunk_bytes=settings.chunk_bytes, fallback=settings.fallback)
+    encoder = Encoder.from_settings(settings)
     source = open_npy(args.input, args.layout)
     try:
         result = encoder.encode(source, args.output, EncodeParams(audio=args.audio, **params))

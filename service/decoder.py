@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from framewire.client.errors import MediaError, NotFound, Overloaded, Unavailable
+from framewire.client.inputs import InputFile
 from framewire.client.memdecode import Decoded, DecodeRun
 from framewire.client.wire import DecodeRequest
 
 from .metrics import Metrics
-from .paths import resolve_input
+from .paths import open_input, real_roots
+from .peers import READ, TRUSTED, Access
 from .settings import Settings
 
 # A file that changes during this many decodes in a row is being written: refused.
@@ -129,14 +131,20 @@ class ReferenceDecoder:
         self._runs_lock = threading.Lock()
         self._closed = False
 
-    def _identify(self, raw: str) -> tuple[Path, tuple[int, int, int, int]]:
-        path = resolve_input(raw, self.settings.input_roots)
-        return path, file_identity(path)
+    def _identify(self, raw: str, access: Access) -> tuple[Path, tuple[int, int, int, int]]:
+        roots = self.settings.input_roots
+        with open_input(raw, roots) as source:
+            path = Path(source.name)
+            access.check_path(path, real_roots(roots), READ, raw, os.fstat(source.fd))
+            return path, source.identity()
 
-    async def decode(self, request: DecodeRequest) -> Answer:
-        """The answer to one request: from the cache, a running decode, or a new one."""
+    async def decode(self, request: DecodeRequest, access: Access = TRUSTED) -> Answer:
+        """The answer to one request: from the cache, a running decode, or a new one.
+
+        ``access``: whose request it is; they must be able to read the video themselves.
+        """
         # Path checks and stat touch the filesystem: off the event loop.
-        path, ident = await asyncio.to_thread(self._identify, request.path)
+        path, ident = await asyncio.to_thread(self._identify, request.path, access)
         key = DecodeKey(
             *ident,
             request.fps,
@@ -207,34 +215,43 @@ class ReferenceDecoder:
     ) -> tuple[Decoded, bool]:
         """Decode ``path``; returns the frames and whether they are of ``key``'s file.
 
-        ffmpeg reads by path, so a file replaced or rewritten during the run may
-        give frames of either version or a mix. The identity is compared after
-        the run: changed means decoded again (the waiters get the file as it is
-        now, never a mix); changing again means the file is being written to.
+        ffmpeg reads the file opened here, by its fd. Written in place during the
+        run, it may give a mix of versions; replaced (renamed over) during the run,
+        the frames are of a file no longer at the path. Either way it is decoded
+        again (the waiters get the file as it is now, never a mix); changing again
+        means the file is being written to.
         """
-        expected = (key.dev, key.ino, key.size, key.mtime_ns)
-        for attempt in range(DECODE_ATTEMPTS):
-            decoded = self._run_ffmpeg(path, request)
+        asked = (key.dev, key.ino, key.size, key.mtime_ns)
+        for _ in range(DECODE_ATTEMPTS):
+            with open_input(str(path), self.settings.input_roots) as source:
+                before = source.identity()
+                decoded = self._run_ffmpeg(source, request)
+                after = source.identity()
             try:
                 now = file_identity(path)
             except OSError:
                 now = None
-            if now == expected:
-                return decoded, attempt == 0
+            if before == after == now:
+                return decoded, before == asked
             os.close(decoded.fd)
             if now is None:
                 raise NotFound(f"reference video {path} went away while decoding", code="not_found")
-            expected = now
         raise MediaError(
             f"reference video {path} changed during each of {DECODE_ATTEMPTS} decodes",
             code="input_changed",
         )
 
-    def _run_ffmpeg(self, path: Path, request: DecodeRequest) -> Decoded:
+    def _run_ffmpeg(self, source: InputFile, request: DecodeRequest) -> Decoded:
         with self._runs_lock:  # close() kills what is registered here, so start under it
             if self._closed:
                 raise Unavailable("the worker is shutting down")
-            run = DecodeRun(self.ffmpeg, path, request, max_bytes=self.settings.max_decode_bytes)
+            run = DecodeRun(
+                self.ffmpeg,
+                source,
+                request,
+                max_bytes=self.settings.max_decode_bytes,
+                stall_s=self.settings.stall_timeout_s,
+            )
             self.metrics.decodes.inc()
             self._runs.add(run)
         try:

@@ -15,11 +15,10 @@ import stat
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import numpy as np
 import torch
 from framewire.client.errors import (
     BadRequest,
@@ -29,13 +28,18 @@ from framewire.client.errors import (
     MediaError,
     NotFound,
 )
-from framewire.client.ffmpeg_argv import encode_argv, x264_auto_threads
+from framewire.client.ffmpeg_argv import encode_argv, refused_input, x264_auto_threads
+from framewire.client.inputs import InputFile
+from framewire.client.wire import MAX_FPS, MIN_FPS
 
 from .atomic import Staged, atomic_output, open_directory, sha256_of
 from .convert import chunk_frames, convert_into
 from .ffmpeg import FfmpegExited, FfmpegProcess, resolve_ffmpeg
 from .sources import FrameSource, Geometry
-from .stream import chunk_spans, pump_converted, send_all, slot_frames, widen_pipe
+from .stream import chunk_spans, pump_converted, slot_frames
+
+if TYPE_CHECKING:
+    from .settings import Settings
 
 Route = Literal["stream", "fallback"]
 
@@ -46,7 +50,9 @@ class EncodeParams:
     quality: float = 5
     preset: str = "fast"
     threads: int | None = None  # None: x264's automatic count, passed explicitly
-    audio: Path | None = None
+    # A file to mux: a path (opened here, a regular file only) or an open input (the
+    # worker's, judged under its input roots), which stays the caller's.
+    audio: Path | InputFile | None = None
 
 
 @dataclass
@@ -69,8 +75,10 @@ def sha256_file(path: Path) -> str:
 
 
 def check_params(params: EncodeParams) -> None:
-    if not (params.fps > 0 and np.isfinite(params.fps)):
-        raise BadRequest(f"fps must be a positive number, got {params.fps}", code="bad_fps")
+    if not (MIN_FPS <= params.fps <= MAX_FPS):  # NaN fails both
+        raise BadRequest(
+            f"fps must be within {MIN_FPS:g}..{MAX_FPS:g}, got {params.fps}", code="bad_fps"
+        )
     if not 1 <= params.quality <= 10:
         raise BadRequest(f"quality must be within 1..10, got {params.quality}", code="bad_quality")
     if params.threads is not None and params.threads < 1:
@@ -86,10 +94,21 @@ class Encoder:
         *,
         chunk_bytes: int = 128 << 20,
         fallback: bool = True,
+        stall_s: float | None = 60.0,
     ):
         self.ffmpeg = resolve_ffmpeg(ffmpeg)
         self.chunk_bytes = chunk_bytes
         self.fallback = fallback
+        self.stall_s = stall_s  # an ffmpeg making no progress this long is killed
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Encoder:
+        return cls(
+            settings.ffmpeg,
+            chunk_bytes=settings.chunk_bytes,
+            fallback=settings.fallback,
+            stall_s=settings.stall_timeout_s,
+        )
 
     def threads_for(self, height: int, params: EncodeParams) -> int:
         return params.threads or x264_auto_threads(height)
@@ -125,8 +144,22 @@ class Encoder:
         """
         check_params(params)
         path = Path(path)
-        if params.audio is not None and not params.audio.is_file():
-            raise NotFound(f"audio file {params.audio} does not exist", code="audio_missing")
+        if isinstance(params.audio, Path):
+            try:
+                audio = InputFile.open(params.audio)
+            except NotFound as exc:
+                raise NotFound(exc.message, code="audio_missing") from None
+            try:
+                return self.encode(
+                    source,
+                    path,
+                    replace(params, audio=audio),
+                    cancel=cancel,
+                    directory=directory,
+                    inspect=inspect,
+                )
+            finally:
+                audio.close()
         own = directory is None
         if directory is None:
             try:
@@ -207,7 +240,7 @@ class Encoder:
             output=staged.path,
             quality=params.quality,
             preset=params.preset,
-            audio=None if params.audio is None else params.audio.absolute(),
+            audio=None if params.audio is None else _audio(params).ffmpeg_path,
             **kw,  # type: ignore[arg-type]
         )
 
@@ -221,17 +254,17 @@ class Encoder:
     ) -> None:
         g = source.geometry
         argv = self._argv(staged, source, params, threads=threads)
-        with FfmpegProcess(argv, pass_fds=(staged.fd,)) as ff:
-            stdin = ff.stdin.fileno()
-            widen_pipe(stdin)
+        with self._run(argv, staged, params) as ff:
+            assert ff.input is not None
             try:
                 span = source.zero_copy()
                 if span is not None:
-                    send_all(stdin, span[0], span[1], g.frames * g.height * g.width * 3, check)
+                    nbytes = g.frames * g.height * g.width * 3
+                    ff.input.send_file(span[0], span[1], nbytes, check)
                 else:
-                    pump_converted(source, stdin, self.frames_per_chunk(g), check=check)
+                    pump_converted(source, ff.input, self.frames_per_chunk(g), check=check)
             except FfmpegExited as exc:
-                rc = ff.proc.wait()
+                rc = ff.wait(check)
                 raise _failure(ff, rc, f"ffmpeg exited ({rc}) before it had every frame") from exc
             _finish(ff, check)
 
@@ -268,12 +301,24 @@ class Encoder:
                 convert_into(chunk, g.layout, frames[t0:t1], inplace=owned)
         check()
         argv = self._argv(staged, source, params, threads=params.threads, stdin_name="-")
-        with FfmpegProcess(argv, pass_fds=(staged.fd,)) as ff:
+        with self._run(argv, staged, params) as ff:
+            assert ff.input is not None
             try:
-                ff.stdin.write(memoryview(frames.numpy()).cast("B"))
-            except BrokenPipeError:
+                ff.input.send(memoryview(frames.numpy()).cast("B"), check)
+            except FfmpegExited:
                 pass  # _finish reports ffmpeg's exit status and stderr
             _finish(ff, check)
+
+    def _run(self, argv: list[str], staged: Staged, params: EncodeParams) -> FfmpegProcess:
+        # The private directory's fd (and the audio's): ffmpeg names them through
+        # /proc/self/fd, so it opens exactly what was judged.
+        fds = (staged.fd,) if params.audio is None else (staged.fd, _audio(params).fd)
+        return FfmpegProcess(argv, pass_fds=fds, stall_s=self.stall_s)
+
+
+def _audio(params: EncodeParams) -> InputFile:
+    assert isinstance(params.audio, InputFile), "encode() opens an audio path first"
+    return params.audio
 
 
 # What ffmpeg prints when the output cannot grow (ENOSPC, EFBIG, EDQUOT).
@@ -288,10 +333,17 @@ def _failure(ff: FfmpegProcess, rc: int, message: str) -> FramewireError:
             f"{message}: the output filesystem is full or the file exceeds a size limit",
             detail=tail,
         )
+    if rc > 0 and refused_input(tail):
+        return BadRequest(
+            "the audio input is not an audio file of an allowed format: playlists, concat "
+            "lists and image sequences are not read",
+            code="input_format_refused",
+            detail=tail,
+        )
     return MediaError(message, code="ffmpeg_killed" if rc < 0 else "ffmpeg_failed", detail=tail)
 
 
 def _finish(ff: FfmpegProcess, check: Callable[[], None]) -> None:
-    rc = ff.finish(check)
+    rc = ff.wait(check)
     if rc != 0:
         raise _failure(ff, rc, f"ffmpeg exited with status {rc}")

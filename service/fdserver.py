@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import socket
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +34,15 @@ from pydantic import ValidationError
 
 from .decoder import ReferenceDecoder
 from .metrics import Metrics
-from .server import bind_unix
+from .peers import Access, Peer, unix_peer
+from .server import UnixListener
 from .settings import Settings
 
 log = logging.getLogger("framewire.fdserver")
 
 MAX_LINE = 64 << 10
 RECV_BYTES = 64 << 10
-_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+ACCEPT_BACKOFF_S = (0.05, 1.0)  # after a failed accept (EMFILE): first and longest pause
 
 
 def reply_code(exc: FramewireError) -> str:
@@ -60,13 +60,6 @@ def reply_code(exc: FramewireError) -> str:
 
 def failure(code: str, message: str, detail: str | None = None) -> DecodeReply:
     return DecodeReply(ok=False, code=code, message=message, detail=detail)
-
-
-def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
-    pid, uid, gid = _PEERCRED.unpack(
-        conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-    )
-    return pid, uid, gid
 
 
 class _TooLong:
@@ -89,8 +82,19 @@ class LineReader:
         self._buf = bytearray()
         self._skipping = False
 
-    async def next(self) -> bytes | _TooLong | None:
-        """The next line (without its newline), TOO_LONG, or None at the end."""
+    async def next(self, timeout: float | None = None) -> bytes | _TooLong | None:
+        """The next line (without its newline), TOO_LONG, or None at the end.
+
+        The whole line must arrive within ``timeout`` seconds (None: no bound), so
+        a peer that sends nothing, or dribbles a line, cannot hold the connection.
+        """
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._next()
+        except TimeoutError:
+            return None
+
+    async def _next(self) -> bytes | _TooLong | None:
         loop = asyncio.get_running_loop()
         while True:
             newline = self._buf.find(b"\n")
@@ -153,47 +157,71 @@ class FdServer:
         self.decoder = decoder
         self.metrics = metrics
         self.path = Path(settings.fd_socket)
-        self._listener: socket.socket | None = None
-        self._inode: int | None = None
+        self._listener: UnixListener | None = None
+        self._owns_listener = False
         self._accepting: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> None:
-        if self.path.is_socket() and _answers(self.path):
-            raise RuntimeError(f"another worker already serves {self.path}")
-        listener = bind_unix(self.path, 0o660)  # a stale socket file is replaced
-        listener.listen(128)
-        listener.setblocking(False)
-        self._listener, self._inode = listener, os.stat(self.path).st_ino
-        self._accepting = asyncio.create_task(self._accept_loop(listener))
+    async def start(self, listener: UnixListener | None = None) -> None:
+        """Serve on ``listener`` (the worker's), else on a socket bound here."""
+        if listener is None:
+            listener, self._owns_listener = UnixListener(self.path), True
+        listener.sock.listen(128)
+        listener.sock.setblocking(False)
+        self._listener = listener
+        self._accepting = asyncio.create_task(self._accept_loop(listener.sock))
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
+        backoff = ACCEPT_BACKOFF_S[0]
         while True:
             try:
                 conn, _ = await loop.sock_accept(listener)
-            except OSError as exc:  # e.g. EMFILE: back off instead of spinning
-                log.warning("fd socket accept failed: %s", exc)
-                await asyncio.sleep(0.1)
+            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS: wait for fds to free up
+                if backoff == ACCEPT_BACKOFF_S[0]:
+                    log.warning("fd socket: cannot accept a connection (%s); backing off", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, ACCEPT_BACKOFF_S[1])
+                continue
+            backoff = ACCEPT_BACKOFF_S[0]
+            if len(self._connections) >= self.settings.max_connections:
+                await self._refuse(conn)
                 continue
             conn.setblocking(False)
             task = asyncio.create_task(self._serve(conn))
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
 
-    def _allowed(self, conn: socket.socket) -> bool:
-        try:
-            _, uid, gid = peer_credentials(conn)
-        except OSError:
+    async def _refuse(self, conn: socket.socket) -> None:
+        """One ``overloaded`` reply, then the connection is closed."""
+        self.metrics.fd_requests.labels("connect", "overloaded").inc()
+        with contextlib.suppress(OSError):
+            conn.setblocking(False)
+            reply = failure(
+                "overloaded",
+                f"the fd socket serves {self.settings.max_connections} connections at most",
+            )
+            async with asyncio.timeout(1.0):
+                await send_reply(conn, reply)
+        conn.close()
+
+    def _allowed(self, peer: Peer | None) -> bool:
+        if peer is None:
             return False
-        return uid in self.settings.allowed_uids or gid in self.settings.allowed_gids
+        groups = peer.gids
+        return peer.uid in self.settings.allowed_uids or any(
+            g in self.settings.allowed_gids for g in groups
+        )
 
     async def _serve(self, conn: socket.socket) -> None:
         try:
-            allowed = self._allowed(conn)
+            peer = unix_peer(conn)
+            allowed = self._allowed(peer)
+            access = Access(peer, trusted=False)
             lines = LineReader(conn)
-            while (line := await lines.next()) is not None:
-                reply, fd, op = await self._answer(line, allowed)
+            idle = self.settings.idle_timeout_s
+            while (line := await lines.next(idle)) is not None:
+                reply, fd, op = await self._answer(line, allowed, access)
                 self.metrics.fd_requests.labels(op, reply.code or "ok").inc()
                 try:
                     await send_reply(conn, reply, fd)
@@ -208,7 +236,7 @@ class FdServer:
             conn.close()
 
     async def _answer(
-        self, line: bytes | _TooLong, allowed: bool
+        self, line: bytes | _TooLong, allowed: bool, access: Access
     ) -> tuple[DecodeReply, int | None, str]:
         """(reply, fd to send or None, op label). Never raises for a bad request."""
         if not allowed:
@@ -232,7 +260,7 @@ class FdServer:
             where = ".".join(str(p) for p in first["loc"]) or "request"
             return failure("bad_request", f"{where}: {first['msg']}"), None, op
         try:
-            answer = await self.decoder.decode(request)
+            answer = await self.decoder.decode(request, access)
         except FramewireError as exc:
             return failure(reply_code(exc), exc.message, exc.detail), None, op
         except Exception as exc:
@@ -260,12 +288,13 @@ class FdServer:
             await asyncio.gather(self._accepting, return_exceptions=True)
             self._accepting = None
         if self._listener is not None:
-            self._listener.close()
-            self._listener = None
             # Only our own socket file: a newer worker may already have replaced it.
-            with contextlib.suppress(OSError):
-                if os.stat(self.path).st_ino == self._inode:
-                    self.path.unlink()
+            if self._owns_listener:
+                self._listener.close()
+            else:
+                self._listener.sock.close()
+                self._listener.remove()
+            self._listener = None
 
     async def close(self) -> None:
         """Stop accepting, drop connections, stop decodes, remove the socket file."""
@@ -275,14 +304,3 @@ class FdServer:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.decoder.close()
-
-
-def _answers(path: Path) -> bool:
-    """Whether something listens on the socket at ``path`` (a live worker, not a stale file)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(os.fspath(path))
-        except OSError:
-            return False
-    return True

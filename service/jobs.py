@@ -17,11 +17,12 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from framewire.client.errors import BadRequest, Cancelled, FramewireError, Unavailable
+from framewire.client.errors import BadRequest, Cancelled, Conflict, FramewireError, Unavailable
+from framewire.client.inputs import InputFile
 from framewire.client.wire import (
     CudaIpcSource,
     EncodeRequest,
@@ -31,13 +32,15 @@ from framewire.client.wire import (
     OutputSpec,
     RegionSource,
     ShmSource,
+    Source,
     Timings,
 )
 
 from .encoder import Encoded, EncodeParams, Encoder
 from .ffmpeg import kill_running
 from .metrics import Metrics
-from .paths import open_output_dir, resolve_input, resolve_output
+from .paths import open_input, open_output_dir, real_roots, remove_made, resolve_output
+from .peers import READ, SEARCH, TRUSTED, WRITE, Access
 from .regions import CudaRegion, RegionRegistry, SystemRegion
 from .scheduler import Scheduler
 from .settings import Settings
@@ -58,13 +61,36 @@ log = logging.getLogger("framewire.jobs")
 class Prepared:
     spec: OutputSpec
     path: Path
-    directory: int  # fd of path's directory, opened without following links
     source: FrameSource
     params: EncodeParams
+    directory: int = -1  # fd of path's directory, opened without following links
+    made: list[Path] = field(default_factory=list)  # directories made for it, outermost first
 
 
 def _geometry(src: ShmSource | RegionSource) -> Geometry:
     return Geometry(src.dtype, src.layout, src.frames, src.height, src.width)
+
+
+class OutputClaims:
+    """The outputs being written now, by (device, directory inode, name).
+
+    Two writers of one file would each rename theirs into place, and the answer
+    of the one renamed first would describe a file that is gone: the second
+    asks while the first writes and gets 409 ``output_busy``. Event loop only.
+    """
+
+    def __init__(self) -> None:
+        self._held: set[tuple[int, int, str]] = set()
+
+    def claim(self, directory: int, name: str, stack: contextlib.AsyncExitStack) -> None:
+        st = os.fstat(directory)
+        key = (st.st_dev, st.st_ino, name)
+        if key in self._held:
+            raise Conflict(
+                f"another encode is writing {name!r} in that directory now", code="output_busy"
+            )
+        self._held.add(key)
+        stack.callback(self._held.discard, key)
 
 
 class EncodeJobs:
@@ -83,6 +109,7 @@ class EncodeJobs:
         self.metrics = metrics
         self.scheduler = scheduler
         self.cuda = cuda  # None: no usable GPU, cuda_ipc sources are refused
+        self.claims = OutputClaims()
         # Every admitted encode has its thread; the scheduler, not the pool, limits them.
         self.pool = ThreadPoolExecutor(
             max(4, settings.cpu_slots + 2), thread_name_prefix="framewire-encode"
@@ -91,42 +118,18 @@ class EncodeJobs:
         self._cancels: set[threading.Event] = set()  # one per request in flight
         self._requests: set[asyncio.Task[object]] = set()  # the tasks serving them
 
-    async def _prepare(self, spec: OutputSpec, stack: contextlib.AsyncExitStack) -> Prepared:
-        # Judged first, but its directories are made only once the rest checked out:
-        # a refused request leaves nothing behind.
-        path = resolve_output(spec.path, self.settings.output_roots)
-        audio = None if spec.audio is None else resolve_input(spec.audio, self.settings.input_roots)
-        src = spec.source
-        source: FrameSource
-        if isinstance(src, ShmSource):
-            fd = open_shm(src.key, self.settings.shm_prefixes)
-            try:
-                source = FileSource(fd, src.offset, _geometry(src))
-            except BaseException:
-                os.close(fd)
-                raise
-        elif isinstance(src, RegionSource):
-            region = await stack.enter_async_context(
-                self.regions.lease(src.region, src.offset, src.byte_size)
-            )
-            if isinstance(region, SystemRegion):
-                offset = region.offset + src.offset
-                source = FileSource(region.fd, offset, _geometry(src), owns_fd=False)
-            else:
-                assert isinstance(region, CudaRegion) and self.cuda is not None
-                source = self.cuda.region_source(region, src)
-        else:
-            assert isinstance(src, CudaIpcSource)
-            if self.cuda is None:
-                raise BadRequest(
-                    "this worker has no CUDA device; send host memory instead",
-                    code="cuda_unavailable",
-                )
-            # Opening a handle is driver work (milliseconds): off the event loop.
-            source = await asyncio.to_thread(self.cuda.open_ipc, src)
+    async def _judge(
+        self, spec: OutputSpec, access: Access, stack: contextlib.AsyncExitStack
+    ) -> Prepared:
+        """Everything about one output that can be refused, before anything is made."""
+        # Off the event loop: judging paths is the filesystem's time.
+        path = await asyncio.to_thread(self._judge_path, spec.path, access)
+        audio: InputFile | None = None
+        if spec.audio is not None:
+            audio = await asyncio.to_thread(self._open_input, spec.audio, access)
+            stack.callback(audio.close)
+        source = await self._open_source(spec.source, access, stack)
         stack.callback(source.close)
-        directory = await asyncio.to_thread(open_output_dir, path, self.settings.output_roots)
-        stack.callback(os.close, directory)
         params = EncodeParams(
             fps=spec.fps,
             quality=spec.quality,
@@ -134,7 +137,67 @@ class EncodeJobs:
             threads=spec.threads,
             audio=audio,
         )
-        return Prepared(spec, path, directory, source, params)
+        return Prepared(spec, path, source, params)
+
+    def _judge_path(self, raw: str, access: Access) -> Path:
+        roots = self.settings.output_roots
+        path = resolve_output(raw, roots)
+        # Where the file, or the first directory made for it, lands: the caller must be
+        # able to write there. (A root gone missing fails the open later: a 503.)
+        parent = _existing(path.parent)
+        if any(parent.is_relative_to(root) for root in real_roots(roots)):
+            access.check_path(parent, real_roots(roots), WRITE | SEARCH, raw)
+        return path
+
+    def _open_input(self, raw: str, access: Access) -> InputFile:
+        roots = self.settings.input_roots
+        opened = open_input(raw, roots)
+        try:
+            access.check_path(Path(opened.name), real_roots(roots), READ, raw, os.fstat(opened.fd))
+        except BaseException:
+            opened.close()
+            raise
+        return opened
+
+    async def _open_source(
+        self, src: Source, access: Access, stack: contextlib.AsyncExitStack
+    ) -> FrameSource:
+        if isinstance(src, ShmSource):
+            # Off the event loop: opening and checking a file is the filesystem's time.
+            return await asyncio.to_thread(self._open_shm, src, access)
+        if isinstance(src, RegionSource):
+            region = await stack.enter_async_context(
+                self.regions.lease(src.region, src.offset, src.byte_size, access)
+            )
+            if isinstance(region, SystemRegion):
+                offset = region.offset + src.offset
+                return FileSource(region.fd, offset, _geometry(src), owns_fd=False)
+            assert isinstance(region, CudaRegion) and self.cuda is not None
+            return self.cuda.region_source(region, src)
+        assert isinstance(src, CudaIpcSource)
+        if self.cuda is None:
+            raise BadRequest(
+                "this worker has no CUDA device; send host memory instead",
+                code="cuda_unavailable",
+            )
+        # Opening a handle is driver work (milliseconds): off the event loop.
+        return await asyncio.to_thread(self.cuda.open_ipc, src)
+
+    def _open_shm(self, src: ShmSource, access: Access) -> FileSource:
+        fd = open_shm(src.key, self.settings.shm_prefixes)
+        try:
+            access.check(os.fstat(fd), READ, f"shm segment {src.key!r}")
+            return FileSource(fd, src.offset, _geometry(src))
+        except BaseException:
+            os.close(fd)
+            raise
+
+    async def _place(self, job: Prepared, stack: contextlib.AsyncExitStack) -> None:
+        """Make and open the output's directory and claim its name (all judged before)."""
+        roots = self.settings.output_roots
+        job.directory = await asyncio.to_thread(open_output_dir, job.path, roots, job.made)
+        stack.callback(os.close, job.directory)
+        self.claims.claim(job.directory, job.path.name, stack)
 
     def _encode_one(self, job: Prepared, validate: bool, cancel: threading.Event) -> OutputResult:
         started = time.time()
@@ -197,7 +260,10 @@ class EncodeJobs:
         )
 
     async def run(
-        self, request: EncodeRequest, is_disconnected: Callable[[], Awaitable[bool]]
+        self,
+        request: EncodeRequest,
+        is_disconnected: Callable[[], Awaitable[bool]],
+        access: Access = TRUSTED,
     ) -> tuple[int, list[OutputResult]]:
         """Returns (HTTP status, one result per output in request order).
 
@@ -215,7 +281,7 @@ class EncodeJobs:
         if me is not None:
             self._requests.add(me)
         try:
-            return await self._run(request, is_disconnected, cancel, me)
+            return await self._run(request, is_disconnected, cancel, me, access)
         finally:
             self._cancels.discard(cancel)
             self._requests.discard(me)  # type: ignore[arg-type]
@@ -226,41 +292,63 @@ class EncodeJobs:
         is_disconnected: Callable[[], Awaitable[bool]],
         cancel: threading.Event,
         me: asyncio.Task[object] | None,
+        access: Access,
     ) -> tuple[int, list[OutputResult]]:
-        stopped = False
-        async with contextlib.AsyncExitStack() as stack:
-            jobs = [await self._prepare(spec, stack) for spec in request.outputs]
-            if len({j.path for j in jobs}) != len(jobs):
-                raise BadRequest("two outputs resolve to the same file", code="duplicate_path")
-            self.scheduler.admit(len(jobs))
-            tasks: list[asyncio.Task[tuple[int, OutputResult]]] = []
-            watcher: asyncio.Task[None] | None = None
-            try:
-                tasks = [
-                    asyncio.create_task(self._run_one(job, request.validate_, cancel))
-                    for job in jobs
-                ]
-                watcher = asyncio.create_task(self._watch(is_disconnected, cancel, tasks))
-                outcomes = await asyncio.gather(*tasks)
-            except asyncio.CancelledError:
-                # Only the server cancels the request's own task: its grace period ran out.
-                # A client that went away cancels the outputs' tasks, never this one.
-                if me is None or not me.cancelling():
-                    raise
-                me.uncancel()
-                stopped = True
-            finally:
-                # Whatever happened, no encode thread may outlive the sources it reads:
-                # the exit stack closes them next.
-                if watcher is not None:
-                    watcher.cancel()
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-            if stopped:
-                outcomes = [_after_stop(job, task) for job, task in zip(jobs, tasks, strict=True)]
+        jobs: list[Prepared] = []
+        outcomes: list[tuple[int, OutputResult]] = []
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                # Every output is judged before any directory is made: a refused
+                # request leaves nothing behind.
+                jobs = [await self._judge(spec, access, stack) for spec in request.outputs]
+                if len({j.path for j in jobs}) != len(jobs):
+                    raise BadRequest("two outputs resolve to the same file", code="duplicate_path")
+                self.scheduler.admit(len(jobs))
+                for job in jobs:
+                    await self._place(job, stack)
+                _, outcomes = await self._encode_all(request, jobs, is_disconnected, cancel, me)
+        except BaseException:
+            for job in jobs:
+                remove_made(job.made)
+            raise
+        for job, (_, result) in zip(jobs, outcomes, strict=True):
+            if not result.ok:
+                remove_made(job.made)
         status = next((s for s, _ in outcomes if s != 200), 200)
         return status, [r for _, r in outcomes]
+
+    async def _encode_all(
+        self,
+        request: EncodeRequest,
+        jobs: list[Prepared],
+        is_disconnected: Callable[[], Awaitable[bool]],
+        cancel: threading.Event,
+        me: asyncio.Task[object] | None,
+    ) -> tuple[bool, list[tuple[int, OutputResult]]]:
+        """Run every output; returns (stopped by a shutdown, one outcome per output)."""
+        tasks: list[asyncio.Task[tuple[int, OutputResult]]] = []
+        watcher: asyncio.Task[None] | None = None
+        try:
+            tasks = [
+                asyncio.create_task(self._run_one(job, request.validate_, cancel)) for job in jobs
+            ]
+            watcher = asyncio.create_task(self._watch(is_disconnected, cancel, tasks))
+            return False, list(await asyncio.gather(*tasks))
+        except asyncio.CancelledError:
+            # Only the server cancels the request's own task: its grace period ran out.
+            # A client that went away cancels the outputs' tasks, never this one.
+            if me is None or not me.cancelling():
+                raise
+            me.uncancel()
+        finally:
+            # Whatever happened, no encode thread may outlive the sources it reads:
+            # the caller's exit stack closes them next.
+            if watcher is not None:
+                watcher.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return True, [_after_stop(job, task) for job, task in zip(jobs, tasks, strict=True)]
 
     async def _run_one(
         self, job: Prepared, validate: bool, cancel: threading.Event
@@ -357,6 +445,13 @@ class EncodeJobs:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _existing(directory: Path) -> Path:
+    """``directory``, or its nearest ancestor that exists (where new ones would be made)."""
+    while not directory.exists() and directory.parent != directory:
+        directory = directory.parent
+    return directory
 
 
 def _after_stop(

@@ -7,10 +7,17 @@ kernel then OOM-kills the worker, or throttles every encode at once.
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import math
 import os
+import resource
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .settings import Settings
 
 PROC_CGROUP = Path("/proc/self/cgroup")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -99,3 +106,35 @@ def cpu_quota_note(cpu_slots: int) -> str | None:
         f"slots (the affinity set): set FRAMEWIRE_CPU_SLOTS={max(1, math.floor(quota))} "
         "so that parallel encodes are not throttled together"
     )
+
+
+def exposure_note(settings: Settings) -> str | None:
+    """A warning when HTTP listens beyond loopback with no bearer token: callers there
+    cannot be identified, so they are refused host memory and files, and anyone who
+    can reach the port may still write outputs."""
+    try:
+        loopback = ipaddress.ip_address(settings.host).is_loopback
+    except ValueError:
+        loopback = settings.host == "localhost"
+    if loopback or settings.token is not None:
+        return None
+    return (
+        f"HTTP listens on {settings.host}:{settings.port} beyond loopback and no "
+        "FRAMEWIRE_TOKEN is set: set a token, or bind 127.0.0.1 and use the Unix socket"
+    )
+
+
+def raise_open_files_limit(want: int = 65536) -> tuple[int, int]:
+    """Lift this process's soft limit on open files towards its hard limit (at most ``want``).
+
+    Every connection, registered region and running ffmpeg holds descriptors; the
+    usual soft limit of 1024 is below what the default caps allow together. Returns
+    (soft, hard) as they are now.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(hard, want)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    return soft, hard

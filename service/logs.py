@@ -64,15 +64,31 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+# Control characters (newlines above all) in a message would let a request's path or
+# name forge log lines: each is written as an escape instead.
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))} | {
+    0x0A: "\\n",
+    0x0D: "\\r",
+    0x09: "\\t",
+}
+
+
+def one_line(text: str) -> str:
+    return text.translate(_CONTROLS)
+
+
 class PlainFormatter(logging.Formatter):
-    """``time LEVEL logger [request id] message key=value ...`` for people reading a terminal."""
+    """``time LEVEL logger [request id] message key=value ...`` for people reading a terminal.
+
+    One record is one line (a traceback apart): control characters are escaped.
+    """
 
     def format(self, record: logging.LogRecord) -> str:
         rid = request_id.get()
         line = f"{_timestamp(record)} {record.levelname} {record.name}"
         if rid is not None:
             line += f" [{rid}]"
-        line += f": {record.getMessage()}"
+        line += f": {one_line(record.getMessage())}"
         for key, value in _extras(record).items():
             line += f" {key}={value!r}"
         if record.exc_info:

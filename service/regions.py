@@ -4,13 +4,13 @@ Two kinds of region share one namespace, as in Triton: a system region is a
 named window (key, offset, byte_size) of a POSIX shm segment, opened read-only
 once at registration; a CUDA region is the first byte_size bytes of another
 process's GPU allocation, mapped from its raw IPC handle at registration.
-Requests lease a region; unregistering a leased region waits until the last
-lease ends.
+Requests lease a region. Unregistering, as in Triton, returns at once: the
+region leaves the registry (status no longer lists it, new requests cannot
+find it), and what it holds open is released when its last lease ends.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import contextlib
@@ -20,8 +20,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from framewire.client.errors import BadRequest, NotFound
+from framewire.client.errors import BadRequest, NotFound, Unavailable
 
+from .peers import READ, TRUSTED, Access
 from .sources import open_shm
 
 if TYPE_CHECKING:
@@ -33,16 +34,22 @@ class Region:
     name: str
     byte_size: int
     leases: int = field(default=0, init=False)
-    idle: asyncio.Event = field(default_factory=asyncio.Event, init=False)
-
-    def __post_init__(self) -> None:
-        self.idle.set()
+    removed: bool = field(default=False, init=False)  # unregistered; released at the last lease
 
     def status(self) -> dict[str, object]:
         raise NotImplementedError
 
+    def check(self, access: Access) -> None:
+        """Raise unless the caller may read what the region maps."""
+
     def release(self) -> None:
         """Let go of what registration opened (no lease holds the region any more)."""
+
+    def retire(self) -> None:
+        """Out of the registry: released now if unused, else when the last lease ends."""
+        self.removed = True
+        if self.leases == 0:
+            self.release()
 
 
 @dataclass(eq=False)
@@ -58,6 +65,9 @@ class SystemRegion(Region):
             "offset": self.offset,
             "byte_size": self.byte_size,
         }
+
+    def check(self, access: Access) -> None:
+        access.check(os.fstat(self.fd), READ, f"region '{self.name}' (shm {self.key!r})")
 
     def release(self) -> None:
         os.close(self.fd)
@@ -76,9 +86,17 @@ class CudaRegion(Region):
 
 
 class RegionRegistry:
-    def __init__(self, shm_prefixes: list[str], cuda: CudaRuntime | None = None):
+    def __init__(
+        self,
+        shm_prefixes: list[str],
+        cuda: CudaRuntime | None = None,
+        *,
+        max_regions: int = 1024,
+    ):
         self.prefixes = shm_prefixes
         self.cuda = cuda
+        # Each system region holds a file descriptor for as long as it is registered.
+        self.max_regions = max_regions
         self._regions: dict[str, Region] = {}
         self._lock = threading.Lock()  # registration runs on request threads
 
@@ -97,20 +115,33 @@ class RegionRegistry:
                 raise
             self._regions[region.name] = region
 
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+    def register(
+        self, name: str, key: str, offset: int, byte_size: int, access: Access = TRUSTED
+    ) -> None:
         """A system region: ``byte_size`` bytes at ``offset`` of shm segment ``key``."""
         self._check_new(name)
         if offset < 0 or byte_size <= 0:
             raise BadRequest("offset must be >= 0 and byte_size > 0", code="bad_region")
-        fd = open_shm(key, self.prefixes)
-        size = os.fstat(fd).st_size
-        if offset + byte_size > size:
-            os.close(fd)
-            raise BadRequest(
-                f"region '{name}' ({offset}+{byte_size}) exceeds segment {key} of {size} bytes",
-                code="region_out_of_bounds",
+        if len(self._regions) >= self.max_regions:
+            raise Unavailable(
+                f"{len(self._regions)} regions are registered (FRAMEWIRE_MAX_REGIONS): "
+                "unregister some first",
+                code="too_many_regions",
             )
-        self._add(SystemRegion(name, byte_size, key, offset, fd))
+        fd = open_shm(key, self.prefixes)
+        region = SystemRegion(name, byte_size, key, offset, fd)
+        try:
+            region.check(access)
+            size = os.fstat(fd).st_size
+            if offset + byte_size > size:
+                raise BadRequest(
+                    f"region '{name}' ({offset}+{byte_size}) exceeds segment {key} of {size} bytes",
+                    code="region_out_of_bounds",
+                )
+        except BaseException:
+            region.release()
+            raise
+        self._add(region)
 
     def register_cuda(self, name: str, raw_handle: str, device_id: int, byte_size: int) -> None:
         """A CUDA region: the first ``byte_size`` bytes behind a base64 cudaIpcMemHandle_t."""
@@ -147,7 +178,9 @@ class RegionRegistry:
         return [r.status() for r in self._regions.values() if isinstance(r, kind)]
 
     @contextlib.asynccontextmanager
-    async def lease(self, name: str, offset: int, byte_size: int) -> AsyncIterator[Region]:
+    async def lease(
+        self, name: str, offset: int, byte_size: int, access: Access = TRUSTED
+    ) -> AsyncIterator[Region]:
         """Hold region ``name`` while ``byte_size`` bytes at ``offset`` of it are in use."""
         region = self.get(name)
         if offset + byte_size > region.byte_size:
@@ -156,25 +189,25 @@ class RegionRegistry:
                 f"of {region.byte_size} bytes",
                 code="region_out_of_bounds",
             )
+        region.check(access)
         region.leases += 1
-        region.idle.clear()
         try:
             yield region
         finally:
             region.leases -= 1
-            if region.leases == 0:
-                region.idle.set()
-
-    async def unregister(self, name: str | None = None, kind: type[Region] = SystemRegion) -> None:
-        """Remove one region (or all) of ``kind``; unknown names are not an error, as in Triton."""
-        names = list(self._regions) if name is None else [name]
-        for n in names:
-            region = self._regions.get(n)
-            if region is None or not isinstance(region, kind):
-                continue
-            await region.idle.wait()
-            if self._regions.pop(n, None) is region:
+            if region.leases == 0 and region.removed:
                 region.release()
 
-    async def close(self) -> None:
-        await self.unregister(kind=Region)
+    def unregister(self, name: str | None = None, kind: type[Region] = SystemRegion) -> None:
+        """Remove one region (or all) of ``kind`` at once; unknown names are not an error,
+        as in Triton. A region in use is released when its last lease ends."""
+        with self._lock:
+            names = list(self._regions) if name is None else [name]
+            for n in names:
+                region = self._regions.get(n)
+                if region is not None and isinstance(region, kind):
+                    del self._regions[n]
+                    region.retire()
+
+    def close(self) -> None:
+        self.unregister(kind=Region)

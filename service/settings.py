@@ -50,6 +50,27 @@ class Settings(BaseSettings):
     log_format: Literal["plain", "json"] = "plain"
     # Seconds a SIGTERM waits for requests in flight before stopping what still runs.
     shutdown_grace: float = Field(default=30.0, ge=0)
+    # An ffmpeg run (encode, decode) that makes no progress this long is killed.
+    stall_timeout_s: float = Field(default=60.0, gt=0)
+    # A connection (HTTP or fd socket) that does not complete a request's headers (or
+    # line), or stops sending a body, for this long is closed.
+    idle_timeout_s: float = Field(default=30.0, gt=0)
+    # Open connections per listener kind (HTTP, fd socket); past it new ones are refused.
+    max_connections: int = Field(default=256, ge=1)
+    # Registered shared-memory regions (each holds a file descriptor).
+    max_regions: int = Field(default=1024, ge=1)
+
+    @field_validator("token")
+    @classmethod
+    def _usable_token(cls, v: str | None) -> str | None:
+        # An empty token would lock every caller out without a word; spaces and control
+        # characters cannot survive an Authorization header.
+        if v is not None and (not v or any(c.isspace() or not c.isprintable() for c in v)):
+            raise ValueError(
+                "FRAMEWIRE_TOKEN is set but empty or holds spaces or control characters: "
+                "unset it, or give it a printable value"
+            )
+        return v
 
     @field_validator("output_roots", "input_roots", "shm_prefixes", mode="before")
     @classmethod

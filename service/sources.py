@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from framewire.client.errors import BadRequest, Forbidden, NotFound
+from framewire.client.errors import BadRequest, Forbidden, NotFound, host_error
 from framewire.client.wire import DType, Layout
 
 from .convert import TORCH_DTYPES, WIRE_DTYPES, slice_frames
@@ -199,12 +199,17 @@ def open_shm(key: str, prefixes: list[str]) -> int:
         raise BadRequest(f"shm key {key!r} is not of the form /name", code="bad_shm_key")
     if not any(key.startswith(p) for p in prefixes):
         raise Forbidden(f"shm key {key!r} lacks an allowed prefix {prefixes}", code="shm_prefix")
+    # O_NONBLOCK: a FIFO given an allowed name must not block the open (nor the loop).
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
-        fd = os.open(f"/dev/shm{key}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(f"/dev/shm{key}", flags)
     except FileNotFoundError as exc:
         raise NotFound(f"no shared-memory segment {key!r}", code="shm_not_found") from exc
     except OSError as exc:
-        raise Forbidden(f"cannot open shm {key!r}: {exc.strerror}", code="shm_denied") from exc
+        what = f"cannot open shm {key!r}"
+        raise host_error(exc, what) or Forbidden(
+            f"{what}: {exc.strerror}", code="shm_denied"
+        ) from exc
     except ValueError as exc:  # a NUL byte, or a lone surrogate that names no file
         raise BadRequest(f"shm key {key!r} is not a file name", code="bad_shm_key") from exc
     if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -35,25 +35,15 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from framewire.client.errors import BadRequest
+from framewire.client.ffmpeg_proc import FfmpegExited, PipeWriter
 
 from .convert import convert_into
-from .ffmpeg import FfmpegExited
 from .sources import FrameSource, Geometry
 
-PIPE_BYTES = 1 << 20  # fewer wakeups per chunk than the 64 KiB default
-F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 BLOCK_BYTES = 1 << 20  # source bytes converted at once: fits a core's L2
 SLOT_TARGET = 8 << 20  # staging bytes per chunk: small enough to start ffmpeg early
 DRAIN_POLL_S = 0.001  # how often a writer waiting on a pinned slot looks at the pipe again
-
-
-def widen_pipe(fd: int) -> None:
-    try:
-        fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
-    except OSError:
-        pass  # capped by /proc/sys/fs/pipe-max-size: the default still works
 
 
 def pipe_capacity(fd: int) -> int | None:
@@ -76,34 +66,6 @@ def pipe_unread(fd: int) -> int:
     count = array.array("i", [0])
     fcntl.ioctl(fd, termios.FIONREAD, count, True)
     return count[0]
-
-
-SEND_SLICE = 16 << 20  # bytes per sendfile call: how often ``check`` gets a say
-
-
-def send_all(
-    out_fd: int, in_fd: int, offset: int, count: int, check: Callable[[], None] = lambda: None
-) -> None:
-    """sendfile ``count`` bytes, riding out partial writes, EINTR and EAGAIN.
-
-    EPIPE means ffmpeg is gone; a zero return means the source file got shorter.
-    ``check`` runs between slices and may raise to stop.
-    """
-    while count > 0:
-        check()
-        try:
-            n = os.sendfile(out_fd, in_fd, offset, min(count, SEND_SLICE))
-        except BlockingIOError:
-            select.select([], [out_fd], [])
-            continue
-        except BrokenPipeError as exc:
-            raise FfmpegExited("ffmpeg closed its input early") from exc
-        if n == 0:
-            raise BadRequest(
-                "the source file shrank while it was being sent", code="segment_truncated"
-            )
-        offset += n
-        count -= n
 
 
 class Staging:
@@ -283,13 +245,13 @@ class PipeDrain:
 
 def pump_converted(
     source: FrameSource,
-    out_fd: int,
+    pipe: PipeWriter,
     per_chunk: int,
     *,
     check: Callable[[], None] = lambda: None,
     writer: ChunkWriter | None = None,
 ) -> int:
-    """Convert ``source`` chunk by chunk into staging and sendfile each chunk to ``out_fd``.
+    """Convert ``source`` chunk by chunk into staging and sendfile each chunk into ``pipe``.
 
     Chunk k+1 is converted on a helper thread while chunk k is sent (both
     release the GIL). Returns the bytes sent. ``check`` runs between chunks and
@@ -316,14 +278,14 @@ def pump_converted(
 
     sent = 0
     with (
-        Staging(per_chunk * frame_bytes, in_flight=pipe_capacity(out_fd)) as staging,
+        Staging(per_chunk * frame_bytes, in_flight=pipe_capacity(pipe.fd)) as staging,
         ThreadPoolExecutor(1, thread_name_prefix="framewire-convert") as pool,
     ):
         pending: Future[int] | None = None
         try:
             writer.open(staging, per_chunk)
             if writer.pinned:
-                drain = PipeDrain(out_fd, 2)
+                drain = PipeDrain(pipe.fd, 2)
             pending = pool.submit(convert, 0, *spans[0])
             for i in range(len(spans)):
                 nbytes = pending.result()
@@ -331,7 +293,7 @@ def pump_converted(
                     pool.submit(convert, (i + 1) % 2, *spans[i + 1]) if i + 1 < len(spans) else None
                 )
                 check()
-                send_all(out_fd, staging.fd, (i % 2) * staging.slot_bytes, nbytes)
+                pipe.send_file(staging.fd, (i % 2) * staging.slot_bytes, nbytes, check)
                 if drain is not None:
                     drain.sent(i % 2, nbytes)
                 sent += nbytes

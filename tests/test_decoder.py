@@ -129,30 +129,32 @@ def test_frames_object(clips, no_worker):
 
 
 def test_decode_bound_is_enforced_by_the_kernel_during_the_run(clips):
+    from framewire.client.inputs import InputFile
     from framewire.client.memdecode import DecodeRun, find_ffmpeg
 
-    video = clips["c30.mp4"]  # 20 frames at 10 fps
-    request = DecodeRequest(path=str(video), fps=10, width=40, height=30)
+    video = InputFile.open(clips["c30.mp4"])  # 20 frames at 10 fps
+    request = DecodeRequest(path=video.name, fps=10, width=40, height=30)
     bound = 10 * request.frame_bytes
     run = DecodeRun(find_ffmpeg(), video, request, max_bytes=bound)
     with pytest.raises(BadRequest) as err:
         run.wait()
     assert err.value.code == "decode_too_large" and "max_frames" in err.value.message
     # ffmpeg itself was stopped at the bound (SIGXFSZ), not its result refused afterwards.
-    assert run.proc.returncode == -signal.SIGXFSZ
+    assert run.ff.proc.returncode == -signal.SIGXFSZ
     # Exactly at the bound is allowed, and byte-exact.
-    fits = DecodeRequest(path=str(video), fps=10, width=40, height=30, max_frames=10)
+    fits = DecodeRequest(path=video.name, fps=10, width=40, height=30, max_frames=10)
     decoded = DecodeRun(find_ffmpeg(), video, fits, max_bytes=bound).wait()
     try:
         assert (decoded.frames, decoded.byte_size) == (10, bound)
         got = os.pread(decoded.fd, bound, 0)
-        assert got == oracle(video, fps=10, width=40, height=30, max_frames=10)
+        assert got == oracle(video.name, fps=10, width=40, height=30, max_frames=10)
     finally:
         os.close(decoded.fd)
     # One frame over the bound is refused before ffmpeg starts.
     with pytest.raises(BadRequest) as err:
         DecodeRun(find_ffmpeg(), video, request, max_bytes=request.frame_bytes - 1)
     assert err.value.code == "decode_too_large"
+    video.close()
 
 
 def test_local_memfd_is_sealed(clips, no_worker):

@@ -8,11 +8,18 @@ import imageio_ffmpeg
 import imageio_ffmpeg._io as iio
 import pytest
 from framewire.client.ffmpeg_argv import (
+    AUDIO_DEMUXERS,
+    AUDIO_FILE_GUARD,
+    GUARD_OPTIONS,
+    PIPE_GUARD,
+    VIDEO_DEMUXERS,
+    VIDEO_FILE_GUARD,
     crf_for_quality,
     decode_argv,
     encode_argv,
     fps_arg,
     padded_size,
+    unguarded,
     x264_auto_threads,
 )
 
@@ -61,8 +68,21 @@ def test_reference_argv_is_write_frames_argv(monkeypatch, size, fps, quality, pr
         preset=preset,
         audio=audio,
         stdin_name="-",
+        guard=False,
     )
     assert ours == expected
+    guarded = encode_argv(
+        expected[0],
+        width=size[0],
+        height=size[1],
+        fps=fps,
+        output="/out/x.mp4",
+        quality=quality,
+        preset=preset,
+        audio=audio,
+        stdin_name="-",
+    )
+    assert unguarded(guarded) == expected
 
 
 def test_threads_sit_where_output_params_put_them(monkeypatch):
@@ -84,13 +104,41 @@ def test_threads_sit_where_output_params_put_them(monkeypatch):
         threads=3,
         audio="/a.wav",
         stdin_name="-",
+        guard=False,
     )
     assert ours == expected
 
 
+def test_guards_sit_before_each_input_and_add_nothing_else():
+    argv = encode_argv(
+        "ffmpeg", width=64, height=48, fps=24, output="/o.mp4", audio="/proc/self/fd/7"
+    )
+    _, second = (i for i, token in enumerate(argv) if token == "-i")
+    assert argv[1:4] == ["-y", *PIPE_GUARD]  # before input 0's options
+    assert argv[second - 4 : second] == list(AUDIO_FILE_GUARD)
+    assert [t for t in argv if t in GUARD_OPTIONS] == [
+        "-protocol_whitelist", "-protocol_whitelist", "-format_whitelist"
+    ]  # fmt: skip
+    decode = decode_argv("ffmpeg", path="/proc/self/fd/5", fps=24, width=64, height=48)
+    at = decode.index("-i")
+    assert decode[at - 4 : at] == list(VIDEO_FILE_GUARD)
+    assert unguarded(decode) == decode_argv(
+        "ffmpeg", path="/proc/self/fd/5", fps=24, width=64, height=48, guard=False
+    )
+    for demuxers in (VIDEO_DEMUXERS, AUDIO_DEMUXERS):
+        # None of the demuxers that open other files by what a file says.
+        assert not {"hls", "dash", "concat", "image2", "ffmetadata", "imf"} & set(
+            demuxers.split(",")
+        )
+
+
 def test_fast_path_argv_differs_only_in_input_and_threads():
-    ref = encode_argv("ffmpeg", width=64, height=48, fps=24, output="/o.mp4", stdin_name="-")
-    fast = encode_argv("ffmpeg", width=64, height=48, fps=24, output="/o.mp4", threads=2)
+    ref = encode_argv(
+        "ffmpeg", width=64, height=48, fps=24, output="/o.mp4", stdin_name="-", guard=False
+    )
+    fast = encode_argv(
+        "ffmpeg", width=64, height=48, fps=24, output="/o.mp4", threads=2, guard=False
+    )
     assert fast[: ref.index("-")] == ref[: ref.index("-")]
     assert fast[ref.index("-")] == "pipe:0"
     assert fast[-3:] == ["-threads", "2", "/o.mp4"]
@@ -114,7 +162,8 @@ def test_x264_auto_threads_formula():
 
 
 def test_decode_argv():
-    assert decode_argv("ffmpeg", path="/in/v.mp4", fps=24, width=1344, height=768) == [
+    plain = decode_argv("ffmpeg", path="/in/v.mp4", fps=24, width=1344, height=768, guard=False)
+    assert plain == [
         "ffmpeg",
         "-v",
         "error",
@@ -132,8 +181,9 @@ def test_decode_argv():
         "pipe:1",
     ]
     argv = decode_argv(
-        "ffmpeg", path="/in/v.mp4", fps=23.976, width=9, height=7, start=1.5, max_frames=4, out_fd=3
-    )
+        "ffmpeg", path="/in/v.mp4", fps=23.976, width=9, height=7, start=1.5, max_frames=4,
+        out_fd=3, guard=False,
+    )  # fmt: skip
     assert argv[3:5] == ["-ss", "1.5"]
     assert "fps=23.976,scale=9:7:flags=lanczos,setsar=1" in argv
     assert argv[-7:-5] == ["-frames:v", "4"]

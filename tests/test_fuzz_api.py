@@ -64,7 +64,10 @@ def api_schema(worker: Worker) -> OpenApiSchema:
     # failure's curl line shows the shm "key" it sent instead of "[Filtered]".
     config = schemathesis.Config.from_dict({"output": {"sanitization": {"enabled": False}}})
     return schemathesis.openapi.from_url(
-        f"{worker.tcp_url}/openapi.json", config=config, timeout=30
+        f"{worker.tcp_url}/openapi.json",
+        config=config,
+        timeout=30,
+        headers={"authorization": f"Bearer {TOKEN}"},  # the schema is behind the token too
     )
 
 

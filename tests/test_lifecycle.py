@@ -134,10 +134,10 @@ def test_start_after_sigkill_removes_the_stale_temp_files(tmp_path, shm_clip):
     keep.write_bytes(b"a finished output")
     lookalike = w.outputs / ".framewire-tmp-notes.txt"  # not a name the worker makes
     lookalike.write_bytes(b"someone else's")
-    live = w.outputs / f".framewire-tmp-{os.getpid()}-0123abcd-live.mp4"  # a live writer's
-    live.mkdir()
+    live = w.outputs / f".framewire-tmp-{os.getpid()}-{'0' * 16}"  # a live writer's
+    live.mkdir(mode=0o700)
     (live / "live.mp4").write_bytes(b"being written")
-    link = w.outputs / f".framewire-tmp-{w.pid}-0123abcd-link.mp4"
+    link = w.outputs / f".framewire-tmp-{w.pid}-{'1' * 16}"
     link.symlink_to(keep)
     try:
         w2 = start_worker(tmp_path)
@@ -157,9 +157,10 @@ def test_stale_temp_sweep_is_conservative(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
 
-    def temp(directory: Path, pid: int, name: str) -> Path:
-        path = directory / f".framewire-tmp-{pid}-{secrets.token_hex(4)}-{name}"
+    def temp(directory: Path, pid: int, name: str, mode: int = 0o700) -> Path:
+        path = directory / f".framewire-tmp-{pid}-{secrets.token_hex(8)}"
         path.mkdir(parents=True)
+        path.chmod(mode)
         (path / name).write_bytes(b"x")
         return path
 
@@ -171,10 +172,15 @@ def test_stale_temp_sweep_is_conservative(tmp_path):
     kept = [
         temp(tmp_path, os.getppid(), "alive.mp4"),
         temp(tmp_path / "a" / "b" / "c" / "d" / "e", dead.pid, "too-deep.mp4"),
+        temp(tmp_path, dead.pid, "open.mp4", mode=0o755),  # not a private directory's mode
     ]
+    if os.geteuid() == 0:  # someone else's look-alike: only root can make one to test
+        theirs = temp(tmp_path, dead.pid, "theirs.mp4")
+        os.chown(theirs, 65534, 65534)
+        kept.append(theirs)
     nested = temp(tmp_path, dead.pid, "nested.mp4") / "sub"  # holds a directory: not ours
     nested.mkdir()
-    plain = tmp_path / f".framewire-tmp-{dead.pid}-0123abcd-file.mp4"  # a file, not ours
+    plain = tmp_path / f".framewire-tmp-{dead.pid}-{'ab' * 8}"  # a file, not ours
     plain.write_bytes(b"x")
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -11,17 +11,15 @@ import numpy as np
 import pytest
 import torch
 from framewire.client.errors import BadRequest
+from framewire.client.ffmpeg_proc import FfmpegExited, PipeWriter
 from framewire.client.wire import Layout
 from framewire.service import stream
-from framewire.service.ffmpeg import FfmpegExited
 from framewire.service.sources import TensorSource
 from framewire.service.stream import (
     ChunkWriter,
     HostWriter,
     Staging,
     pump_converted,
-    send_all,
-    widen_pipe,
 )
 
 from tests.conftest import make_clip, reference_uint8
@@ -40,11 +38,10 @@ def drain_later(fd: int, delay: float, out: bytearray) -> threading.Thread:
 
 def pump_through_slow_pipe(clip: torch.Tensor, writer: ChunkWriter | None = None) -> bytes:
     r, w = os.pipe()
-    widen_pipe(w)
     got = bytearray()
     reader = drain_later(r, 0.3, got)
     try:
-        pump_converted(TensorSource(clip), w, per_chunk=1, writer=writer)
+        pump_converted(TensorSource(clip), PipeWriter(w), per_chunk=1, writer=writer)
     finally:
         os.close(w)
         reader.join()
@@ -105,7 +102,7 @@ def test_pinned_slots_without_the_drain_wait_would_be_overwritten(monkeypatch):
 
 def test_pinned_pump_stops_when_the_reader_goes_away():
     r, w = os.pipe()
-    widen_pipe(w)
+    pipe = PipeWriter(w)
 
     def read_a_little_then_close() -> None:
         os.read(r, 4096)
@@ -119,7 +116,7 @@ def test_pinned_pump_stops_when_the_reader_goes_away():
     try:
         with pytest.raises(FfmpegExited):
             pump_converted(
-                TensorSource(clip), w, per_chunk=1, writer=PinnedHostWriter(TensorSource(clip))
+                TensorSource(clip), pipe, per_chunk=1, writer=PinnedHostWriter(TensorSource(clip))
             )
     finally:
         reader.join()
@@ -127,16 +124,17 @@ def test_pinned_pump_stops_when_the_reader_goes_away():
     assert time.monotonic() - started < 10
 
 
-def test_send_all_handles_nonblocking_pipe_and_partial_writes():
+def test_send_file_handles_nonblocking_pipe_and_partial_writes():
     data = np.random.default_rng(1).integers(0, 255, 3 << 20, dtype=np.uint8).tobytes()
     src = os.memfd_create("framewire-test-src")
     os.write(src, data)
     r, w = os.pipe()
-    fcntl.fcntl(w, fcntl.F_SETFL, fcntl.fcntl(w, fcntl.F_GETFL) | os.O_NONBLOCK)
+    pipe = PipeWriter(w)
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 16)  # partial writes: 3 MiB through 64 KiB
     got = bytearray()
     reader = drain_later(r, 0.05, got)
     try:
-        send_all(w, src, 0, len(data))  # 3 MiB through a 64 KiB non-blocking pipe
+        pipe.send_file(src, 0, len(data))
     finally:
         os.close(w)
         reader.join()
@@ -145,17 +143,17 @@ def test_send_all_handles_nonblocking_pipe_and_partial_writes():
     assert bytes(got) == data
 
 
-def test_send_all_reports_reader_gone_and_short_source():
+def test_send_file_reports_reader_gone_and_short_source():
     src = os.memfd_create("framewire-test-src")
     os.write(src, b"x" * 1000)
     r, w = os.pipe()
     os.close(r)
     with pytest.raises(FfmpegExited):
-        send_all(w, src, 0, 1000)
+        PipeWriter(w).send_file(src, 0, 1000)
     os.close(w)
     r, w = os.pipe()
     with pytest.raises(BadRequest) as err:
-        send_all(w, src, 0, 2000)
+        PipeWriter(w).send_file(src, 0, 2000)
     assert err.value.code == "segment_truncated"
     for fd in (r, w, src):
         os.close(fd)
