@@ -168,11 +168,12 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     """One encode in this (fresh) process: its wall time and memory figures."""
     import imageio
     import torch
-    from framewire.client.ffmpeg_argv import encode_argv
+    from framewire.client._media.argv import encode_argv
+    from framewire.client._media.process import resolve_ffmpeg
     from framewire.client.wire import DType, Layout
-    from framewire.service.encoder import EncodeParams, Encoder
-    from framewire.service.ffmpeg import resolve_ffmpeg
-    from framewire.service.sources import FileSource, Geometry, open_shm
+    from framewire.service._encode.encoder import EncodeParams, Encoder
+    from framewire.service._sources.frames import FileSource, Geometry
+    from framewire.service._sources.shm import open_shm
 
     variant, out, n = spec["variant"], spec["out"], spec["threads"]
     frames, height, width = spec["frames"], spec["height"], spec["width"]
@@ -202,7 +203,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
             )  # fmt: skip
             wall = time.perf_counter() - started
     else:
-        from framewire.service.convert import single_threaded_conversion
+        from framewire.service._encode.convert import single_threaded_conversion
 
         single_threaded_conversion()  # as `framewire serve` configures its process
         fd = open_shm(spec["key"], ["/framewire"])
@@ -237,8 +238,8 @@ def spawn(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def bench_length(frames: int, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
-    from framewire.client.ffmpeg_argv import x264_auto_threads
-    from framewire.service.encoder import sha256_file
+    from framewire.client._media.argv import x264_auto_threads
+    from framewire.service._encode.encoder import sha256_file
 
     key = f"{PREFIX}{os.getpid()}-{frames}"
     segment, rgb = Path(f"/dev/shm{key}"), work / f"clip-{frames}.rgb"
@@ -344,7 +345,7 @@ def main() -> int:
         rows = [row for frames in args.frames for row in bench_length(frames, args, work)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    from framewire.client.ffmpeg_argv import crf_for_quality
+    from framewire.client._media.argv import crf_for_quality
 
     print(
         f"{args.width}x{args.height} float32 CTHW clip in shm, {FPS} fps, x264 fast "

@@ -141,8 +141,8 @@ class Worker:
 
 
 def bare_ffmpeg(rgb: Path, out: Path, frames: int, args: argparse.Namespace, threads: int) -> float:
-    from framewire.client.ffmpeg_argv import encode_argv
-    from framewire.service.ffmpeg import resolve_ffmpeg
+    from framewire.client._media.argv import encode_argv
+    from framewire.client._media.process import resolve_ffmpeg
 
     argv = encode_argv(
         resolve_ffmpeg(), width=args.width, height=args.height, fps=FPS, output=out,
@@ -155,9 +155,10 @@ def bare_ffmpeg(rgb: Path, out: Path, frames: int, args: argparse.Namespace, thr
 
 def convert_copy(clip: torch.Tensor, pinned: bool) -> float:
     """Seconds for the worker's GPU converter to bring the whole clip to host staging."""
-    from framewire.service.cuda_source import CudaTensorSource, pin_host, unpin_host
-    from framewire.service.encoder import Encoder
-    from framewire.service.stream import Staging, chunk_spans
+    from framewire.service._encode.encoder import Encoder
+    from framewire.service._encode.pump import chunk_spans
+    from framewire.service._encode.staging import Staging
+    from framewire.service._sources.cuda_convert import CudaTensorSource, pin_host, unpin_host
 
     source = CudaTensorSource(clip)
     g = source.geometry
@@ -212,8 +213,8 @@ def worker_peak_mib(worker: Worker, device: torch.device) -> float:
 
 def bench_length(frames: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from framewire.client import Client
-    from framewire.client.ffmpeg_argv import x264_auto_threads
-    from framewire.service.encoder import sha256_file
+    from framewire.client._media.argv import x264_auto_threads
+    from framewire.service._encode.encoder import sha256_file
 
     device = torch.device("cuda", torch.cuda.current_device())
     threads = x264_auto_threads(args.height)

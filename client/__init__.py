@@ -1,6 +1,17 @@
-"""framewire.client: what an inference process imports to hand videos to the worker."""
+"""framewire.client: what an inference process imports to hand videos to the worker.
 
-from .errors import (
+The names below are the public surface; everything in a module whose name
+starts with an underscore is private. ``framewire.client.wire`` (the request
+and response models) and ``framewire.client.distributed`` are public modules.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from framewire.client._errors import (
     BadRequest,
     Cancelled,
     Conflict,
@@ -11,23 +22,36 @@ from .errors import (
     NotFound,
     Overloaded,
     Stalled,
+    Unauthorized,
     Unavailable,
 )
-from .http import AsyncClient, Client
-from .reference import ReferenceFrames, decode_reference
-
-__version__ = "0.1.0"
-
-
-def save_videos(videos, paths, *, url: str | None = None, **kw):  # type: ignore[no-untyped-def]
-    """One-shot :meth:`Client.save_videos` against ``url`` (default: FRAMEWIRE_URL or local)."""
-    import os
-
-    with Client(url or os.environ.get("FRAMEWIRE_URL", "http://127.0.0.1:7700")) as c:
-        return c.save_videos(videos, paths, **kw)
+from framewire.client._http import DEFAULT_URL, AsyncClient, Client
+from framewire.client._reference import ReferenceFrames, decode_reference
+from framewire.client._version import __version__
+from framewire.client.wire import Layout, MediaInfo, OutputResult
 
 
-def save_video(video, path, *, url: str | None = None, **kw):  # type: ignore[no-untyped-def]
+def _default_url(url: str | None) -> str:
+    return url or os.environ.get("FRAMEWIRE_URL", DEFAULT_URL)
+
+
+def save_videos(
+    videos: Sequence[Any],
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    url: str | None = None,
+    **kw: Any,
+) -> list[OutputResult]:
+    """One-shot :meth:`Client.save_videos` against ``url`` (default: FRAMEWIRE_URL, else
+    the worker's default address)."""
+    with Client(_default_url(url)) as client:
+        return client.save_videos(videos, paths, **kw)
+
+
+def save_video(
+    video: Any, path: str | os.PathLike[str], *, url: str | None = None, **kw: Any
+) -> OutputResult:
+    """One-shot :meth:`Client.save_video`."""
     return save_videos([video], [path], url=url, **kw)[0]
 
 
@@ -40,11 +64,15 @@ __all__ = [
     "Forbidden",
     "FramewireError",
     "InsufficientStorage",
+    "Layout",
     "MediaError",
+    "MediaInfo",
     "NotFound",
+    "OutputResult",
     "Overloaded",
     "ReferenceFrames",
     "Stalled",
+    "Unauthorized",
     "Unavailable",
     "__version__",
     "decode_reference",

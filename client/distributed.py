@@ -12,13 +12,12 @@ import os
 import socket
 from typing import Any
 
-from .errors import HIERARCHY, FramewireError, Overloaded
-from .http import Client
-from .reference import ReferenceFrames, decode_reference
+from framewire.client._errors import FramewireError, error_class, rebuild
+from framewire.client._http import Client
+from framewire.client._reference import ReferenceFrames, fetch, make_request
 
-# Errors are rebuilt from their class name, limited to this hierarchy: only plain
-# strings travel between ranks, never an exception object.
-_CLASSES: dict[str, type[FramewireError]] = {cls.__name__: cls for cls in HIERARCHY}
+# Errors are rebuilt from their class name, limited to framewire's hierarchy: only
+# plain strings travel between ranks, never an exception object.
 _MESSAGE_LIMIT = 2000
 _DETAIL_LIMIT = 4096
 
@@ -32,7 +31,7 @@ def _status(exc: BaseException | None, rank: int) -> dict[str, Any]:
     else:
         name, code, message, detail = "FramewireError", "internal", repr(exc), None
     status |= {
-        "error": name if name in _CLASSES else "FramewireError",
+        "error": error_class(name=name).__name__,
         "code": code,
         "message": message[:_MESSAGE_LIMIT],
         "detail": detail[-_DETAIL_LIMIT:] if detail else None,
@@ -44,15 +43,13 @@ def _error(statuses: list[dict[str, Any]]) -> FramewireError:
     """The one error every rank raises: the first failing rank's, naming it."""
     failed = [s for s in statuses if not s["ok"]]
     first = failed[0]
-    cls = _CLASSES.get(first["error"], FramewireError)
     others = f" ({len(failed)} of {len(statuses)} ranks failed)" if len(failed) > 1 else ""
     message = (
         f"reference decode failed on rank {first['rank']} (host {first['host']}){others}: "
         f"{first['message']}"
     )
-    if cls is Overloaded:
-        return Overloaded(message, code=first["code"])
-    return cls(message, code=first["code"], detail=first["detail"])
+    cls = error_class(name=first["error"])
+    return rebuild(cls, message, code=first["code"], detail=first["detail"])
 
 
 def decode_reference_shared(
@@ -75,25 +72,21 @@ def decode_reference_shared(
     """
     import torch.distributed as dist
 
-    kw: dict[str, Any] = {
-        "fps": fps,
-        "width": width,
-        "height": height,
-        "start": start,
-        "max_frames": max_frames,
-    }
-    if not (dist.is_available() and dist.is_initialized()):
+    def one_rank() -> ReferenceFrames:
+        request = make_request(
+            path, fps=fps, width=width, height=height, start=start, max_frames=max_frames
+        )
         if client is not None:
-            return client.decode_reference(path, **kw)
-        return decode_reference(path, **kw)
+            return client.decode_reference(request.path, **request.parameters())
+        return fetch(request)
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return one_rank()
 
     frames: ReferenceFrames | None = None
     failure: Exception | None = None
     try:
-        if client is not None:
-            frames = client.decode_reference(path, **kw)
-        else:
-            frames = decode_reference(path, **kw)
+        frames = one_rank()
     except Exception as exc:  # every failure must reach the collective, not skip it
         failure = exc
     statuses: list[Any] = [None] * dist.get_world_size(group)

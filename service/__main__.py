@@ -1,3 +1,3 @@
-from .cli import main
+from framewire.service._cli.main import main
 
 raise SystemExit(main())

@@ -77,7 +77,7 @@ def save(spec: dict[str, Any]) -> Any:
 
 
 def describe(spec: dict[str, Any]) -> None:
-    from framewire.client.share import share
+    from framewire.client._sharing import share
 
     tensor, layout = clip_for(spec["clips"][0], "cuda")
     ctx = share(tensor, layout=layout)

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import imageio_ffmpeg
-from framewire.client.ffmpeg_argv import decode_argv
+from framewire.client._media.argv import decode_argv
 
 FFMPEG = imageio_ffmpeg.get_ffmpeg_exe()
 

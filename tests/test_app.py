@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from framewire.client import AsyncClient, BadRequest, Client, Forbidden, NotFound
-from framewire.client.share import shared
+from framewire.client._sharing.shm import shared
 
 from tests.conftest import make_clip, reference_mp4, sha256
 from tests.requests import raw_bytes, shm_source
@@ -402,7 +402,7 @@ def test_token_required_when_set(tmp_path):
 
 
 def test_client_segments_are_private_and_swept_once_abandoned(tmp_path):
-    from framewire.client.share import remove_abandoned_segments
+    from framewire.client._sharing.shm import remove_abandoned_segments
 
     dead = subprocess.Popen(["true"])
     dead.wait()

@@ -67,7 +67,7 @@ def _cgroup_tree(root: Path, files: dict[str, str]) -> None:
     ],
 )  # fmt: skip
 def test_memory_budgets_follow_the_cgroup_limit(tmp_path, membership, files, limit):
-    from framewire.service.limits import cgroup_memory_limit, usable_memory
+    from framewire.service._ops.limits import cgroup_memory_limit, usable_memory
 
     root = tmp_path / "cgroup"
     root.mkdir()
@@ -80,8 +80,8 @@ def test_memory_budgets_follow_the_cgroup_limit(tmp_path, membership, files, lim
 
 
 def test_decode_budgets_default_to_an_eighth_of_the_cgroup_limit(monkeypatch):
-    from framewire.service import limits
-    from framewire.service.settings import Settings
+    from framewire.service._ops import limits
+    from framewire.service._settings import Settings
 
     monkeypatch.setattr(limits, "cgroup_memory_limit", lambda: 800 << 20)
     defaults = Settings()
@@ -101,7 +101,7 @@ def test_decode_budgets_default_to_an_eighth_of_the_cgroup_limit(monkeypatch):
     ],
 )  # fmt: skip
 def test_cpu_quota_is_read_and_warned_about(tmp_path, monkeypatch, membership, files, cpus):
-    from framewire.service import limits
+    from framewire.service._ops import limits
 
     root = tmp_path / "cgroup"
     root.mkdir()

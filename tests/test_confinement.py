@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from framewire.client.ffmpeg_argv import AUDIO_FILE_GUARD, decode_argv
+from framewire.client._media.argv import AUDIO_FILE_GUARD, decode_argv
 
 from tests.conftest import FFMPEG, make_clip, reference_mp4, sha256
 from tests.refclips import RawConnection, make_video, oracle
@@ -126,7 +126,7 @@ def test_the_whitelists_refuse_what_ffmpeg_would_follow(world):
     """Each guard on its own, with the playlist named as ffmpeg likes it (.m3u8): some
     ffmpeg builds detect playlists whatever the name, and FRAMEWIRE_FFMPEG may be one."""
     import av
-    from framewire.service.media import GUARD
+    from framewire.service._probe import GUARD
 
     w, outside = world["worker"], world["outside"]
     playlist = referring_files(w.inputs, outside)["m3u8-absolute.m3u8"]
@@ -148,8 +148,8 @@ def test_the_whitelists_refuse_what_ffmpeg_would_follow(world):
 
 def test_an_input_swapped_for_a_link_after_its_check_is_judged_by_what_opened(world, monkeypatch):
     """The opened file, not the path as judged, must lie under the roots."""
-    from framewire.client.errors import Forbidden
-    from framewire.service import paths
+    from framewire.client._errors import Forbidden
+    from framewire.service._access import paths
 
     w = world["worker"]
     real_open = paths.InputFile.open
@@ -388,8 +388,8 @@ def test_a_decode_of_a_video_the_caller_may_not_read_is_forbidden(world):
 
 
 def test_unknown_callers_need_the_token():
-    from framewire.client.errors import Forbidden
-    from framewire.service.peers import READ, Access, tcp_peer
+    from framewire.client._errors import Forbidden
+    from framewire.service._access.peers import READ, Access, tcp_peer
 
     # Not loopback: whoever it is, the host's socket table cannot vouch for them.
     assert tcp_peer(("192.0.2.7", 40000), ("192.0.2.1", 7700)) is None

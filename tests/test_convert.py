@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from framewire.client.wire import Layout
-from framewire.service.convert import chunk_frames, convert_into
+from framewire.service._encode.convert import chunk_frames, convert_into
 
 from tests.conftest import make_clip, reference_uint8
 

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import torch
 from framewire.client import BadRequest, Client, FramewireError
-from framewire.client.cuda_share import CudaShare, describe
-from framewire.client.share import share
+from framewire.client._sharing import share
+from framewire.client._sharing.cuda import CudaShare, describe
 from framewire.client.wire import (
     CudaIpcSource,
     DType,
@@ -31,18 +31,14 @@ from framewire.client.wire import (
     error_code,
     normalize_uuid,
 )
-from framewire.service import cuda_source
-from framewire.service import encoder as encoder_module
-from framewire.service.convert import WIRE_DTYPES
-from framewire.service.cuda_source import (
-    CudaRuntime,
-    CudaTensorSource,
-    check_allocation,
-    tensor_on,
-)
-from framewire.service.encoder import EncodeParams, Encoder
-from framewire.service.sources import Geometry
-from framewire.service.stream import Staging
+from framewire.service._encode import encoder as encoder_module
+from framewire.service._encode.convert import WIRE_DTYPES
+from framewire.service._encode.encoder import EncodeParams, Encoder
+from framewire.service._encode.staging import Staging
+from framewire.service._sources import cuda_convert, cuda_ipc
+from framewire.service._sources.cuda_convert import CudaTensorSource
+from framewire.service._sources.cuda_ipc import CudaRuntime, check_allocation, tensor_on
+from framewire.service._sources.frames import Geometry
 from pydantic import ValidationError
 
 from tests.conftest import FFMPEG, make_clip, reference_mp4, sha256
@@ -300,8 +296,8 @@ def no_cuda_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(torch.cuda, "device", lambda device: _Noop())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: _Noop())
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(cuda_source, "pin_host", lambda *a: calls.append("pin") or True)
-    monkeypatch.setattr(cuda_source, "unpin_host", lambda *a: calls.append("unpin"))
+    monkeypatch.setattr(cuda_convert, "pin_host", lambda *a: calls.append("pin") or True)
+    monkeypatch.setattr(cuda_convert, "unpin_host", lambda *a: calls.append("unpin"))
     return calls
 
 
@@ -340,14 +336,14 @@ def test_allocation_check_refuses_storage_past_the_allocation(monkeypatch):
     storage = torch.UntypedStorage(4096)
     start = storage.data_ptr()
     plain, expandable = b"\x01c" + bytes(64), b"\x01e" + bytes(200)
-    monkeypatch.setattr(cuda_source, "_allocation_of", lambda ptr: (start - 512, 4608))
+    monkeypatch.setattr(cuda_ipc, "_allocation_of", lambda ptr: (start - 512, 4608))
     check_allocation(storage, plain, 4096)  # ends exactly at the allocation's end
     check_allocation(storage, bytes(64), 4096)  # CUDA's own raw handle
     with pytest.raises(BadRequest) as err:
         check_allocation(storage, plain, 4097)
     assert err.value.code == "cuda_tensor_out_of_bounds"
     check_allocation(storage, expandable, 1 << 30)  # the driver cannot tell: not asked
-    monkeypatch.setattr(cuda_source, "_allocation_of", lambda ptr: None)
+    monkeypatch.setattr(cuda_ipc, "_allocation_of", lambda ptr: None)
     check_allocation(storage, plain, 1 << 30)  # unknown: let torch's own checks decide
 
 
@@ -370,7 +366,7 @@ def test_handles_torch_cannot_open_are_answered_by_cause(monkeypatch, handle, er
     monkeypatch.setattr(torch.cuda, "device", lambda device: _Noop())
     monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", refuse)
     with pytest.raises(FramewireError) as err:
-        cuda_source.open_storage(0, handle, 4096)
+        cuda_ipc.open_storage(0, handle, 4096)
     assert (err.value.status, err.value.code) == (status, code)
     assert error in err.value.message and "Exception raised" not in err.value.message
     if code == "cuda_ipc_not_permitted":
@@ -672,8 +668,8 @@ def test_staging_is_page_locked_and_gpu_memory_budgeted():
     device = torch.device("cuda", 0)
     with Staging(8 * MIB, in_flight=1 << 20) as staging:
         address = staging.address()
-        assert cuda_source.pin_host(address, staging.size, device)
-        cuda_source.unpin_host(address, device)
+        assert cuda_convert.pin_host(address, staging.size, device)
+        cuda_convert.unpin_host(address, device)
     # a quarter of the device's free memory, plus what is held there
     budget = CudaRuntime().gpu_budget(lambda index: 5 if index == 0 else 0)
     assert budget(0) > 5 + 1 * MIB

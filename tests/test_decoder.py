@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from framewire.client import BadRequest, Client, MediaError, NotFound, Unavailable
-from framewire.client.memdecode import SEALS, Decoded
-from framewire.client.reference import decode_reference
+from framewire.client._media.decode import SEALS, Decoded
+from framewire.client._reference import decode_reference
 from framewire.client.wire import DecodeRequest
-from framewire.service.decoder import DecodeCache, DecodeKey
-from framewire.service.metrics import Metrics
+from framewire.service._decode.decoder import DecodeCache, DecodeKey
+from framewire.service._ops.metrics import Metrics
 
 from tests.refclips import DECODE_CASES, case_id, make_clips, make_video, oracle, params
 
@@ -129,8 +129,9 @@ def test_frames_object(clips, no_worker):
 
 
 def test_decode_bound_is_enforced_by_the_kernel_during_the_run(clips):
-    from framewire.client.inputs import InputFile
-    from framewire.client.memdecode import DecodeRun, find_ffmpeg
+    from framewire.client._media.decode import DecodeRun
+    from framewire.client._media.inputs import InputFile
+    from framewire.client._media.process import find_ffmpeg
 
     video = InputFile.open(clips["c30.mp4"])  # 20 frames at 10 fps
     request = DecodeRequest(path=video.name, fps=10, width=40, height=30)
@@ -199,7 +200,7 @@ def test_cache_evicts_least_recently_used_and_closes_it():
 
 
 def test_rewritten_file_gets_a_new_identity(tmp_path):
-    from framewire.service.decoder import file_identity
+    from framewire.service._decode.decoder import file_identity
 
     path = make_video(tmp_path / "v.mp4", "testsrc2=size=32x32:rate=10", 0.5)
     first = file_identity(path)
@@ -224,8 +225,8 @@ os.write(int(sys.argv[-1].removeprefix("pipe:")), bytes(int(os.environ.get("FAKE
 
 @pytest.fixture
 def slow_decoder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    from framewire.service.decoder import ReferenceDecoder
-    from framewire.service.settings import Settings
+    from framewire.service._decode.decoder import ReferenceDecoder
+    from framewire.service._settings import Settings
 
     fake = tmp_path / "fake-ffmpeg"
     fake.write_text(FAKE_FFMPEG.format(python=sys.executable))
@@ -338,8 +339,8 @@ def test_cancelled_waiter_and_shutdown_leave_nothing(slow_decoder):
 
 @pytest.mark.parametrize("xdg", [None, "/run/user/4321"])
 def test_client_finds_the_workers_default_fd_socket(monkeypatch, xdg):
-    from framewire.client.fdsocket import default_fd_socket
-    from framewire.service.settings import Settings
+    from framewire.client._fdsocket import default_fd_socket
+    from framewire.service._settings import Settings
 
     monkeypatch.delenv("FRAMEWIRE_FD_SOCKET", raising=False)
     if xdg is None:

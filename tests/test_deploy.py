@@ -20,7 +20,7 @@ import jsonschema
 import pytest
 import yaml
 from framewire.client import Client
-from framewire.client.fdsocket import ping
+from framewire.client._fdsocket import ping
 
 from tests.conftest import make_clip
 from tests.worker import free_port

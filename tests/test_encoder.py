@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from framewire.client.ffmpeg_argv import x264_auto_threads
+from framewire.client._media.argv import x264_auto_threads
 from framewire.client.wire import DType, Layout
-from framewire.service.convert import WIRE_DTYPES
-from framewire.service.encoder import EncodeParams, Encoder
-from framewire.service.sources import FileSource, Geometry, TensorSource, open_shm
+from framewire.service._encode.convert import WIRE_DTYPES
+from framewire.service._encode.encoder import EncodeParams, Encoder
+from framewire.service._sources.frames import FileSource, Geometry, TensorSource
+from framewire.service._sources.shm import open_shm
 
 from tests.conftest import make_clip, reference_mp4, sha256
 
@@ -202,7 +203,7 @@ def test_wire_dtype_table():
 @pytest.mark.parametrize("from_shm", [False, True])
 def test_row_blocks(tmp_path, shm_clip, monkeypatch, block_bytes, dtype, layout, from_shm):
     """Conversion blocks smaller than a frame (rows of one frame) or spanning several."""
-    from framewire.service import stream
+    from framewire.service._encode import pump as stream
 
     monkeypatch.setattr(stream, "BLOCK_BYTES", block_bytes)
     clip = make_clip(frames=5, height=75, width=100, dtype=dtype, layout=layout)
@@ -215,7 +216,7 @@ def test_row_blocks(tmp_path, shm_clip, monkeypatch, block_bytes, dtype, layout,
 
 def test_uint8_thwc_segment_is_sent_without_conversion(tmp_path, shm_clip, monkeypatch):
     """Contiguous uint8 THWC bytes go from the segment's fd to ffmpeg: no staging, no copy."""
-    from framewire.service import encoder
+    from framewire.service._encode import encoder
 
     def no_pump(*args, **kw):
         raise AssertionError("the conversion pump ran for zero-copy input")

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from framewire.client.errors import BadRequest, MediaError, NotFound, Unavailable
+from framewire.client._errors import BadRequest, MediaError, NotFound, Unavailable
+from framewire.client._media.process import FfmpegProcess
 from framewire.client.wire import DType, Layout
-from framewire.service.encoder import EncodeParams, Encoder
-from framewire.service.ffmpeg import FfmpegProcess
-from framewire.service.sources import FileSource, Geometry, TensorSource, open_shm
+from framewire.service._encode.encoder import EncodeParams, Encoder
+from framewire.service._sources.frames import FileSource, Geometry, TensorSource
+from framewire.service._sources.shm import open_shm
 
 from tests.conftest import FFMPEG, child_pids, make_clip, reference_mp4, sha256
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from framewire.client import AsyncClient, BadRequest, Client, Forbidden, MediaError, NotFound
-from framewire.client.memdecode import SEALS
+from framewire.client._media.decode import SEALS
 from framewire.client.wire import DecodeRequest
 
 from tests.refclips import (

@@ -7,7 +7,7 @@ from fractions import Fraction
 import imageio_ffmpeg
 import imageio_ffmpeg._io as iio
 import pytest
-from framewire.client.ffmpeg_argv import (
+from framewire.client._media.argv import (
     AUDIO_DEMUXERS,
     AUDIO_FILE_GUARD,
     GUARD_OPTIONS,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from framewire.client.errors import MediaError, NotFound
-from framewire.service.encoder import EncodeParams, Encoder
-from framewire.service.media import probe
-from framewire.service.sources import TensorSource
+from framewire.client._errors import MediaError, NotFound
+from framewire.service._encode.encoder import EncodeParams, Encoder
+from framewire.service._probe import probe
+from framewire.service._sources.frames import TensorSource
 
 from tests.conftest import make_clip
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 from framewire.client import Client, Unavailable
-from framewire.client.share import remove_abandoned_segments
+from framewire.client._sharing.shm import remove_abandoned_segments
 
 from tests import faultmatrix
 from tests.conftest import FFMPEG, framewire_temps, make_clip, reference_mp4, sha256

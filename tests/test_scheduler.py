@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from framewire.client import Client, Overloaded
-from framewire.client.errors import Overloaded as OverloadedError
-from framewire.service.scheduler import Scheduler
+from framewire.client._errors import Overloaded as OverloadedError
+from framewire.service._encode.scheduler import Scheduler
 
 from tests.conftest import make_clip, reference_mp4
 from tests.worker import start_worker

@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from framewire.client.errors import BadRequest, Forbidden, NotFound
+from framewire.client._errors import BadRequest, Forbidden, NotFound
 from framewire.client.wire import DType, Layout
-from framewire.service.sources import FileSource, Geometry, TensorSource, open_npy, open_shm
+from framewire.service._sources.frames import FileSource, Geometry, TensorSource, open_npy
+from framewire.service._sources.shm import open_shm
 
 from tests.conftest import make_clip
 

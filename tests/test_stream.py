@@ -10,17 +10,14 @@ import time
 import numpy as np
 import pytest
 import torch
-from framewire.client.errors import BadRequest
-from framewire.client.ffmpeg_proc import FfmpegExited, PipeWriter
+from framewire.client._errors import BadRequest
+from framewire.client._media.process import FfmpegExited, PipeWriter
 from framewire.client.wire import Layout
-from framewire.service import stream
-from framewire.service.sources import TensorSource
-from framewire.service.stream import (
-    ChunkWriter,
-    HostWriter,
-    Staging,
-    pump_converted,
-)
+from framewire.service._encode import pump as stream
+from framewire.service._encode import staging
+from framewire.service._encode.pump import HostWriter, pump_converted
+from framewire.service._encode.staging import ChunkWriter, Staging
+from framewire.service._sources.frames import TensorSource
 
 from tests.conftest import make_clip, reference_uint8
 
@@ -62,7 +59,7 @@ def test_without_punching_slots_the_pipe_sees_rewritten_pages(monkeypatch):
         start = index * self.slot_bytes
         return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=start)
 
-    monkeypatch.setattr(stream.Staging, "slot", slot_without_punch)
+    monkeypatch.setattr(staging.Staging, "slot", slot_without_punch)
     clip = make_clip(frames=40, height=48, width=64)
     if pump_through_slow_pipe(clip) == reference_uint8(clip, Layout.CTHW).tobytes():
         pytest.skip("this kernel copies on sendfile into a pipe; the hazard cannot show here")
@@ -84,7 +81,7 @@ def test_pinned_slots_are_reused_only_once_the_pipe_drained(monkeypatch):
         punches.append(punch)
         return real_slot(self, index, nbytes, punch=punch)
 
-    monkeypatch.setattr(stream.Staging, "slot", slot)
+    monkeypatch.setattr(staging.Staging, "slot", slot)
     clip = make_clip(frames=40, height=48, width=64)
     got = pump_through_slow_pipe(clip, PinnedHostWriter(TensorSource(clip)))
     assert got == reference_uint8(clip, Layout.CTHW).tobytes()

@@ -1,0 +1,125 @@
+"""The client end of the fd socket: one JSON line out, a header and an fd back.
+
+The protocol is described in docs/api.md ("The fd socket").
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import os
+import socket
+import struct
+from pathlib import Path
+from typing import Any
+
+from framewire.client._closing import Closing
+from framewire.client._errors import FramewireError, Unavailable, error_class, rebuild
+from framewire.client.wire import DecodeReply
+from pydantic import ValidationError
+
+LENGTH = struct.Struct(">I")
+MAX_HEADER = 1 << 20
+DEFAULT_TIMEOUT = 3600.0  # a long decode is legitimate; a dead worker shows up as EOF
+
+
+def runtime_dir() -> Path:
+    """Where a worker puts its sockets by default: ``$XDG_RUNTIME_DIR/framewire``, else
+    ``/tmp/framewire-<uid>`` (the worker's defaults and the client's agree by this)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(xdg) / "framewire" if xdg else Path(f"/tmp/framewire-{os.getuid()}")
+
+
+def default_fd_socket() -> Path:
+    """FRAMEWIRE_FD_SOCKET, else where a worker puts it by default (its runtime dir)."""
+    configured = os.environ.get("FRAMEWIRE_FD_SOCKET")
+    return Path(configured) if configured else runtime_dir() / "fd.sock"
+
+
+def error_from(reply: DecodeReply) -> FramewireError:
+    """The exception a failed reply stands for, carrying the worker's code."""
+    code = reply.code or "decode_failed"
+    message = reply.message or "the worker refused the request"
+    return rebuild(error_class(fd_code=code), message, code=code, detail=reply.detail)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
+
+
+class FdSocket(Closing):
+    """One connection to the worker's fd socket; requests go one at a time.
+
+    Every way of not reaching the worker (no socket file, nobody listening, the
+    worker dying mid-request) raises :class:`Unavailable`, which is what lets a
+    caller fall back to a local decode.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], timeout: float | None = DEFAULT_TIMEOUT):
+        self.path = Path(path)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(os.fspath(self.path))
+        except OSError as exc:
+            self._sock.close()
+            raise Unavailable(f"fd socket {self.path} unreachable: {exc}") from exc
+
+    def call(self, message: dict[str, Any]) -> tuple[DecodeReply, int | None]:
+        """Send one request; returns the reply header and the fd it carried (caller owns it)."""
+        fds: list[int] = []
+        try:
+            self._sock.sendall(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+            (length,) = LENGTH.unpack(self._recv_exactly(LENGTH.size, fds))
+            if length > MAX_HEADER:
+                raise FramewireError(f"reply header of {length} bytes", code="protocol")
+            body = self._recv_exactly(length, fds)
+            reply = DecodeReply.model_validate_json(body)
+            if len(fds) > 1:
+                raise FramewireError(f"reply carried {len(fds)} descriptors", code="protocol")
+        except (OSError, EOFError) as exc:
+            _close_all(fds)
+            raise Unavailable(f"fd socket {self.path}: connection lost ({exc})") from exc
+        except ValidationError as exc:
+            _close_all(fds)
+            raise FramewireError(f"malformed reply header: {exc}", code="protocol") from None
+        except BaseException:
+            _close_all(fds)
+            raise
+        return reply, (fds[0] if fds else None)
+
+    def _recv_exactly(self, n: int, fds: list[int]) -> bytes:
+        """``n`` bytes, collecting any descriptors that arrive with them into ``fds``."""
+        buf = bytearray()
+        while len(buf) < n:
+            # MSG_CMSG_CLOEXEC: a received fd must not leak into children this process starts.
+            data, ancillary, flags, _ = self._sock.recvmsg(
+                n - len(buf), socket.CMSG_SPACE(4 * 4), socket.MSG_CMSG_CLOEXEC
+            )
+            for level, kind, cdata in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.extend(array.array("i", cdata[: len(cdata) - len(cdata) % 4]))
+            if flags & socket.MSG_CTRUNC:
+                raise FramewireError("descriptors were truncated in transit", code="protocol")
+            if not data:
+                raise EOFError("the worker closed the connection")
+            buf += data
+        return bytes(buf)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def ping(path: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> DecodeReply:
+    """Ask the worker behind the fd socket whether it answers."""
+    with FdSocket(path or default_fd_socket(), timeout) as conn:
+        reply, fd = conn.call({"op": "ping"})
+    if fd is not None:
+        os.close(fd)
+    if not reply.ok:
+        raise error_from(reply)
+    return reply

@@ -1,0 +1,387 @@
+"""Client and AsyncClient: the worker's HTTP API as Python calls.
+
+Every request is built, and every answer read, by :class:`_BaseClient`; the two
+twins differ only in how the bytes move (``httpx.Client`` or ``httpx.AsyncClient``)
+and in where blocking work runs (the async twin copies frames into shared memory
+and waits on CUDA streams off the event loop). Their public methods have the
+same signatures and the same docstrings (a test holds them to it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import httpx
+from framewire.client._closing import Closing
+from framewire.client._errors import FramewireError, Unavailable, error_class, rebuild
+from framewire.client._reference import ReferenceFrames, fetch, make_request
+from framewire.client._sharing import share
+from framewire.client.wire import (
+    DecodeRequest,
+    EncodeRequest,
+    EncodeResponse,
+    Layout,
+    MediaInfo,
+    OutputResult,
+    OutputSpec,
+    refusal,
+)
+from pydantic import ValidationError
+
+DEFAULT_URL = "http://127.0.0.1:7700"
+DEFAULT_TIMEOUT = httpx.Timeout(3600.0, connect=10.0)
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def raise_for(response: httpx.Response) -> None:
+    """Turn a non-2xx answer into the exception class its status names, with the worker's code."""
+    if response.is_success:
+        return
+    try:
+        body = response.json()
+    except ValueError:
+        body = {}
+    if not isinstance(body, dict):
+        body = {}
+    detail = body.get("detail") if isinstance(body.get("detail"), str) else None
+    retry_after = response.headers.get("retry-after")
+    exc = rebuild(
+        error_class(status=response.status_code),
+        str(body.get("error") or response.text or response.reason_phrase),
+        code=body.get("code"),
+        detail=detail,
+        retry_after=float(retry_after) if retry_after and retry_after.isdigit() else None,
+    )
+    if "outputs" in body:
+        exc.results = EncodeResponse.model_validate(body).outputs
+        failed = next((r for r in exc.results if not r.ok and r.error), None)
+        if failed is not None and failed.error is not None:
+            exc.detail = failed.error.detail
+    raise exc
+
+
+def unreachable(exc: httpx.TransportError) -> Unavailable:
+    return Unavailable(f"framewire worker unreachable: {exc}")
+
+
+def _per_output(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} videos")
+        return list(value)
+    return [value] * n
+
+
+@dataclass(frozen=True)
+class _Call(Generic[T]):
+    """One request, and how its answer is read."""
+
+    method: str
+    path: str
+    body: dict[str, Any] | None
+    read: Callable[[Any], T]
+
+    def answer(self, response: httpx.Response) -> T:
+        raise_for(response)
+        return self.read(response.json())
+
+
+def _dict(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise FramewireError("the worker's answer is not a JSON object", code="protocol")
+    return body
+
+
+def _media(body: Any) -> list[MediaInfo]:
+    return [MediaInfo.model_validate(r) for r in _dict(body)["results"]]
+
+
+def _outputs(body: Any) -> list[OutputResult]:
+    return EncodeResponse.model_validate(body).outputs
+
+
+class _BaseClient:
+    """Settings, request building and answer reading: all of a client but its I/O."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        fd_socket: str | os.PathLike[str] | None,
+        token: str | None,
+        timeout: float | httpx.Timeout,
+    ):
+        self.url = url
+        self.fd_socket = fd_socket  # None: FRAMEWIRE_FD_SOCKET, else the worker's default
+        # One knob for both sockets: an fd-socket request may wait as long as an HTTP read.
+        self.fd_timeout = timeout.read if isinstance(timeout, httpx.Timeout) else timeout
+        if url.startswith("unix://"):
+            self._base_url, self._uds = "http://framewire", url.removeprefix("unix://")
+        else:
+            self._base_url, self._uds = url.rstrip("/"), None
+        self._client_args: dict[str, Any] = {
+            "base_url": self._base_url,
+            "headers": {"authorization": f"Bearer {token}"} if token else {},
+            "timeout": timeout,
+        }
+
+    @staticmethod
+    def _info() -> _Call[dict[str, Any]]:
+        return _Call("GET", "/v1/info", None, _dict)
+
+    @staticmethod
+    def _probe(paths: Sequence[str | os.PathLike[str]]) -> _Call[list[MediaInfo]]:
+        return _Call("POST", "/v1/probe", {"paths": [os.fspath(p) for p in paths]}, _media)
+
+    @staticmethod
+    def _encode(
+        sources: list[Any],
+        paths: Sequence[str | os.PathLike[str]],
+        *,
+        fps: float,
+        quality: int,
+        preset: str,
+        threads: int | None,
+        audio: Any,
+        validate: bool,
+    ) -> _Call[list[OutputResult]]:
+        audios = _per_output(audio, len(paths), "audio")
+        try:
+            outputs = [
+                OutputSpec(
+                    source=src,
+                    path=os.fspath(p),
+                    fps=fps,
+                    quality=quality,
+                    preset=preset,  # type: ignore[arg-type]  # checked by the model
+                    threads=threads,
+                    audio=None if a is None else os.fspath(a),
+                )
+                for src, p, a in zip(sources, paths, audios, strict=True)
+            ]
+            request = EncodeRequest(outputs=outputs, validate=validate)
+        except ValidationError as exc:
+            raise refusal(exc) from None  # the code the worker would have answered
+        body = request.model_dump(mode="json", by_alias=True, exclude_none=True)
+        return _Call("POST", "/v1/videos:encode", body, _outputs)
+
+    @staticmethod
+    def _check_pairs(videos: Sequence[Any], paths: Sequence[Any]) -> None:
+        if len(videos) != len(paths):
+            raise ValueError(f"{len(videos)} videos for {len(paths)} paths")
+
+    def _fetch(self, request: DecodeRequest, local_fallback: bool) -> ReferenceFrames:
+        return fetch(
+            request, self.fd_socket, local_fallback=local_fallback, timeout=self.fd_timeout
+        )
+
+
+def _twin(original: Callable[..., Any]) -> Callable[[F], F]:
+    """Give an AsyncClient method the docstring of its Client twin."""
+
+    def apply(method: F) -> F:
+        method.__doc__ = original.__doc__
+        return method
+
+    return apply
+
+
+class Client(_BaseClient, Closing):
+    """Synchronous client. ``url`` is ``http://host:port`` or ``unix:///path/api.sock``."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        fd_socket: str | os.PathLike[str] | None = None,
+        token: str | None = None,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+    ):
+        super().__init__(url, fd_socket=fd_socket, token=token, timeout=timeout)
+        transport = httpx.HTTPTransport(uds=self._uds) if self._uds else None
+        self._http = httpx.Client(transport=transport, **self._client_args)
+
+    def _send(self, call: _Call[T]) -> T:
+        try:
+            response = self._http.request(call.method, call.path, json=call.body)
+        except httpx.TransportError as exc:
+            raise unreachable(exc) from exc
+        return call.answer(response)
+
+    def info(self) -> dict[str, Any]:
+        """The worker's versions, devices, limits, sockets and roots (``GET /v1/info``)."""
+        return self._send(self._info())
+
+    def probe(self, paths: Sequence[str | os.PathLike[str]]) -> list[MediaInfo]:
+        """Media facts of each file (under the worker's roots), in order."""
+        return self._send(self._probe(paths))
+
+    def save_videos(
+        self,
+        videos: Sequence[Any],
+        paths: Sequence[str | os.PathLike[str]],
+        *,
+        fps: float,
+        quality: int = 5,
+        preset: str = "fast",
+        threads: int | None = None,
+        audio: Any = None,
+        validate: bool = True,
+        layout: Layout | str | None = None,
+    ) -> list[OutputResult]:
+        """Encode each video to its path; returns one result per output, in order.
+
+        The frames stay where they are (CUDA tensors are shared over CUDA IPC, host
+        memory through shared memory); they are kept alive and must stay unmodified
+        until the worker has answered. Work queued on the current CUDA stream is
+        waited for first.
+        """
+        self._check_pairs(videos, paths)
+        with contextlib.ExitStack() as stack:
+            sources = [stack.enter_context(share(v, layout=layout)) for v in videos]
+            call = self._encode(
+                sources,
+                paths,
+                fps=fps,
+                quality=quality,
+                preset=preset,
+                threads=threads,
+                audio=audio,
+                validate=validate,
+            )
+            return self._send(call)
+
+    def save_video(self, video: Any, path: str | os.PathLike[str], **kw: Any) -> OutputResult:
+        """:meth:`save_videos` of one video; the same keywords."""
+        return self.save_videos([video], [path], **kw)[0]
+
+    def decode_reference(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fps: float,
+        width: int,
+        height: int,
+        start: float = 0.0,
+        max_frames: int | None = None,
+        local_fallback: bool = True,
+    ) -> ReferenceFrames:
+        """The ``(T, H, W, 3)`` uint8 frames of a reference video, mapped (docs/api.md).
+
+        Asked of the worker behind ``fd_socket``, which decodes each distinct
+        request once per host and shares the pages; when it cannot be reached
+        the same decode runs in this process (unless ``local_fallback=False``:
+        then :class:`Unavailable`). Relative paths are taken from this process's
+        working directory. Close the result (or use it as a context manager).
+        """
+        request = make_request(
+            path, fps=fps, width=width, height=height, start=start, max_frames=max_frames
+        )
+        return self._fetch(request, local_fallback)
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+
+class AsyncClient(_BaseClient):
+    """The same calls as coroutines."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        fd_socket: str | os.PathLike[str] | None = None,
+        token: str | None = None,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+    ):
+        super().__init__(url, fd_socket=fd_socket, token=token, timeout=timeout)
+        transport = httpx.AsyncHTTPTransport(uds=self._uds) if self._uds else None
+        self._http = httpx.AsyncClient(transport=transport, **self._client_args)
+
+    async def _send(self, call: _Call[T]) -> T:
+        try:
+            response = await self._http.request(call.method, call.path, json=call.body)
+        except httpx.TransportError as exc:
+            raise unreachable(exc) from exc
+        return call.answer(response)
+
+    @_twin(Client.info)
+    async def info(self) -> dict[str, Any]:
+        return await self._send(self._info())
+
+    @_twin(Client.probe)
+    async def probe(self, paths: Sequence[str | os.PathLike[str]]) -> list[MediaInfo]:
+        return await self._send(self._probe(paths))
+
+    @_twin(Client.save_videos)
+    async def save_videos(
+        self,
+        videos: Sequence[Any],
+        paths: Sequence[str | os.PathLike[str]],
+        *,
+        fps: float,
+        quality: int = 5,
+        preset: str = "fast",
+        threads: int | None = None,
+        audio: Any = None,
+        validate: bool = True,
+        layout: Layout | str | None = None,
+    ) -> list[OutputResult]:
+        self._check_pairs(videos, paths)
+        with contextlib.ExitStack() as stack:
+            # share() runs here, where the caller's CUDA stream is current; entering it
+            # (the copy into shm, the stream wait) runs off the event loop.
+            sources = [
+                await asyncio.to_thread(stack.enter_context, share(v, layout=layout))
+                for v in videos
+            ]
+            call = self._encode(
+                sources,
+                paths,
+                fps=fps,
+                quality=quality,
+                preset=preset,
+                threads=threads,
+                audio=audio,
+                validate=validate,
+            )
+            return await self._send(call)
+
+    @_twin(Client.save_video)
+    async def save_video(self, video: Any, path: str | os.PathLike[str], **kw: Any) -> OutputResult:
+        return (await self.save_videos([video], [path], **kw))[0]
+
+    @_twin(Client.decode_reference)
+    async def decode_reference(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fps: float,
+        width: int,
+        height: int,
+        start: float = 0.0,
+        max_frames: int | None = None,
+        local_fallback: bool = True,
+    ) -> ReferenceFrames:
+        request = make_request(
+            path, fps=fps, width=width, height=height, start=start, max_frames=max_frames
+        )
+        return await asyncio.to_thread(self._fetch, request, local_fallback)
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

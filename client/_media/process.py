@@ -1,0 +1,286 @@
+"""One ffmpeg child process, from start to reaping, with every wait bounded.
+
+Encodes (frames fed on stdin) and decodes (frames written to an inherited
+memfd) both run ffmpeg through :class:`FfmpegProcess`. Hazards handled here:
+
+- stderr goes into a private memfd, not a pipe: ffmpeg can never block on it,
+  no reader thread is needed, and its tail is at hand for every failure.
+- stdin is a non-blocking pipe. Every send and every wait for the exit polls in
+  short steps, so ``check`` (cancellation) gets a say even while ffmpeg reads
+  nothing, and a child that stops making progress is noticed.
+- "No progress" means: for ``stall_s`` seconds, the pipe took no byte and the
+  child used no CPU time. A stopped process (SIGSTOP), one blocked opening a
+  FIFO, or one waiting on a playlist that never ends all look like this; a
+  busy encoder (x264's lookahead flush can take seconds) does not. Such a child
+  is killed and :class:`Stalled` raised.
+- ``close`` kills and reaps whatever state the child is in, so no zombie and
+  no fd outlives the object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import resource
+import select
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from framewire.client._closing import Closing
+from framewire.client._errors import BadRequest, Stalled, Unavailable
+
+STDERR_TAIL = 4096
+POLL_S = 0.1  # how often a blocked send or a wait looks at cancellation and progress
+PIPE_BYTES = 1 << 20  # fewer wakeups per chunk than the 64 KiB default
+SEND_SLICE = 16 << 20  # bytes per sendfile call
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+
+def resolve_ffmpeg(configured: str | None = None) -> str:
+    """The configured executable (a path or a name on PATH), else imageio-ffmpeg's binary.
+
+    The worker and the client's local decode both resolve it here, so the two
+    routes run one binary.
+    """
+    if configured:
+        found = shutil.which(configured)
+        if found is None:
+            raise Unavailable(f"ffmpeg executable {configured!r} not found", code="ffmpeg_missing")
+        return os.path.abspath(found)
+    try:
+        import imageio_ffmpeg
+    except ImportError as exc:
+        raise Unavailable(
+            "no ffmpeg: set FRAMEWIRE_FFMPEG or install imageio-ffmpeg", code="ffmpeg_missing"
+        ) from exc
+    try:
+        return imageio_ffmpeg.get_ffmpeg_exe()
+    except RuntimeError as exc:
+        raise Unavailable(str(exc), code="ffmpeg_missing") from exc
+
+
+def find_ffmpeg() -> str:
+    """FRAMEWIRE_FFMPEG, else imageio-ffmpeg's binary: the worker's choice too."""
+    return resolve_ffmpeg(os.environ.get("FRAMEWIRE_FFMPEG"))
+
+
+def _no_check() -> None:
+    pass
+
+
+class FfmpegExited(Exception):
+    """ffmpeg stopped reading before it had every frame (it died or failed)."""
+
+
+# Every ffmpeg child alive in this process, so a shutdown can stop them all at once.
+_running: set[FfmpegProcess] = set()
+_running_lock = threading.Lock()
+
+
+def kill_running() -> int:
+    """Kill every ffmpeg child still running (their owners clean up); returns how many."""
+    with _running_lock:
+        procs = list(_running)
+    for ff in procs:
+        ff.kill()
+    return len(procs)
+
+
+class PipeWriter:
+    """The write end of a pipe, made non-blocking and fed in bounded steps.
+
+    While the pipe is full, ``watch(check)`` runs every ``POLL_S`` (it may raise to
+    stop); ``progressed()`` runs after every write that moved bytes.
+    """
+
+    def __init__(
+        self,
+        fd: int,
+        *,
+        watch: Callable[[Callable[[], None]], None] | None = None,
+        progressed: Callable[[], None] = _no_check,
+    ):
+        self.fd = fd
+        self._watch = watch or (lambda check: check())
+        self._progressed = progressed
+        os.set_blocking(fd, False)
+        with contextlib.suppress(OSError):  # capped by /proc/sys/fs/pipe-max-size
+            fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
+
+    def _wait_writable(self, check: Callable[[], None]) -> None:
+        poll = select.poll()
+        poll.register(self.fd, select.POLLOUT)
+        while not poll.poll(POLL_S * 1e3):
+            self._watch(check)
+        check()
+
+    def send_file(
+        self, in_fd: int, offset: int, count: int, check: Callable[[], None] = _no_check
+    ) -> None:
+        """sendfile ``count`` bytes at ``offset`` of ``in_fd`` into the pipe.
+
+        EPIPE means the reader is gone (:class:`FfmpegExited`); a zero return means
+        the source file got shorter (``segment_truncated``).
+        """
+        while count > 0:
+            try:
+                n = os.sendfile(self.fd, in_fd, offset, min(count, SEND_SLICE))
+            except BlockingIOError:
+                self._wait_writable(check)
+                continue
+            except BrokenPipeError as exc:
+                raise FfmpegExited("ffmpeg closed its input early") from exc
+            if n == 0:
+                raise BadRequest(
+                    "the source file shrank while it was being sent", code="segment_truncated"
+                )
+            self._progressed()
+            offset += n
+            count -= n
+
+    def send(self, data: memoryview, check: Callable[[], None] = _no_check) -> None:
+        """Write all of ``data`` (a byte-format memoryview) into the pipe."""
+        view = data
+        while view:
+            try:
+                n = os.write(self.fd, view[:SEND_SLICE])
+            except BlockingIOError:
+                self._wait_writable(check)
+                continue
+            except BrokenPipeError as exc:
+                raise FfmpegExited("ffmpeg closed its input early") from exc
+            self._progressed()
+            view = view[n:]
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """User plus system CPU time of ``pid`` in clock ticks; None once it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ")".
+    fields = stat.rsplit(b")", 1)[-1].split()
+    try:
+        return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    except (IndexError, ValueError):
+        return None
+
+
+class FfmpegProcess(Closing):
+    """One ffmpeg child. ``stdin=True``: frames are fed through :attr:`input`.
+
+    ``stall_s``: seconds without progress before the child is killed (None: never).
+    ``file_size_limit``: RLIMIT_FSIZE for the child, so the kernel stops an output
+    at that size (set right after the start, before ffmpeg has opened anything).
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bool = True,
+        pass_fds: Sequence[int] = (),
+        stall_s: float | None = None,
+        file_size_limit: int | None = None,
+    ):
+        self.argv = list(argv)
+        self.stall_s = stall_s
+        self._stderr = os.memfd_create("framewire-ffmpeg-stderr", os.MFD_CLOEXEC)
+        try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=self._stderr,
+                close_fds=True,
+                pass_fds=tuple(pass_fds),
+            )
+        except OSError as exc:
+            os.close(self._stderr)
+            raise Unavailable(
+                f"cannot run ffmpeg {self.argv[0]!r}: {exc.strerror or exc}", code="ffmpeg_missing"
+            ) from exc
+        if file_size_limit is not None:
+            # If it cannot be set (ffmpeg gone already, a sandbox that forbids it), the
+            # caller's own size check still refuses an output past the bound.
+            with contextlib.suppress(OSError):
+                limit = (file_size_limit, file_size_limit)
+                resource.prlimit(self.proc.pid, resource.RLIMIT_FSIZE, limit)
+        self._ticks = cpu_ticks(self.proc.pid)
+        self._progress_at = time.monotonic()
+        self.input: PipeWriter | None = None
+        if self.proc.stdin is not None:
+            self.input = PipeWriter(
+                self.proc.stdin.fileno(), watch=self._watch, progressed=self._progressed
+            )
+        with _running_lock:
+            _running.add(self)
+
+    def _progressed(self) -> None:
+        self._progress_at = time.monotonic()
+
+    def _watch(self, check: Callable[[], None]) -> None:
+        """Between polls: the caller's check, then the stall check."""
+        check()
+        if self.stall_s is None:
+            return
+        ticks = cpu_ticks(self.proc.pid)
+        if ticks is not None and ticks != self._ticks:
+            self._ticks = ticks
+            self._progressed()
+        elif time.monotonic() - self._progress_at > self.stall_s:
+            self.kill()
+            raise Stalled(
+                f"ffmpeg made no progress for {self.stall_s:g} s (FRAMEWIRE_STALL_TIMEOUT_S) "
+                "and was stopped",
+                detail=self.stderr_tail() or None,
+            )
+
+    def close_stdin(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.close()
+
+    def wait(self, check: Callable[[], None] = _no_check) -> int:
+        """Close stdin (end of frames) and wait for ffmpeg to exit; returns its status.
+
+        x264's lookahead can hold many frames, so the flush after the last one may
+        take seconds: ``check`` runs while waiting and may raise (cancellation);
+        the caller's ``close`` then kills ffmpeg.
+        """
+        self.close_stdin()
+        self._progressed()  # the flush begins now
+        while True:
+            try:
+                return self.proc.wait(timeout=POLL_S)
+            except subprocess.TimeoutExpired:
+                self._watch(check)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+
+    def stderr_tail(self, limit: int = STDERR_TAIL) -> str:
+        if self._stderr < 0:
+            return ""
+        size = os.fstat(self._stderr).st_size
+        start = max(0, size - limit)
+        return os.pread(self._stderr, size - start, start).decode("utf-8", "replace").strip()
+
+    def close(self) -> None:
+        """Kill if still running, reap, release the stderr memfd. Idempotent."""
+        self.kill()
+        self.close_stdin()
+        self.proc.wait()
+        with _running_lock:
+            _running.discard(self)
+        if self._stderr >= 0:
+            os.close(self._stderr)
+            self._stderr = -1

@@ -1,0 +1,261 @@
+"""The request and response bodies: encodes, probes, reference decodes, region registration."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from framewire.client._errors import BadRequest
+from framewire.client.wire._sources import (
+    MAX_FPS,
+    MAX_FRAMES,
+    MAX_SIDE,
+    MIN_FPS,
+    Flag,
+    Int,
+    Number,
+    Source,
+    WireModel,
+)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+
+class OutputSpec(WireModel):
+    source: Source
+    path: str = Field(min_length=1, max_length=4096)
+    fps: Number = Field(ge=MIN_FPS, le=MAX_FPS)
+    quality: Int = Field(default=5, ge=1, le=10)
+    preset: Literal[
+        "ultrafast",
+        "superfast",
+        "veryfast",
+        "faster",
+        "fast",
+        "medium",
+        "slow",
+        "slower",
+        "veryslow",
+        "placebo",
+    ] = "fast"
+    threads: Int | None = Field(default=None, ge=1, le=128)
+    audio: str | None = Field(default=None, min_length=1, max_length=4096)
+
+    @field_validator("fps")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise PydanticCustomError("bad_fps", "fps must be finite")
+        return v
+
+    @field_validator("path", "audio")
+    @classmethod
+    def _no_nul(cls, v: str | None) -> str | None:
+        if v is not None and "\x00" in v:
+            raise PydanticCustomError("bad_path", "paths may not contain NUL")
+        return v
+
+
+class EncodeRequest(WireModel):
+    outputs: list[OutputSpec] = Field(min_length=1, max_length=64)
+    validate_: Flag = Field(default=True, alias="validate")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class AudioInfo(BaseModel):
+    codec: str
+    sample_rate: int
+    channels: int
+    duration: float | None = None
+
+
+class MediaInfo(BaseModel):
+    path: str
+    frames: int
+    width: int
+    height: int
+    fps: float
+    fps_exact: str
+    codec: str
+    pix_fmt: str | None
+    duration: float | None
+    audio: AudioInfo | None = None
+
+
+class Timings(BaseModel):
+    queue_ms: float = 0.0
+    encode_ms: float = 0.0
+    validate_ms: float = 0.0
+    started_at: float = 0.0  # worker's time.time() when the encode began
+    finished_at: float = 0.0
+
+
+class ErrorInfo(BaseModel):
+    code: str
+    message: str
+    detail: str | None = None  # ffmpeg's stderr tail
+
+
+class OutputResult(BaseModel):
+    path: str
+    ok: bool
+    bytes: int | None = None
+    sha256: str | None = None
+    frames: int | None = None
+    width: int | None = None
+    height: int | None = None
+    fps: float | None = None
+    duration: float | None = None
+    audio: AudioInfo | None = None
+    route: Literal["stream", "fallback"] | None = None
+    timings: Timings = Field(default_factory=Timings)
+    error: ErrorInfo | None = None
+
+
+class EncodeResponse(BaseModel):
+    outputs: list[OutputResult]
+
+
+class ProbeRequest(WireModel):
+    paths: list[str] = Field(min_length=1, max_length=256)
+
+
+class ProbeResponse(BaseModel):
+    results: list[MediaInfo]
+
+
+# --- the shared-memory region registry (Triton's extension) -----------------------------
+
+
+class RegisterSystemRegion(BaseModel):
+    """``POST /v2/systemsharedmemory/region/{name}/register``"""
+
+    key: str
+    offset: Int = Field(default=0, ge=0)
+    byte_size: Int = Field(gt=0)
+
+
+class RawHandle(BaseModel):
+    b64: str
+
+
+class RegisterCudaRegion(BaseModel):
+    """``POST /v2/cudasharedmemory/region/{name}/register``"""
+
+    raw_handle: RawHandle
+    device_id: Int = Field(ge=0)
+    byte_size: Int = Field(gt=0)
+
+
+# Pydantic field names whose errors get a code of their own.
+FIELD_CODES = {
+    "fps": "bad_fps",
+    "layout": "bad_layout",
+    "dtype": "bad_dtype",
+    "shape": "bad_shape",
+    "byte_size": "bad_byte_size",
+    "offset": "bad_offset",
+    "key": "bad_shm_key",
+    "path": "bad_path",
+    "kind": "bad_source_kind",
+    "quality": "bad_quality",
+    "preset": "bad_preset",
+    "threads": "bad_threads",
+    "stride": "bad_stride",
+    "tensor_offset": "bad_offset",
+    "storage_offset_bytes": "bad_offset",
+    "storage_size_bytes": "bad_byte_size",
+    "device_uuid": "bad_device_uuid",
+    "handle": "bad_cuda_handle",
+    "event_handle": "bad_cuda_handle",
+    "ref_counter_handle": "bad_cuda_handle",
+}
+OUR_CODES = {
+    "bad_shape",
+    "byte_size_mismatch",
+    "bad_fps",
+    "bad_path",
+    "bad_cuda_handle",
+    "bad_device_uuid",
+    "cuda_tensor_out_of_bounds",
+}
+
+
+def refusal(errors: ValidationError | Sequence[Any], *, code: str | None = None) -> BadRequest:
+    """The 400 a validation failure (or its list of errors) is answered with: where, what,
+    and its stable code (``code``: the one the route uses for every refusal)."""
+    if isinstance(errors, ValidationError):
+        errors = errors.errors()
+    first = errors[0] if errors else {}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    message = f"{where}: {first.get('msg', 'invalid request')}" if where else "invalid request"
+    return BadRequest(message, code=code or error_code(errors))
+
+
+def error_code(errors: Sequence[Any]) -> str:
+    """The stable error code of a pydantic validation failure (its first error)."""
+    first = errors[0] if errors else {}
+    if first.get("type") in OUR_CODES:
+        return str(first["type"])
+    if first.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+        return "bad_source_kind"
+    for part in reversed(first.get("loc", ())):  # type: ignore[arg-type]
+        if isinstance(part, str) and part in FIELD_CODES:
+            return FIELD_CODES[part]
+    return "bad_request"
+
+
+# --- the fd socket (reference decodes) ------------------------------------------------------
+
+
+class DecodeRequest(WireModel):
+    """One reference decode: a video file and the decode parameters of DESIGN §4."""
+
+    op: Literal["decode"] = "decode"
+    path: str = Field(min_length=1, max_length=4096)
+    fps: Number = Field(ge=MIN_FPS, le=MAX_FPS)
+    width: Int = Field(ge=1, le=MAX_SIDE)
+    height: Int = Field(ge=1, le=MAX_SIDE)
+    start: Number = Field(default=0.0, ge=0)
+    max_frames: Int | None = Field(default=None, ge=1, le=MAX_FRAMES)
+
+    @field_validator("fps", "start")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise PydanticCustomError("bad_number", "must be finite")
+        return v
+
+    @field_validator("path")
+    @classmethod
+    def _no_nul(cls, v: str) -> str:
+        if "\x00" in v:
+            raise PydanticCustomError("bad_path", "paths may not contain NUL")
+        return v
+
+    @property
+    def frame_bytes(self) -> int:
+        return self.width * self.height * 3
+
+    def parameters(self) -> dict[str, Any]:
+        """The decode's keywords (fps, width, height, start, max_frames), for the calls
+        that take them one by one."""
+        return self.model_dump(include={"fps", "width", "height", "start", "max_frames"})
+
+
+class DecodeReply(BaseModel):
+    """The JSON header of an fd-socket reply; a successful decode carries one fd beside it."""
+
+    ok: bool
+    frames: int | None = None
+    height: int | None = None
+    width: int | None = None
+    byte_size: int | None = None
+    cached: bool | None = None
+    decode_ms: float | None = None
+    code: str | None = None
+    message: str | None = None
+    detail: str | None = None  # ffmpeg's stderr tail, for decode_failed
+    pong: bool | None = None

@@ -1,0 +1,201 @@
+"""Which files the worker may write and read: everything under configured roots.
+
+Paths are judged after resolving symlinks (``realpath``), so a link inside a
+root that points outside it is refused like the outside path itself. ``..``
+components are refused before any resolution: no legitimate caller needs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import os
+import stat
+from pathlib import Path
+
+from framewire.client._errors import (
+    BadRequest,
+    Forbidden,
+    MediaError,
+    NotFound,
+    Unavailable,
+    host_error,
+)
+from framewire.client._media.argv import OUTPUT_EXTENSIONS
+from framewire.client._media.inputs import InputFile
+from framewire.service._encode.outputs import DIR_FLAGS, TEMP_PREFIX
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+@functools.lru_cache(maxsize=64)
+def _real_root(root: str) -> str:
+    # Roots are configuration: resolved once, not on every request.
+    return os.path.realpath(root)
+
+
+def real_roots(roots: list[str]) -> list[str]:
+    """The roots as the paths this module judges against (symlinks resolved)."""
+    return [_real_root(r) for r in roots]
+
+
+def _no_dotdot(raw: str) -> None:
+    if not raw or "\x00" in raw:
+        raise BadRequest("empty path or NUL byte in path", code="bad_path")
+    try:
+        os.fsencode(raw)
+    except UnicodeEncodeError as exc:  # lone surrogates from JSON "\udxxx" escapes
+        raise BadRequest(f"path {raw!r} cannot be encoded", code="bad_path") from exc
+    if ".." in Path(raw).parts:
+        raise Forbidden(f"path {raw!r} contains '..'", code="path_traversal")
+
+
+def resolve_output(raw: str, roots: list[str]) -> Path:
+    """An output path under one of ``roots``; relative paths resolve against the first.
+
+    Only judges the path: ``open_output_dir`` opens (and makes) its directory.
+    """
+    _no_dotdot(raw)
+    if not roots:
+        raise Forbidden("no output roots are configured", code="path_outside_roots")
+    path = Path(raw) if os.path.isabs(raw) else Path(roots[0]) / raw
+    if path.name in ("", ".", ".."):
+        raise BadRequest(f"output path {raw!r} names no file", code="bad_path")
+    parent = os.path.realpath(path.parent)
+    if not any(_under(parent, r) for r in real_roots(roots)):
+        raise Forbidden(
+            f"output path {raw!r} is outside the output roots", code="path_outside_roots"
+        )
+    if any(part.startswith(TEMP_PREFIX) for part in Path(raw).parts):
+        raise BadRequest(
+            f"output path {raw!r}: names starting with {TEMP_PREFIX!r} are the worker's own",
+            code="reserved_name",
+        )
+    if not path.name.lower().endswith(OUTPUT_EXTENSIONS):
+        raise BadRequest(
+            f"output path {raw!r}: the file must end in one of {', '.join(OUTPUT_EXTENSIONS)} "
+            "(formats that write exactly one file)",
+            code="unsupported_output_format",
+        )
+    target = Path(parent) / path.name
+    try:
+        _check_target(os.lstat(target).st_mode, raw)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # a name too long, or a "directory" that is a file
+        raise BadRequest(f"output path {raw!r}: {exc.strerror}", code="bad_path") from exc
+    return target
+
+
+def _check_target(mode: int, raw: str) -> None:
+    if stat.S_ISLNK(mode):
+        raise Forbidden(f"output path {raw!r} is a symbolic link", code="path_outside_roots")
+    if not stat.S_ISREG(mode):
+        raise BadRequest(f"output path {raw!r} exists and is not a file", code="output_not_a_file")
+
+
+def open_output_dir(target: Path, roots: list[str], made: list[Path] | None = None) -> int:
+    """An fd for the directory of ``target`` (from ``resolve_output``), made if missing.
+
+    Opened one component at a time from the root, never following a symlink,
+    so a directory swapped for a link since the path was judged is refused
+    rather than followed. Writes then go through this fd (``atomic``). The
+    directories made here are appended to ``made`` (outermost first), so that a
+    request that fails can take them back (``remove_made``).
+    """
+    parent = str(target.parent)
+    root = next(r for r in real_roots(roots) if _under(parent, r))
+    try:
+        fd = os.open(root, DIR_FLAGS)
+    except OSError as exc:
+        raise Unavailable(
+            f"the output root {root!r} cannot be opened ({exc.strerror}): it was removed "
+            "or unmounted under the worker",
+            code="output_root_missing",
+        ) from exc
+    try:
+        at = Path(root)
+        for part in Path(parent).relative_to(root).parts:
+            at = at / part
+            try:
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                try:
+                    os.mkdir(part, dir_fd=fd)
+                    if made is not None:
+                        made.append(at)
+                except FileExistsError:
+                    pass
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        try:
+            mode = os.stat(target.name, dir_fd=fd, follow_symlinks=False).st_mode
+            _check_target(mode, str(target))
+        except FileNotFoundError:
+            pass
+        return fd
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise Forbidden(
+                f"output directory {parent!r} changed to a link or a file after it was checked",
+                code="path_outside_roots",
+            ) from exc
+        what = f"cannot open or make the output directory {parent!r}"
+        raise host_error(exc, what) or MediaError(
+            f"{what}: {exc.strerror}", code="output_not_writable"
+        ) from exc
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def remove_made(made: list[Path]) -> None:
+    """Remove the directories ``open_output_dir`` made, innermost first, if still empty."""
+    for path in reversed(made):
+        with contextlib.suppress(OSError):  # not empty: another request's files are in it
+            os.rmdir(path)
+    made.clear()
+
+
+def resolve_input(raw: str, roots: list[str]) -> Path:
+    """Where ``raw`` leads, if that is under one of ``roots`` (relative: against the first).
+
+    Only judges the path: ``open_input`` opens it and judges what it opened.
+    """
+    _no_dotdot(raw)
+    if not roots:
+        raise Forbidden("no input roots are configured", code="path_outside_roots")
+    path = Path(raw) if os.path.isabs(raw) else Path(roots[0]) / raw
+    real = os.path.realpath(path)
+    if not any(_under(real, r) for r in real_roots(roots)):
+        raise Forbidden(f"input path {raw!r} is outside the input roots", code="path_outside_roots")
+    if not os.path.lexists(real):
+        raise NotFound(f"input file {raw!r} does not exist", code="not_found")
+    return Path(real)
+
+
+def open_input(raw: str, roots: list[str]) -> InputFile:
+    """The regular file ``raw`` names under ``roots``, open for ffmpeg (or PyAV) to read.
+
+    Judged by its path first, then by what was opened (``/proc/self/fd`` tells):
+    a directory swapped for a link in between cannot lead the open outside the
+    roots. FIFOs, devices and sockets are refused before they are opened.
+    """
+    real = resolve_input(raw, roots)
+    opened = InputFile.open(real)
+    try:
+        actual = os.readlink(f"/proc/self/fd/{opened.fd}").removesuffix(" (deleted)")
+    except OSError:
+        actual = str(real)  # no /proc: the path's judgement stands
+    if not any(_under(actual, r) for r in real_roots(roots)):
+        opened.close()
+        raise Forbidden(
+            f"input path {raw!r} led outside the input roots as it was opened",
+            code="path_outside_roots",
+        )
+    return opened

@@ -1,0 +1,205 @@
+"""Who is asking, and may they themselves read (or write) what they ask the worker to.
+
+The worker may run as a user (or root) who can read more than its callers. A
+caller that names a segment, a region, a reference video or an audio file must
+not get through the worker what it could not read itself: that is a confused
+deputy. So every file the worker opens on a request's behalf is judged against
+the *caller's* credentials with the usual owner/group/other mode bits (ACLs and
+capabilities other than root's are not consulted).
+
+Callers are known on both HTTP listeners and the fd socket:
+
+- Unix sockets: ``SO_PEERCRED`` (pid, uid, gid), plus the supplementary groups
+  from ``/proc/<pid>/status`` when that process is visible here.
+- TCP over loopback: the kernel's table of the host's sockets
+  (``/proc/net/tcp``, ``tcp6``) names the uid that owns the client's end, as
+  identd does. Only loopback peers are looked up: anything else may be a
+  proxy or another host.
+- Anyone else is unknown: without a bearer token configured, an unknown caller
+  may not have the worker read host memory or files for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import pwd
+import socket
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from framewire.client._errors import Forbidden
+
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+READ, WRITE, SEARCH = 4, 2, 1  # the rwx bits, as the owner/group/other triplets spell them
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A caller's credentials. ``pid`` is None when only the uid is known (TCP)."""
+
+    uid: int
+    gids: frozenset[int]
+    pid: int | None = None
+
+    def may(self, st: os.stat_result, want: int) -> bool:
+        """Whether this caller has ``want`` (READ, WRITE, SEARCH bits) on a file like ``st``."""
+        if self.uid == 0:
+            return True
+        mode = stat.S_IMODE(st.st_mode)
+        if self.uid == st.st_uid:
+            bits = mode >> 6
+        elif st.st_gid in self.gids:
+            bits = mode >> 3
+        else:
+            bits = mode
+        return bits & want == want
+
+
+def _supplementary_groups(pid: int) -> set[int]:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Groups:"):
+                return {int(g) for g in line.split()[1:]}
+    except (OSError, ValueError):
+        pass
+    return set()
+
+
+def _groups_of(uid: int) -> set[int]:
+    try:
+        entry = pwd.getpwuid(uid)
+    except KeyError:
+        return set()
+    return set(os.getgrouplist(entry.pw_name, entry.pw_gid))
+
+
+def unix_peer(sock: socket.socket) -> Peer | None:
+    """The credentials of the process at the other end of a Unix stream socket."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    except OSError:
+        return None
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    groups = {gid} | (_supplementary_groups(pid) if pid > 0 else set())
+    return Peer(uid, frozenset(groups), pid if pid > 0 else None)
+
+
+def _proc_address(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """An address of /proc/net/tcp{,6}: hex words in host byte order, then the port."""
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    # Each 32-bit word was printed as a number: reverse its bytes back into order.
+    packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    address = ipaddress.ip_address(packed)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address, int(port, 16)
+
+
+def _normal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    address = ipaddress.ip_address(host.split("%")[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def tcp_peer(client: tuple[str, int], server: tuple[str, int]) -> Peer | None:
+    """The owner of the loopback TCP socket at ``client`` connected to ``server``."""
+    try:
+        client_ip, server_ip = _normal(client[0]), _normal(server[0])
+    except ValueError:
+        return None
+    if not client_ip.is_loopback:
+        return None
+    want = ((client_ip, client[1]), (server_ip, server[1]))
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            next(f, None)  # the header
+            for line in f:
+                fields = line.split()
+                if len(fields) < 8:
+                    continue
+                try:
+                    ends = (_proc_address(fields[1]), _proc_address(fields[2]))
+                    if ends == want:
+                        uid = int(fields[7])
+                        return Peer(uid, frozenset(_groups_of(uid)))
+                except ValueError:
+                    continue
+    return None
+
+
+def may_reach(
+    peer: Peer, path: Path, root: Path, want: int, target: os.stat_result | None = None
+) -> bool:
+    """``want`` on ``path`` itself (``target``: its stat, if already taken from an open
+    fd), and search permission on each directory from ``root`` down to it."""
+    try:
+        relative = path.relative_to(root)
+    except ValueError:
+        return False
+    at = root
+    try:
+        for part in relative.parts:
+            if not peer.may(os.stat(at), SEARCH):
+                return False
+            at = at / part
+        return peer.may(target if target is not None else os.stat(path), want)
+    except OSError:
+        return False
+
+
+class Access:
+    """What one request may have the worker read and write for it.
+
+    ``peer`` None: the caller is unknown (not over a Unix socket or loopback TCP).
+    Then only a caller who presented the bearer token (``trusted``) is let through,
+    judged as the worker itself.
+    """
+
+    def __init__(self, peer: Peer | None, trusted: bool):
+        self.peer = peer
+        self.trusted = trusted
+
+    def check(self, st: os.stat_result, want: int, what: str) -> None:
+        """Raise Forbidden unless the caller has ``want`` on a file like ``st``."""
+        self._known(what)
+        if self.peer is not None and not self.peer.may(st, want):
+            raise Forbidden(_denied(self.peer, what, want), code="caller_not_permitted")
+
+    def check_path(
+        self,
+        path: Path,
+        roots: list[str],
+        want: int,
+        what: str,
+        target: os.stat_result | None = None,
+    ) -> None:
+        """``check`` for a file under one of ``roots``, its directories included."""
+        self._known(what)
+        if self.peer is None:
+            return
+        root = next((Path(r) for r in roots if path.is_relative_to(r)), None)
+        if root is None or not may_reach(self.peer, path, root, want, target):
+            raise Forbidden(_denied(self.peer, what, want), code="caller_not_permitted")
+
+    def _known(self, what: str) -> None:
+        if self.peer is None and not self.trusted:
+            raise Forbidden(
+                f"{what}: the caller cannot be identified (neither a Unix socket nor loopback "
+                "TCP) and no bearer token is configured: set FRAMEWIRE_TOKEN",
+                code="caller_unknown",
+            )
+
+
+TRUSTED = Access(None, trusted=True)  # the worker's own calls (the CLI's local encode)
+
+
+def _denied(peer: Peer, what: str, want: int) -> str:
+    verb = "write" if want & WRITE else "read"
+    return f"{what}: uid {peer.uid} may not {verb} it, so the worker will not for it"

@@ -1,0 +1,318 @@
+"""The ``framewire`` command: serve, encode, probe, decode, info, demo."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from framewire.client import FramewireError, __version__
+from framewire.service._settings import Settings
+
+
+def _settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per setting; unset flags leave the FRAMEWIRE_* value in force."""
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = "FRAMEWIRE_" + name.upper()
+        if field.annotation is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=env)
+        else:
+            parser.add_argument(flag, dest=name, default=None, metavar="VALUE", help=env)
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """The settings the flags and FRAMEWIRE_* variables give; unusable ones end the command."""
+    from pydantic import ValidationError
+
+    given = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        for error in exc.errors():
+            where = ".".join(str(p) for p in error["loc"])
+            print(f"framewire: setting {where}: {error['msg']}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from framewire.service._encode.convert import single_threaded_conversion
+    from framewire.service._sockets import AlreadyServed
+    from framewire.service._worker import Worker
+
+    single_threaded_conversion()
+    settings = settings_from(args)
+    try:
+        Worker(settings).run()
+    except AlreadyServed as exc:
+        print(f"framewire serve: {exc}; not starting", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"framewire serve: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from framewire.client._media.process import resolve_ffmpeg
+    from framewire.service._ops.versions import ffmpeg_version
+
+    settings = settings_from(args)
+    exe = resolve_ffmpeg(settings.ffmpeg)
+    info: dict[str, Any] = {
+        "version": __version__,
+        "ffmpeg": exe,
+        "ffmpeg_version": ffmpeg_version(exe),
+        "settings": json.loads(settings.model_dump_json(exclude={"token"})),
+    }
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def _print_result(r: object) -> None:
+    print(
+        f"{r.path}: {r.frames} frames, {r.bytes} bytes, sha256 {r.sha256}, "  # type: ignore[attr-defined]
+        f"route {r.route}"  # type: ignore[attr-defined]
+    )
+
+
+@contextlib.contextmanager
+def _progress(label: str, enabled: bool) -> Iterator[None]:
+    """An elapsed-time line on stderr while a long call runs (only on a terminal)."""
+    done = threading.Event()
+
+    def tick() -> None:
+        started = time.monotonic()
+        while not done.wait(0.5):
+            print(f"\r{label}: {time.monotonic() - started:5.1f} s", end="", file=sys.stderr)
+        print(f"\r{label}: {time.monotonic() - started:5.1f} s, done", file=sys.stderr)
+
+    thread = threading.Thread(target=tick, daemon=True) if enabled else None
+    if thread:
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        if thread:
+            thread.join()
+
+
+def cmd_encode(args: argparse.Namespace) -> int:
+    params = {
+        "fps": args.fps,
+        "quality": args.quality,
+        "preset": args.preset,
+        "threads": args.threads,
+    }
+    if not args.local:
+        import numpy as np
+        from framewire.client import Client
+
+        frames = np.load(args.input, mmap_mode="r")
+        audio = None if args.audio is None else str(args.audio.absolute())
+        long_clip = frames.size >= 50_000_000 and sys.stderr.isatty()
+        with Client(args.url, token=args.token) as client, _progress("encoding", long_clip):
+            result = client.save_video(
+                frames, str(args.output.absolute()), audio=audio, layout=args.layout, **params
+            )
+        _print_result(result)
+        return 0
+
+    from framewire.service._encode.convert import single_threaded_conversion
+    from framewire.service._encode.encoder import EncodeParams, Encoder
+    from framewire.service._sources.frames import open_npy
+
+    single_threaded_conversion()
+    settings = settings_from(args)
+    encoder = Encoder.from_settings(settings)
+    source = open_npy(args.input, args.layout)
+    try:
+        result = encoder.encode(source, args.output, EncodeParams(audio=args.audio, **params))
+    finally:
+        source.close()
+    _print_result(result)
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from framewire.client import Client
+
+    with Client(args.url, token=args.token) as client:
+        for info in client.probe([str(p.absolute()) for p in args.files]):
+            print(info.model_dump_json())
+    return 0
+
+
+def _size(text: str) -> tuple[int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"size must be WIDTHxHEIGHT, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    import hashlib
+
+    import numpy as np
+    from framewire.client._reference import decode_reference
+
+    width, height = args.size
+    with decode_reference(
+        args.input,
+        fps=args.fps,
+        width=width,
+        height=height,
+        start=args.start,
+        max_frames=args.max_frames,
+        fd_socket=args.fd_socket,
+        local_fallback=args.fallback,
+    ) as ref:
+        if args.output is not None:
+            np.save(args.output, ref.frames)
+        digest = hashlib.sha256(ref.frames).hexdigest()
+        print(
+            f"{args.input}: {ref.shape[0]} frames of {width}x{height}, {ref.nbytes} bytes, "
+            f"sha256 {digest}, from {ref.source}"
+            + (", cached" if ref.cached else f", decoded in {ref.decode_ms:.0f} ms")
+        )
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from framewire.service._cli.demo import DemoOptions, run_demo
+
+    width, height = args.size
+    options = DemoOptions(
+        url=args.url,
+        token=args.token,
+        fd_socket=args.fd_socket,
+        inputs=args.inputs,
+        frames=args.frames,
+        width=width,
+        height=height,
+        ranks=args.ranks,
+    )
+    return run_demo(options)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="framewire", description=__doc__)
+    parser.add_argument("--version", action="store_true", help="print versions and exit")
+    sub = parser.add_subparsers(dest="command")
+
+    serve = sub.add_parser("serve", help="run the worker")
+    _settings_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    info = sub.add_parser("info", help="print versions and the effective settings")
+    _settings_flags(info)
+    info.set_defaults(func=cmd_info)
+
+    enc = sub.add_parser("encode", help="encode an .npy clip to MP4")
+    enc.add_argument(
+        "input", type=Path, help=".npy file: (3,T,H,W) float in [0,1] or (T,H,W,3) uint8"
+    )
+    enc.add_argument("output", type=Path)
+    enc.add_argument("--fps", type=float, required=True)
+    enc.add_argument("--quality", type=int, default=5)
+    enc.add_argument("--preset", default="fast")
+    enc.add_argument("--threads", type=int, default=None)
+    enc.add_argument("--audio", type=Path, default=None)
+    enc.add_argument("--layout", default="CTHW", choices=["CTHW", "TCHW", "THWC"])
+    enc.add_argument("--local", action="store_true", help="encode in this process, no worker")
+    _client_flags(enc)
+    enc.add_argument("--ffmpeg", default=None)
+    enc.add_argument("--chunk-bytes", dest="chunk_bytes", type=int, default=None)
+    enc.add_argument("--fallback", action=argparse.BooleanOptionalAction, default=None)
+    enc.set_defaults(func=cmd_encode)
+
+    prb = sub.add_parser("probe", help="media facts of files, from the worker (JSON lines)")
+    prb.add_argument("files", nargs="+", type=Path)
+    _client_flags(prb)
+    prb.set_defaults(func=cmd_probe)
+
+    dec = sub.add_parser(
+        "decode", help="decode a reference video to rgb24 frames, shared by the worker"
+    )
+    dec.add_argument("input", type=Path)
+    dec.add_argument("--fps", type=float, required=True)
+    dec.add_argument("--size", type=_size, required=True, metavar="WxH")
+    dec.add_argument("--start", type=float, default=0.0, help="seconds to skip")
+    dec.add_argument("--max-frames", dest="max_frames", type=int, default=None)
+    dec.add_argument("-o", "--output", type=Path, default=None, help="write the frames as .npy")
+    dec.add_argument(
+        "--fd-socket",
+        dest="fd_socket",
+        default=None,
+        help="the worker's fd socket (default: FRAMEWIRE_FD_SOCKET or the worker's default)",
+    )
+    dec.add_argument(
+        "--fallback",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode here when no worker answers (default: yes)",
+    )
+    dec.set_defaults(func=cmd_decode)
+
+    demo = sub.add_parser(
+        "demo",
+        help="save two clips and share one reference decode between processes, through a "
+        "worker (one is started if none answers at --url)",
+    )
+    _client_flags(demo)
+    demo.add_argument(
+        "--fd-socket", dest="fd_socket", default=None, help="default: the worker's, from /v1/info"
+    )
+    demo.add_argument(
+        "--inputs",
+        type=Path,
+        default=None,
+        help="where to write the reference video: a directory the worker reads references "
+        "from (default: the worker's first input root)",
+    )
+    demo.add_argument("--frames", type=int, default=48)
+    demo.add_argument("--size", type=_size, default=(256, 256), metavar="WxH")
+    demo.add_argument("--ranks", type=int, default=4, help="processes asking for the reference")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def _client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("FRAMEWIRE_URL", "http://127.0.0.1:7700"),
+        help="worker URL, http://host:port or unix:///path (env FRAMEWIRE_URL)",
+    )
+    parser.add_argument("--token", default=os.environ.get("FRAMEWIRE_TOKEN"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from framewire.client._media.process import resolve_ffmpeg
+        from framewire.service._ops.versions import ffmpeg_version
+
+        exe = resolve_ffmpeg(os.environ.get("FRAMEWIRE_FFMPEG"))
+        print(f"framewire {__version__}\nffmpeg {exe}\n{ffmpeg_version(exe)}")
+        return 0
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args))
+    except FramewireError as exc:
+        print(f"framewire: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

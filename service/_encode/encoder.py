@@ -1,0 +1,349 @@
+"""One output: frames in, a complete MP4 out, byte-identical to the imageio path.
+
+The fast route streams converted chunks from a staging memfd into ffmpeg with
+``sendfile``. If it cannot run or breaks mid-way, the output is redone on the
+reference route (the whole clip materialized and piped to the same argv), which
+produces the same bytes. Either way the file appears only when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from framewire.client._errors import (
+    BadRequest,
+    Cancelled,
+    FramewireError,
+    InsufficientStorage,
+    MediaError,
+    NotFound,
+)
+from framewire.client._media.argv import encode_argv, refused_input, x264_auto_threads
+from framewire.client._media.inputs import InputFile
+from framewire.client._media.process import FfmpegExited, FfmpegProcess, resolve_ffmpeg
+from framewire.client.wire import MAX_FPS, MIN_FPS
+from framewire.service._encode.convert import chunk_frames, convert_into
+from framewire.service._encode.outputs import Staged, atomic_output, open_directory, sha256_of
+from framewire.service._encode.pump import chunk_spans, pump_converted
+from framewire.service._encode.staging import slot_frames
+from framewire.service._sources.frames import FrameSource, Geometry
+
+if TYPE_CHECKING:
+    from framewire.service._settings import Settings
+
+Route = Literal["stream", "fallback"]
+
+
+@dataclass(frozen=True)
+class EncodeParams:
+    fps: float
+    quality: float = 5
+    preset: str = "fast"
+    threads: int | None = None  # None: x264's automatic count, passed explicitly
+    # A file to mux: a path (opened here, a regular file only) or an open input (the
+    # worker's, judged under its input roots), which stays the caller's.
+    audio: Path | InputFile | None = None
+
+
+@dataclass
+class Encoded:
+    path: Path
+    bytes: int
+    sha256: str
+    frames: int
+    width: int
+    height: int
+    route: Route
+    threads: int
+    encode_ms: float
+    fast_path_error: str | None = None  # why the fallback ran, when it did
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return sha256_of(f)[1]
+
+
+def check_params(params: EncodeParams) -> None:
+    if not (MIN_FPS <= params.fps <= MAX_FPS):  # NaN fails both
+        raise BadRequest(
+            f"fps must be within {MIN_FPS:g}..{MAX_FPS:g}, got {params.fps}", code="bad_fps"
+        )
+    if not 1 <= params.quality <= 10:
+        raise BadRequest(f"quality must be within 1..10, got {params.quality}", code="bad_quality")
+    if params.threads is not None and params.threads < 1:
+        raise BadRequest(f"threads must be >= 1, got {params.threads}", code="bad_threads")
+
+
+class Encoder:
+    """Encodes frame sources to files. Thread-safe: each call owns all it touches."""
+
+    def __init__(
+        self,
+        ffmpeg: str | None = None,
+        *,
+        chunk_bytes: int = 128 << 20,
+        fallback: bool = True,
+        stall_s: float | None = 60.0,
+    ):
+        self.ffmpeg = resolve_ffmpeg(ffmpeg)
+        self.chunk_bytes = chunk_bytes
+        self.fallback = fallback
+        self.stall_s = stall_s  # an ffmpeg making no progress this long is killed
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Encoder:
+        return cls(
+            settings.ffmpeg,
+            chunk_bytes=settings.chunk_bytes,
+            fallback=settings.fallback,
+            stall_s=settings.stall_timeout_s,
+        )
+
+    def threads_for(self, height: int, params: EncodeParams) -> int:
+        return params.threads or x264_auto_threads(height)
+
+    def frames_per_chunk(self, g: Geometry) -> int:
+        """Frames converted at once on the streaming route: within the chunk budget and
+        one staging slot."""
+        return min(
+            chunk_frames(self.chunk_bytes, g.height, g.width, g.dtype.itemsize),
+            slot_frames(g.height, g.width),
+        )
+
+    def gpu_bytes(self, source: FrameSource) -> int:
+        """GPU memory an encode of ``source`` holds while it runs (for admission)."""
+        return source.gpu_bytes(self.frames_per_chunk(source.geometry))
+
+    def encode(
+        self,
+        source: FrameSource,
+        path: str | os.PathLike[str],
+        params: EncodeParams,
+        *,
+        cancel: threading.Event | None = None,
+        directory: int | None = None,
+        inspect: Callable[[str], None] | None = None,
+    ) -> Encoded:
+        """Encode ``source`` to ``path``.
+
+        ``directory``: an open fd for ``path``'s directory (the worker's, opened
+        without following links); by default the directory is opened here.
+        ``inspect`` runs on the finished file (by its staged path) before it is
+        renamed into place, and may raise to refuse it.
+        """
+        check_params(params)
+        path = Path(path)
+        if isinstance(params.audio, Path):
+            try:
+                audio = InputFile.open(params.audio)
+            except NotFound as exc:
+                raise NotFound(exc.message, code="audio_missing") from None
+            try:
+                return self.encode(
+                    source,
+                    path,
+                    replace(params, audio=audio),
+                    cancel=cancel,
+                    directory=directory,
+                    inspect=inspect,
+                )
+            finally:
+                audio.close()
+        own = directory is None
+        if directory is None:
+            try:
+                directory = open_directory(path.parent)
+            except (FileNotFoundError, NotADirectoryError) as exc:
+                raise NotFound(
+                    f"output directory {path.parent} does not exist", code="output_dir_missing"
+                ) from exc
+        try:
+            return self._encode(source, path, params, cancel, directory, inspect)
+        finally:
+            if own:
+                os.close(directory)
+
+    def _encode(
+        self,
+        source: FrameSource,
+        path: Path,
+        params: EncodeParams,
+        cancel: threading.Event | None,
+        directory: int,
+        inspect: Callable[[str], None] | None,
+    ) -> Encoded:
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISDIR(os.stat(path.name, dir_fd=directory, follow_symlinks=False).st_mode):
+                raise BadRequest(f"output path {path} is a directory", code="output_is_directory")
+
+        def check() -> None:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("the encode was cancelled")
+
+        g = source.geometry
+        threads = self.threads_for(g.height, params)
+        started = time.perf_counter()
+        route: Route = "stream"
+        fast_error: str | None = None
+        with atomic_output(directory, path.name) as staged:
+            try:
+                self._stream(source, staged, params, threads, check)
+            except (Cancelled, BadRequest):
+                raise  # the caller's fault or wish: the reference route would not help
+            except (MediaError, OSError) as exc:
+                # ffmpeg refusing its input or output (status > 0: bad audio, full disk)
+                # would refuse the reference route too; a killed ffmpeg or a fast-path
+                # syscall failing would not.
+                retry = isinstance(exc, OSError) or exc.code == "ffmpeg_killed"
+                if not (self.fallback and retry):
+                    raise
+                check()
+                route, fast_error = "fallback", str(exc)
+                self._reference(source, staged, params, check)
+            encode_ms = (time.perf_counter() - started) * 1e3
+            size, sha256 = staged.digest()
+            if inspect is not None:
+                inspect(staged.path)
+        return Encoded(
+            path=path,
+            bytes=size,
+            sha256=sha256,
+            frames=g.frames,
+            width=g.width,
+            height=g.height,
+            route=route,
+            threads=threads,
+            encode_ms=encode_ms,
+            fast_path_error=fast_error,
+        )
+
+    def _argv(
+        self, staged: Staged, source: FrameSource, params: EncodeParams, **kw: object
+    ) -> list[str]:
+        g = source.geometry
+        return encode_argv(
+            self.ffmpeg,
+            width=g.width,
+            height=g.height,
+            fps=params.fps,
+            output=staged.path,
+            quality=params.quality,
+            preset=params.preset,
+            audio=None if params.audio is None else _audio(params).ffmpeg_path,
+            **kw,  # type: ignore[arg-type]
+        )
+
+    def _stream(
+        self,
+        source: FrameSource,
+        staged: Staged,
+        params: EncodeParams,
+        threads: int,
+        check: Callable[[], None],
+    ) -> None:
+        g = source.geometry
+        argv = self._argv(staged, source, params, threads=threads)
+        with self._run(argv, staged, params) as ff:
+            assert ff.input is not None
+            try:
+                span = source.zero_copy()
+                if span is not None:
+                    nbytes = g.frames * g.height * g.width * 3
+                    ff.input.send_file(span[0], span[1], nbytes, check)
+                else:
+                    pump_converted(source, ff.input, self.frames_per_chunk(g), check=check)
+            except FfmpegExited as exc:
+                rc = ff.wait(check)
+                raise _failure(ff, rc, f"ffmpeg exited ({rc}) before it had every frame") from exc
+            _finish(ff, check)
+
+    def _reference(
+        self,
+        source: FrameSource,
+        staged: Staged,
+        params: EncodeParams,
+        check: Callable[[], None] = lambda: None,
+    ) -> None:
+        """The in-process path: the whole clip as uint8, piped into imageio-ffmpeg's argv.
+
+        Conversion goes chunk by chunk into the uint8 clip, so the fallback holds
+        one byte per sample, not the float copies of the old path.
+        """
+        g = source.geometry
+        frames = torch.empty((g.frames, g.height, g.width, 3), dtype=torch.uint8)
+        writer = source.chunk_writer()
+        if writer is not None:
+            # The source's own converter (on its GPU), at the streaming route's chunk size:
+            # the GPU memory admitted for this encode was counted at that size.
+            writer.open(None, self.frames_per_chunk(g))
+            try:
+                for t0, t1 in chunk_spans(g.frames, self.frames_per_chunk(g)):
+                    check()
+                    writer.write(lambda t0=t0, t1=t1: frames[t0:t1], t0, t1)
+            finally:
+                writer.close()
+        else:
+            per_chunk = chunk_frames(self.chunk_bytes, g.height, g.width, g.dtype.itemsize)
+            for t0, t1 in chunk_spans(g.frames, per_chunk):
+                check()
+                chunk, owned = source.read(t0, t1)
+                convert_into(chunk, g.layout, frames[t0:t1], inplace=owned)
+        check()
+        argv = self._argv(staged, source, params, threads=params.threads, stdin_name="-")
+        with self._run(argv, staged, params) as ff:
+            assert ff.input is not None
+            try:
+                ff.input.send(memoryview(frames.numpy()).cast("B"), check)
+            except FfmpegExited:
+                pass  # _finish reports ffmpeg's exit status and stderr
+            _finish(ff, check)
+
+    def _run(self, argv: list[str], staged: Staged, params: EncodeParams) -> FfmpegProcess:
+        # The private directory's fd (and the audio's): ffmpeg names them through
+        # /proc/self/fd, so it opens exactly what was judged.
+        fds = (staged.fd,) if params.audio is None else (staged.fd, _audio(params).fd)
+        return FfmpegProcess(argv, pass_fds=fds, stall_s=self.stall_s)
+
+
+def _audio(params: EncodeParams) -> InputFile:
+    assert isinstance(params.audio, InputFile), "encode() opens an audio path first"
+    return params.audio
+
+
+# What ffmpeg prints when the output cannot grow (ENOSPC, EFBIG, EDQUOT).
+_NO_SPACE = ("No space left on device", "File too large", "Disk quota exceeded")
+
+
+def _failure(ff: FfmpegProcess, rc: int, message: str) -> FramewireError:
+    tail = ff.stderr_tail()
+    # SIGXFSZ: ffmpeg ran past RLIMIT_FSIZE without ignoring the signal.
+    if rc == -signal.SIGXFSZ or (rc > 0 and any(s in tail for s in _NO_SPACE)):
+        return InsufficientStorage(
+            f"{message}: the output filesystem is full or the file exceeds a size limit",
+            detail=tail,
+        )
+    if rc > 0 and refused_input(tail):
+        return BadRequest(
+            "the audio input is not an audio file of an allowed format: playlists, concat "
+            "lists and image sequences are not read",
+            code="input_format_refused",
+            detail=tail,
+        )
+    return MediaError(message, code="ffmpeg_killed" if rc < 0 else "ffmpeg_failed", detail=tail)
+
+
+def _finish(ff: FfmpegProcess, check: Callable[[], None]) -> None:
+    rc = ff.wait(check)
+    if rc != 0:
+        raise _failure(ff, rc, f"ffmpeg exited with status {rc}")

@@ -1,0 +1,332 @@
+"""An encode request, end to end: check everything, open the sources, encode, validate.
+
+Every output is checked (paths, sources, sizes) before any encode starts, so a
+bad request writes nothing. Encodes run on worker threads, never on the event
+loop; a client that disconnects cancels them (ffmpeg killed, temp removed), and
+so does a shutdown whose grace period ran out, which answers 503 for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from framewire.client._errors import BadRequest, Cancelled, FramewireError, Unavailable
+from framewire.client._media.process import kill_running
+from framewire.client.wire import (
+    EncodeRequest,
+    ErrorInfo,
+    MediaInfo,
+    OutputResult,
+    Timings,
+)
+from framewire.service._access.paths import (
+    remove_made,
+)
+from framewire.service._access.peers import TRUSTED, Access
+from framewire.service._encode.encoder import Encoded, Encoder
+from framewire.service._encode.prepare import Prepared, Preparer
+from framewire.service._encode.scheduler import Scheduler
+from framewire.service._encode.validate import validate_output
+from framewire.service._ops.metrics import Metrics
+from framewire.service._settings import Settings
+from framewire.service._sources.regions import RegionRegistry
+
+if TYPE_CHECKING:
+    from framewire.service._sources.cuda_ipc import CudaRuntime
+
+DISCONNECT_POLL_S = 0.1
+STOP_WAIT_S = 10.0  # how long a shutdown waits for stopped requests to send their answers
+SHUTTING_DOWN = "the worker is shutting down; the encode was stopped"
+
+log = logging.getLogger("framewire.jobs")
+
+
+class EncodeJobs:
+    def __init__(
+        self,
+        settings: Settings,
+        encoder: Encoder,
+        regions: RegionRegistry,
+        metrics: Metrics,
+        scheduler: Scheduler,
+        cuda: CudaRuntime | None = None,
+    ):
+        self.settings = settings
+        self.encoder = encoder
+        self.metrics = metrics
+        self.scheduler = scheduler
+        self.prepare = Preparer(settings, regions, cuda)
+        # Every admitted encode has its thread; the scheduler, not the pool, limits them.
+        self.pool = ThreadPoolExecutor(
+            max(4, settings.cpu_slots + 2), thread_name_prefix="framewire-encode"
+        )
+        self.stopping = False
+        self._cancels: set[threading.Event] = set()  # one per request in flight
+        self._requests: set[asyncio.Task[object]] = set()  # the tasks serving them
+
+    def _encode_one(self, job: Prepared, validate: bool, cancel: threading.Event) -> OutputResult:
+        started = time.time()
+        g = job.source.geometry
+        validate_ms = 0.0
+        info: MediaInfo | None = None
+
+        def check_file(staged: str) -> None:
+            # Before the rename: a file that fails validation never appears.
+            nonlocal validate_ms, info
+            t0 = time.perf_counter()
+            try:
+                info = validate_output(
+                    Path(staged),
+                    frames=g.frames,
+                    width=g.width,
+                    height=g.height,
+                    fps=job.params.fps,
+                    audio=job.params.audio is not None,
+                )
+            finally:
+                validate_ms = (time.perf_counter() - t0) * 1e3
+
+        encoded: Encoded = self.encoder.encode(
+            job.source,
+            job.path,
+            job.params,
+            cancel=cancel,
+            directory=job.directory,
+            inspect=check_file if validate else None,
+        )
+        if encoded.fast_path_error is not None:
+            log.warning(
+                "output %s was redone on the reference route",
+                job.path,
+                extra={"fast_path_error": encoded.fast_path_error},
+            )
+        self.metrics.encode_seconds.labels(encoded.route).observe(encoded.encode_ms / 1e3)
+        self.metrics.bytes_written.inc(encoded.bytes)
+        if encoded.route == "fallback":
+            self.metrics.fallbacks.inc()
+        return OutputResult(
+            path=str(job.path),
+            ok=True,
+            bytes=encoded.bytes,
+            sha256=encoded.sha256,
+            frames=encoded.frames,
+            width=info.width if info else None,
+            height=info.height if info else None,
+            fps=job.params.fps,
+            duration=info.duration if info else None,
+            audio=info.audio if info else None,
+            route=encoded.route,
+            timings=Timings(
+                encode_ms=encoded.encode_ms,
+                validate_ms=validate_ms,
+                started_at=started,
+                finished_at=time.time(),
+            ),
+        )
+
+    async def run(
+        self,
+        request: EncodeRequest,
+        is_disconnected: Callable[[], Awaitable[bool]],
+        access: Access = TRUSTED,
+    ) -> tuple[int, list[OutputResult]]:
+        """Returns (HTTP status, one result per output in request order).
+
+        The outputs run concurrently as far as the scheduler admits them; a
+        client that goes away cancels the waiting ones and stops the running ones.
+        """
+        paths = [o.path for o in request.outputs]
+        if len(set(paths)) != len(paths):
+            raise BadRequest("two outputs of one request name the same path", code="duplicate_path")
+        if self.stopping:
+            raise Unavailable("the worker is shutting down", code="shutting_down")
+        cancel = threading.Event()
+        me = asyncio.current_task()
+        self._cancels.add(cancel)
+        if me is not None:
+            self._requests.add(me)
+        try:
+            return await self._run(request, is_disconnected, cancel, me, access)
+        finally:
+            self._cancels.discard(cancel)
+            self._requests.discard(me)  # type: ignore[arg-type]
+
+    async def _run(
+        self,
+        request: EncodeRequest,
+        is_disconnected: Callable[[], Awaitable[bool]],
+        cancel: threading.Event,
+        me: asyncio.Task[object] | None,
+        access: Access,
+    ) -> tuple[int, list[OutputResult]]:
+        jobs: list[Prepared] = []
+        outcomes: list[tuple[int, OutputResult]] = []
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                # Every output is judged before any directory is made: a refused
+                # request leaves nothing behind.
+                jobs = [await self.prepare.judge(spec, access, stack) for spec in request.outputs]
+                if len({j.path for j in jobs}) != len(jobs):
+                    raise BadRequest("two outputs resolve to the same file", code="duplicate_path")
+                self.scheduler.admit(len(jobs))
+                for job in jobs:
+                    await self.prepare.place(job, stack)
+                _, outcomes = await self._encode_all(request, jobs, is_disconnected, cancel, me)
+        except BaseException:
+            for job in jobs:
+                remove_made(job.made)
+            raise
+        for job, (_, result) in zip(jobs, outcomes, strict=True):
+            if not result.ok:
+                remove_made(job.made)
+        status = next((s for s, _ in outcomes if s != 200), 200)
+        return status, [r for _, r in outcomes]
+
+    async def _encode_all(
+        self,
+        request: EncodeRequest,
+        jobs: list[Prepared],
+        is_disconnected: Callable[[], Awaitable[bool]],
+        cancel: threading.Event,
+        me: asyncio.Task[object] | None,
+    ) -> tuple[bool, list[tuple[int, OutputResult]]]:
+        """Run every output; returns (stopped by a shutdown, one outcome per output)."""
+        tasks: list[asyncio.Task[tuple[int, OutputResult]]] = []
+        watcher: asyncio.Task[None] | None = None
+        try:
+            tasks = [
+                asyncio.create_task(self._run_one(job, request.validate_, cancel)) for job in jobs
+            ]
+            watcher = asyncio.create_task(self._watch(is_disconnected, cancel, tasks))
+            return False, list(await asyncio.gather(*tasks))
+        except asyncio.CancelledError:
+            # Only the server cancels the request's own task: its grace period ran out.
+            # A client that went away cancels the outputs' tasks, never this one.
+            if me is None or not me.cancelling():
+                raise
+            me.uncancel()
+        finally:
+            # Whatever happened, no encode thread may outlive the sources it reads:
+            # the caller's exit stack closes them next.
+            if watcher is not None:
+                watcher.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return True, [_after_stop(job, task) for job, task in zip(jobs, tasks, strict=True)]
+
+    async def _run_one(
+        self, job: Prepared, validate: bool, cancel: threading.Event
+    ) -> tuple[int, OutputResult]:
+        threads = self.encoder.threads_for(job.source.geometry.height, job.params)
+        gpu = self.encoder.gpu_bytes(job.source)  # conversion temporaries on its GPU
+        self.metrics.queue_waiting.inc()
+        queued = True
+        try:
+            async with self.scheduler.hold(threads, gpu, job.source.gpu_index) as waited:
+                self.metrics.queue_waiting.dec()
+                queued = False
+                self.metrics.queue_seconds.observe(waited)
+                self.metrics.in_flight.inc()
+                try:
+                    result = await self._in_thread(cancel, job, validate)
+                    result.timings.queue_ms = waited * 1e3
+                    status = 200
+                except Cancelled:
+                    raise
+                except FramewireError as exc:
+                    # ffmpeg's stderr tail goes into the log line, with the request's id.
+                    fields = {"code": exc.code} | ({"detail": exc.detail} if exc.detail else {})
+                    log.warning("output %s failed: %s", job.path, exc.message, extra=fields)
+                    result = OutputResult(
+                        path=str(job.path),
+                        ok=False,
+                        error=ErrorInfo(code=exc.code, message=exc.message, detail=exc.detail),
+                        timings=Timings(queue_ms=waited * 1e3),
+                    )
+                    status = exc.status
+                finally:
+                    self.metrics.in_flight.dec()
+        finally:
+            if queued:
+                self.metrics.queue_waiting.dec()
+        self.metrics.outputs.labels("ok" if result.ok else "error").inc()
+        return status, result
+
+    async def _in_thread(
+        self, cancel: threading.Event, job: Prepared, validate: bool
+    ) -> OutputResult:
+        """Run one encode on the pool. If this task is cancelled, the encode is told to stop
+        and awaited: its source must stay open until the thread lets go of it. An encode
+        that completed anyway is a complete output, and is reported as one."""
+        if self.stopping:
+            raise Unavailable("the worker is shutting down", code="shutting_down")
+        # The thread sees this task's context (the request id its log lines carry).
+        context = contextvars.copy_context()
+        future = asyncio.get_running_loop().run_in_executor(
+            self.pool, context.run, self._encode_one, job, validate, cancel
+        )
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            cancel.set()
+            await asyncio.wait([future])
+            if future.cancelled() or future.exception() is not None:
+                raise
+            return future.result()
+
+    async def _watch(
+        self,
+        is_disconnected: Callable[[], Awaitable[bool]],
+        cancel: threading.Event,
+        tasks: list[asyncio.Task[tuple[int, OutputResult]]],
+    ) -> None:
+        while not cancel.is_set():
+            if await is_disconnected():
+                cancel.set()  # running encodes stop at their next chunk
+                for task in tasks:
+                    task.cancel()  # waiting ones leave the queue
+                return
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    async def stop(self, wait: float = STOP_WAIT_S) -> None:
+        """Stop every encode still running or waiting: the grace period is over.
+
+        Their ffmpeg is killed (an encode in ffmpeg's final flush checks nothing), their
+        temp files go with their threads, and their requests get to send a 503 before
+        the pool is shut down.
+        """
+        self.stopping = True
+        for cancel in list(self._cancels):
+            cancel.set()
+        killed = kill_running()
+        if killed:
+            log.warning("shutdown: killed %d ffmpeg process(es) still encoding", killed)
+        current = asyncio.current_task()
+        pending = {t for t in self._requests if t is not current and not t.done()}
+        if pending:
+            await asyncio.wait(pending, timeout=wait)
+        await asyncio.to_thread(self.pool.shutdown, wait=True, cancel_futures=True)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _after_stop(
+    job: Prepared, task: asyncio.Task[tuple[int, OutputResult]]
+) -> tuple[int, OutputResult]:
+    """An output's outcome once a shutdown stopped its request: done, or stopped."""
+    if task.done() and not task.cancelled() and task.exception() is None:
+        return task.result()
+    log.warning("output %s stopped: the worker is shutting down", job.path)
+    error = ErrorInfo(code="shutting_down", message=SHUTTING_DOWN)
+    return Unavailable.status, OutputResult(path=str(job.path), ok=False, error=error)

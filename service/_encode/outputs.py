@@ -1,0 +1,222 @@
+"""Outputs that appear whole or not at all: write aside, fsync, rename.
+
+ffmpeg writes into a private directory (mode 0700) made beside the output, and
+names it through ``/proc/self/fd/<dir fd>``. The directory is reached through
+an fd opened when it was made, never by path again, and nobody else can put a
+file or a link inside it: a directory or link swapped in anywhere along the
+output's path after the worker judged it cannot redirect the write. The
+finished file is then renamed into the output directory, again by fd.
+
+The private directory is ``flock``-ed while it is in use. The lock dies with
+the process, even on SIGKILL, so a later worker can tell an abandoned one from
+one that a live worker (maybe in another PID namespace, sharing the volume) is
+still writing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import re
+import secrets
+import stat
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from framewire.client._errors import FramewireError, MediaError, host_error
+from framewire.client._sharing.shm import pid_alive
+
+# Private directories carry this prefix and the writer's pid, so a restarted
+# worker can tell its own leftovers (from a SIGKILL) from anybody else's files.
+# Requests may not name a path component with this prefix (``paths``), so no
+# request can make a directory the sweep would take for one, nor write into
+# another request's. The output's name is not part of the directory's: a legal
+# 255-byte file name must still fit.
+TEMP_PREFIX = ".framewire-tmp-"
+_TEMP_NAME = re.compile(re.escape(TEMP_PREFIX) + r"(\d+)-[0-9a-f]{16}")
+
+# How far below an output root the startup sweep looks: outputs are usually a
+# few directories deep, and a huge tree must not delay the start.
+SWEEP_DEPTH = 4
+SWEEP_MAX_DIRS = 10_000
+
+# A directory opened as itself, never through a symlink.
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def temp_name() -> str:
+    return f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+
+
+@dataclass(frozen=True)
+class Staged:
+    """Where an output is written before it is renamed into place."""
+
+    fd: int  # the private directory: a child process must inherit it to use ``path``
+    name: str  # the output's own name: ffmpeg picks the muxer from its extension
+
+    @property
+    def path(self) -> str:
+        return f"/proc/self/fd/{self.fd}/{self.name}"
+
+    def digest(self) -> tuple[int, str]:
+        """Size and sha256 of what was written."""
+        fd = os.open(self.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        with open(fd, "rb") as f:
+            return sha256_of(f)
+
+
+def sha256_of(f: BinaryIO) -> tuple[int, str]:
+    """Bytes read from ``f`` to its end, and their sha256."""
+    h = hashlib.sha256()
+    while block := f.read(1 << 20):
+        h.update(block)
+    return f.tell(), h.hexdigest()
+
+
+def _claim(directory: int) -> tuple[str, int]:
+    """Make and lock a fresh private directory in ``directory``; returns its name and fd."""
+    while True:
+        temp = temp_name()
+        os.mkdir(temp, 0o700, dir_fd=directory)
+        fd = os.open(temp, DIR_FLAGS, dir_fd=directory)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            return temp, fd  # no locks on this filesystem: the pid in the name still tells
+        try:
+            if os.stat(temp, dir_fd=directory, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                return temp, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # a sweeper removed it between mkdir and lock: take another name
+
+
+def _empty(fd: int) -> bool:
+    """Remove every file in the directory open at ``fd``; False if it holds a directory."""
+    for entry in os.scandir(fd):
+        if entry.is_dir(follow_symlinks=False):
+            return False  # the worker makes none: not ours to judge
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.name, dir_fd=fd)
+    return True
+
+
+def _discard(directory: int, temp: str, fd: int) -> None:
+    # Whatever ffmpeg wrote, not only the output: the private directory is ours alone.
+    with contextlib.suppress(OSError):
+        _empty(fd)
+    with contextlib.suppress(OSError):  # moved away or filled by someone else: theirs now
+        os.rmdir(temp, dir_fd=directory)
+
+
+@contextlib.contextmanager
+def atomic_output(directory: int, name: str) -> Iterator[Staged]:
+    """Yield where to write ``name``; on success it is renamed into ``directory``.
+
+    ``directory`` is an open directory fd that stays the caller's. On any
+    exception the written file and the private directory are removed.
+    """
+    try:
+        temp, fd = _claim(directory)
+    except OSError as exc:
+        raise _write_error(exc, "cannot create a file in the output directory") from exc
+    try:
+        yield Staged(fd, name)
+        try:
+            written = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            try:
+                os.fsync(written)
+            finally:
+                os.close(written)
+            # By fds on both sides: a link placed at the output's name is replaced, not followed.
+            os.replace(name, name, src_dir_fd=fd, dst_dir_fd=directory)
+        except OSError as exc:
+            raise _write_error(exc, "cannot complete the output") from exc
+    finally:
+        _discard(directory, temp, fd)  # after the rename: only the empty directory
+        os.close(fd)
+    os.fsync(directory)
+
+
+def _write_error(exc: OSError, what: str) -> FramewireError:
+    refused = MediaError(f"{what}: {exc.strerror}", code="output_not_writable")
+    return host_error(exc, what) or refused
+
+
+def open_directory(path: Path) -> int:
+    """An fd for an existing directory (symlinks followed: for callers choosing their own path)."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def _remove_if_abandoned(path: Path) -> bool:
+    """Remove ``path`` if it is a private directory that nobody is writing any more."""
+    found = _TEMP_NAME.fullmatch(path.name)
+    if found is None:
+        return False
+    pid = int(found.group(1))
+    # Our own pid at startup is a previous worker's (pid reuse is the rule in containers).
+    if pid != os.getpid() and pid_alive(pid):
+        return False
+    try:
+        fd = os.open(path, DIR_FLAGS | os.O_NONBLOCK)
+    except OSError:
+        return False  # a symlink, not a directory, or gone already
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
+            return False  # not made by a worker of ours: someone else's look-alike
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a live writer whose pid we cannot see holds it
+        except OSError:
+            pass  # no locks on this filesystem: the dead pid is all there is to go on
+        # Under our lock: a writer racing us sees it gone and takes a new name.
+        if not _empty(fd):
+            return False
+        os.rmdir(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temps(
+    roots: list[str], *, depth: int = SWEEP_DEPTH, max_dirs: int = SWEEP_MAX_DIRS
+) -> list[Path]:
+    """Remove private directories that killed workers left under ``roots``; returns them.
+
+    Only names this module makes, only directories holding no directory, only
+    when their writer's pid is not alive and nobody holds their lock.
+    Directories are walked breadth-first, at most ``depth`` levels below a root
+    and ``max_dirs`` in all; symlinks are not followed.
+    """
+    removed: list[Path] = []
+    queue = deque((Path(root), 0) for root in roots)
+    seen: set[tuple[int, int]] = set()
+    while queue and len(seen) < max_dirs:
+        directory, level = queue.popleft()
+        try:
+            st = os.stat(directory)
+            if (st.st_dev, st.st_ino) in seen:
+                continue  # nested or repeated roots
+            seen.add((st.st_dev, st.st_ino))
+            entries = list(os.scandir(directory))
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.name.startswith(TEMP_PREFIX):
+                if _remove_if_abandoned(Path(entry.path)):
+                    removed.append(Path(entry.path))
+            elif level < depth:
+                with contextlib.suppress(OSError):
+                    if entry.is_dir(follow_symlinks=False):
+                        queue.append((Path(entry.path), level + 1))
+    return removed

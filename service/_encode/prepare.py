@@ -1,0 +1,178 @@
+"""Judging an encode request's outputs before anything is made, then placing them.
+
+Every output is judged first (its path, whether the caller may write there, its
+audio, its source opened and checked), and only then are directories made: a
+refused request leaves nothing behind. Placing an output opens its directory
+without following links and claims its name, so two writers never race for one
+file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from framewire.client._errors import BadRequest, Conflict
+from framewire.client._media.inputs import InputFile
+from framewire.client.wire import (
+    CudaIpcSource,
+    OutputSpec,
+    RegionSource,
+    ShmSource,
+    Source,
+)
+from framewire.service._access.paths import (
+    open_input,
+    open_output_dir,
+    real_roots,
+    resolve_output,
+)
+from framewire.service._access.peers import READ, SEARCH, WRITE, Access
+from framewire.service._encode.encoder import EncodeParams
+from framewire.service._settings import Settings
+from framewire.service._sources.frames import FileSource, FrameSource, Geometry
+from framewire.service._sources.regions import CudaRegion, RegionRegistry, SystemRegion
+from framewire.service._sources.shm import open_shm
+
+if TYPE_CHECKING:
+    from framewire.service._sources.cuda_ipc import CudaRuntime
+
+
+@dataclass
+class Prepared:
+    spec: OutputSpec
+    path: Path
+    source: FrameSource
+    params: EncodeParams
+    directory: int = -1  # fd of path's directory, opened without following links
+    made: list[Path] = field(default_factory=list)  # directories made for it, outermost first
+
+
+def _geometry(src: ShmSource | RegionSource) -> Geometry:
+    return Geometry(src.dtype, src.layout, src.frames, src.height, src.width)
+
+
+class OutputClaims:
+    """The outputs being written now, by (device, directory inode, name).
+
+    Two writers of one file would each rename theirs into place, and the answer
+    of the one renamed first would describe a file that is gone: the second
+    asks while the first writes and gets 409 ``output_busy``. Event loop only.
+    """
+
+    def __init__(self) -> None:
+        self._held: set[tuple[int, int, str]] = set()
+
+    def claim(self, directory: int, name: str, stack: contextlib.AsyncExitStack) -> None:
+        st = os.fstat(directory)
+        key = (st.st_dev, st.st_ino, name)
+        if key in self._held:
+            raise Conflict(
+                f"another encode is writing {name!r} in that directory now", code="output_busy"
+            )
+        self._held.add(key)
+        stack.callback(self._held.discard, key)
+
+
+class Preparer:
+    """Turns an output spec into a :class:`Prepared` job: judged, opened, placed."""
+
+    def __init__(
+        self, settings: Settings, regions: RegionRegistry, cuda: CudaRuntime | None = None
+    ):
+        self.settings = settings
+        self.regions = regions
+        self.cuda = cuda  # None: no usable GPU, cuda_ipc sources are refused
+        self.claims = OutputClaims()
+
+    async def judge(
+        self, spec: OutputSpec, access: Access, stack: contextlib.AsyncExitStack
+    ) -> Prepared:
+        """Everything about one output that can be refused, before anything is made."""
+        # Off the event loop: judging paths is the filesystem's time.
+        path = await asyncio.to_thread(self._judge_path, spec.path, access)
+        audio: InputFile | None = None
+        if spec.audio is not None:
+            audio = await asyncio.to_thread(self._open_input, spec.audio, access)
+            stack.callback(audio.close)
+        source = await self._open_source(spec.source, access, stack)
+        stack.callback(source.close)
+        params = EncodeParams(
+            fps=spec.fps,
+            quality=spec.quality,
+            preset=spec.preset,
+            threads=spec.threads,
+            audio=audio,
+        )
+        return Prepared(spec, path, source, params)
+
+    def _judge_path(self, raw: str, access: Access) -> Path:
+        roots = self.settings.output_roots
+        path = resolve_output(raw, roots)
+        # Where the file, or the first directory made for it, lands: the caller must be
+        # able to write there. (A root gone missing fails the open later: a 503.)
+        parent = _existing(path.parent)
+        if any(parent.is_relative_to(root) for root in real_roots(roots)):
+            access.check_path(parent, real_roots(roots), WRITE | SEARCH, raw)
+        return path
+
+    def _open_input(self, raw: str, access: Access) -> InputFile:
+        roots = self.settings.input_roots
+        opened = open_input(raw, roots)
+        try:
+            access.check_path(Path(opened.name), real_roots(roots), READ, raw, os.fstat(opened.fd))
+        except BaseException:
+            opened.close()
+            raise
+        return opened
+
+    async def _open_source(
+        self, src: Source, access: Access, stack: contextlib.AsyncExitStack
+    ) -> FrameSource:
+        if isinstance(src, ShmSource):
+            # Off the event loop: opening and checking a file is the filesystem's time.
+            return await asyncio.to_thread(self._open_shm, src, access)
+        if isinstance(src, RegionSource):
+            region = await stack.enter_async_context(
+                self.regions.lease(src.region, src.offset, src.byte_size, access)
+            )
+            if isinstance(region, SystemRegion):
+                offset = region.offset + src.offset
+                return FileSource(region.fd, offset, _geometry(src), owns_fd=False)
+            assert isinstance(region, CudaRegion) and self.cuda is not None
+            return self.cuda.region_source(region, src)
+        assert isinstance(src, CudaIpcSource)
+        if self.cuda is None:
+            raise BadRequest(
+                "this worker has no CUDA device; send host memory instead",
+                code="cuda_unavailable",
+            )
+        # Opening a handle is driver work (milliseconds): off the event loop.
+        return await asyncio.to_thread(self.cuda.open_ipc, src)
+
+    def _open_shm(self, src: ShmSource, access: Access) -> FileSource:
+        fd = open_shm(src.key, self.settings.shm_prefixes)
+        try:
+            access.check(os.fstat(fd), READ, f"shm segment {src.key!r}")
+            return FileSource(fd, src.offset, _geometry(src))
+        except BaseException:
+            os.close(fd)
+            raise
+
+    async def place(self, job: Prepared, stack: contextlib.AsyncExitStack) -> None:
+        """Make and open the output's directory and claim its name (all judged before)."""
+        roots = self.settings.output_roots
+        job.directory = await asyncio.to_thread(open_output_dir, job.path, roots, job.made)
+        stack.callback(os.close, job.directory)
+        self.claims.claim(job.directory, job.path.name, stack)
+
+
+def _existing(directory: Path) -> Path:
+    """``directory``, or its nearest ancestor that exists (where new ones would be made)."""
+    while not directory.exists() and directory.parent != directory:
+        directory = directory.parent
+    return directory

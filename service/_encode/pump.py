@@ -1,0 +1,205 @@
+"""The sendfile pump that feeds ffmpeg's stdin from staging, chunk by chunk.
+
+Chunk k+1 is converted (into the other staging slot, ``staging``) while chunk k
+is sent. Conversion walks each chunk in blocks of about ``BLOCK_BYTES`` of source
+data (whole frames, or rows of one frame), so the float temporaries stay in
+cache and each source byte crosses memory once.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import fcntl
+import select
+import termios
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from framewire.client._media.process import FfmpegExited, PipeWriter
+from framewire.service._encode.convert import convert_into
+from framewire.service._encode.staging import ChunkWriter, Staging
+from framewire.service._sources.frames import FrameSource, Geometry
+
+F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
+BLOCK_BYTES = 1 << 20  # source bytes converted at once: fits a core's L2
+DRAIN_POLL_S = 0.001  # how often a writer waiting on a pinned slot looks at the pipe again
+
+
+def pipe_capacity(fd: int) -> int | None:
+    """Bytes a pipe can hold; None if ``fd`` is not a pipe (then assume the worst)."""
+    try:
+        return fcntl.fcntl(fd, F_GETPIPE_SZ)
+    except OSError:
+        return None
+
+
+def reader_gone(fd: int) -> bool:
+    """Whether the read end of the pipe behind write end ``fd`` is closed."""
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+
+
+def pipe_unread(fd: int) -> int:
+    """Bytes written into the pipe behind ``fd`` (either end) that are not read yet."""
+    count = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, count, True)
+    return count[0]
+
+
+def blocks(g: Geometry, t0: int, t1: int) -> Iterator[tuple[int, int, int, int]]:
+    """(t0, t1, r0, r1) blocks covering frames [t0, t1): whole frames, or rows of one frame."""
+    row = 3 * g.width * g.dtype.itemsize
+    frame = row * g.height
+    if frame <= BLOCK_BYTES:
+        step = max(1, BLOCK_BYTES // frame)
+        for a in range(t0, t1, step):
+            yield a, min(a + step, t1), 0, g.height
+        return
+    rows = max(1, BLOCK_BYTES // row)
+    for t in range(t0, t1):
+        for r in range(0, g.height, rows):
+            yield t, t + 1, r, min(r + rows, g.height)
+
+
+def chunk_spans(frames: int, per_chunk: int) -> list[tuple[int, int]]:
+    return [(t0, min(t0 + per_chunk, frames)) for t0 in range(0, frames, per_chunk)]
+
+
+class HostWriter(ChunkWriter):
+    """The CPU converter: cache-sized blocks of what the source's ``read`` returns."""
+
+    def __init__(self, source: FrameSource):
+        self.source = source
+        self.scratch: torch.Tensor | None = None  # float scaling space, for frames not ours
+        self.planes = torch.empty(BLOCK_BYTES, dtype=torch.uint8)  # the cast, pre-interleave
+
+    def write(self, take: Callable[[], torch.Tensor], t0: int, t1: int) -> None:
+        g = self.source.geometry
+        out = take().view(t1 - t0, g.height, g.width, 3)
+        try:
+            for a, b, r0, r1 in blocks(g, t0, t1):
+                block, owned = self.source.read(a, b, r0, r1)
+                if not owned and block.dtype != torch.uint8 and self.scratch is None:
+                    self.scratch = torch.empty(BLOCK_BYTES, dtype=block.dtype)
+                convert_into(
+                    block,
+                    g.layout,
+                    out[a - t0 : b - t0, r0:r1],
+                    scratch=self.scratch,
+                    planes=self.planes,
+                    inplace=owned,
+                )
+        finally:
+            del out  # no view of the mapping may outlive the call
+
+
+class PumpStopped(Exception):
+    """The pump gave up (ffmpeg gone, cancelled) while a writer waited for a slot."""
+
+
+class PipeDrain:
+    """Tells a writer when the pipe's reader has consumed all a slot last sent.
+
+    For pinned slots, which cannot be punched. The reader has consumed at least
+    ``written - unread`` bytes, where ``written`` counts completed sends only: a
+    send still running adds to ``unread`` alone, so the estimate errs low, never high.
+    """
+
+    def __init__(self, fd: int, slots: int):
+        self.fd = fd
+        self.written = 0
+        self.ends = [0] * slots  # ``written`` when each slot's last send completed
+        self._cond = threading.Condition()
+        self._stopped = False
+
+    def sent(self, slot: int, nbytes: int) -> None:
+        with self._cond:
+            self.written += nbytes
+            self.ends[slot] = self.written
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def wait(self, slot: int) -> None:
+        with self._cond:
+            while not self._stopped:
+                if self.written - pipe_unread(self.fd) >= self.ends[slot]:
+                    return
+                # Bytes left in a pipe nobody reads never drain, and the sender waits on us.
+                if reader_gone(self.fd):
+                    raise FfmpegExited("ffmpeg closed its input early")
+                self._cond.wait(DRAIN_POLL_S)
+        raise PumpStopped("the pump stopped")
+
+
+def pump_converted(
+    source: FrameSource,
+    pipe: PipeWriter,
+    per_chunk: int,
+    *,
+    check: Callable[[], None] = lambda: None,
+    writer: ChunkWriter | None = None,
+) -> int:
+    """Convert ``source`` chunk by chunk into staging and sendfile each chunk into ``pipe``.
+
+    Chunk k+1 is converted on a helper thread while chunk k is sent (both
+    release the GIL). Returns the bytes sent. ``check`` runs between chunks and
+    may raise to stop (cancellation). ``writer`` defaults to the source's own
+    converter, else the host one.
+    """
+    g = source.geometry
+    frame_bytes = 3 * g.height * g.width
+    spans = chunk_spans(g.frames, per_chunk)
+    writer = writer or source.chunk_writer() or HostWriter(source)
+    drain: PipeDrain | None = None
+
+    def convert(slot: int, t0: int, t1: int) -> int:
+        nbytes = (t1 - t0) * frame_bytes
+
+        def take() -> torch.Tensor:
+            if drain is None:
+                return staging.slot(slot, nbytes)
+            drain.wait(slot)
+            return staging.slot(slot, nbytes, punch=False)
+
+        writer.write(take, t0, t1)
+        return nbytes
+
+    sent = 0
+    with (
+        Staging(per_chunk * frame_bytes, in_flight=pipe_capacity(pipe.fd)) as staging,
+        ThreadPoolExecutor(1, thread_name_prefix="framewire-convert") as pool,
+    ):
+        pending: Future[int] | None = None
+        try:
+            writer.open(staging, per_chunk)
+            if writer.pinned:
+                drain = PipeDrain(pipe.fd, 2)
+            pending = pool.submit(convert, 0, *spans[0])
+            for i in range(len(spans)):
+                nbytes = pending.result()
+                pending = (
+                    pool.submit(convert, (i + 1) % 2, *spans[i + 1]) if i + 1 < len(spans) else None
+                )
+                check()
+                pipe.send_file(staging.fd, (i % 2) * staging.slot_bytes, nbytes, check)
+                if drain is not None:
+                    drain.sent(i % 2, nbytes)
+                sent += nbytes
+        finally:
+            # The converter writes into the mapping: it must be done before the unmap.
+            if drain is not None:
+                drain.stop()
+            if pending is not None:
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    pending.result()
+            writer.close()
+    return sent

@@ -1,0 +1,142 @@
+"""Admission control for encodes across every request the worker serves.
+
+An encode holds its x264 thread count in CPU slots (capped at the slot count)
+and, for CUDA sources, its conversion temporaries in GPU bytes on the device
+that holds its frames, for as long as it runs. Encodes start in arrival order
+as soon as what they hold fits; the rest wait in a bounded queue. Strict FIFO:
+a big encode at the head is not starved by small ones slipping past it.
+
+GPU bytes are counted per device: a full GPU holds back the encodes of its own
+frames, not those of the host's other GPUs. An encode whose device holds
+nothing of ours starts whatever the budget says (its temporaries are bounded
+by the chunk budget), so a busy GPU slows encodes down but never stalls them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from framewire.client._errors import Overloaded
+
+
+@dataclass
+class _Waiter:
+    cpu: int
+    gpu: int
+    device: int
+    granted: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cpu_slots: int,
+        max_queue: int,
+        *,
+        gpu_budget: Callable[[int], int] | None = None,
+    ):
+        """``gpu_budget(device)`` returns the GPU bytes encodes may hold on that device
+        now (a quarter of its free memory plus what encodes hold there: ``gpu_held``);
+        None when there is no GPU."""
+        self.cpu_slots = cpu_slots
+        self.max_queue = max_queue
+        self.gpu_budget = gpu_budget
+        self.cpu_used = 0
+        self.gpu_used: dict[int, int] = {}  # by device index
+        self.running = 0
+        self._queue: deque[_Waiter] = deque()
+        self._recent_s = 1.0  # moving average of encode time, for Retry-After
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def retry_after(self) -> float:
+        """Seconds until the queue has likely drained by one place per slot group."""
+        rounds = (len(self._queue) + 1) / max(1, self.running)
+        return max(1.0, math.ceil(self._recent_s * rounds))
+
+    def admit(self, count: int) -> None:
+        """Refuse a request of ``count`` encodes that would wait behind a full queue."""
+        would_wait = bool(self._queue) or self.cpu_used >= self.cpu_slots
+        if would_wait and len(self._queue) + count > self.max_queue:
+            raise Overloaded(
+                f"{len(self._queue)} encodes already wait (limit {self.max_queue})",
+                code="queue_full",
+                retry_after=self.retry_after(),
+            )
+
+    def gpu_held(self, device: int) -> int:
+        """GPU bytes that running encodes hold on ``device``."""
+        return self.gpu_used.get(device, 0)
+
+    def _fits(self, cpu: int, gpu: int, device: int) -> bool:
+        if self.cpu_used + cpu > self.cpu_slots and self.running > 0:
+            return False
+        held = self.gpu_held(device)
+        if gpu and held and self.gpu_budget is not None:
+            return held + gpu <= self.gpu_budget(device)
+        return True
+
+    def _grant_waiters(self) -> None:
+        while self._queue:
+            w = self._queue[0]
+            if not w.granted.done() and not self._fits(w.cpu, w.gpu, w.device):
+                return
+            self._queue.popleft()
+            if w.granted.done():  # cancelled while waiting
+                continue
+            self._take(w.cpu, w.gpu, w.device)
+            w.granted.set_result(None)
+
+    def _take(self, cpu: int, gpu: int, device: int) -> None:
+        self.cpu_used += cpu
+        if gpu:
+            self.gpu_used[device] = self.gpu_held(device) + gpu
+        self.running += 1
+
+    def _give(self, cpu: int, gpu: int, device: int, seconds: float) -> None:
+        self.cpu_used -= cpu
+        if gpu:
+            self.gpu_used[device] -= gpu
+            if not self.gpu_used[device]:
+                del self.gpu_used[device]
+        self.running -= 1
+        self._recent_s = 0.8 * self._recent_s + 0.2 * seconds
+        self._grant_waiters()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, cpu: int, gpu: int = 0, device: int = 0) -> AsyncIterator[float]:
+        """Wait for ``cpu`` slots and ``gpu`` bytes on CUDA ``device``; yield the seconds
+        waited; release on exit."""
+        cpu = max(1, min(cpu, self.cpu_slots))
+        started = time.monotonic()
+        if not self._queue and self._fits(cpu, gpu, device):
+            self._take(cpu, gpu, device)
+        else:
+            waiter = _Waiter(cpu, gpu, device)
+            self._queue.append(waiter)
+            try:
+                await waiter.granted
+            except asyncio.CancelledError:
+                if waiter.granted.done() and not waiter.granted.cancelled():
+                    self._give(cpu, gpu, device, 0.0)  # granted just as we were cancelled
+                else:
+                    with contextlib.suppress(ValueError):
+                        self._queue.remove(waiter)
+                    self._grant_waiters()
+                raise
+        waited = time.monotonic() - started
+        run_started = time.monotonic()
+        try:
+            yield waited
+        finally:
+            self._give(cpu, gpu, device, time.monotonic() - run_started)

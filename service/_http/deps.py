@@ -1,0 +1,25 @@
+"""What a route needs from the worker, handed over as FastAPI dependencies."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+from framewire.service._access.peers import Access
+from framewire.service._http.connections import peer_of
+from framewire.service._parts import Parts
+
+
+def parts_of(request: Request) -> Parts:
+    parts: Parts = request.app.state.parts
+    return parts
+
+
+def access_of(request: Request) -> Access:
+    """Whom a request acts for: its peer, and whether it presented the token (when one
+    is set, every request that gets this far did)."""
+    return Access(peer_of(request.scope), trusted=parts_of(request).settings.token is not None)
+
+
+WorkerParts = Annotated[Parts, Depends(parts_of)]
+Caller = Annotated[Access, Depends(access_of)]

@@ -1,0 +1,67 @@
+"""Every refusal as ``{"error", "code"}`` JSON, whoever raises it: framewire, the framework,
+request validation, or something unexpected (then ``500 internal``)."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from framewire.client._errors import FramewireError, host_error
+from framewire.client.wire import refusal
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("framewire.http")
+
+# The codes of the framework's own refusals.
+HTTP_CODES = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+}
+
+
+def error_body(code: str, message: str, detail: object = None) -> dict[str, object]:
+    body: dict[str, object] = {"error": message, "code": code}
+    if detail is not None:
+        body["detail"] = detail
+    return body
+
+
+def error_response(exc: FramewireError) -> JSONResponse:
+    headers = {"Retry-After": f"{exc.retry_after:.0f}"} if exc.retry_after is not None else None
+    return JSONResponse(error_body(exc.code, exc.message, exc.detail), exc.status, headers=headers)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(FramewireError)
+    async def on_framewire_error(request: Request, exc: FramewireError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # The host's own faults (no fd left, a full disk) are named as such, not a 500.
+        mapped = host_error(exc, "the request failed") if isinstance(exc, OSError) else None
+        if mapped is not None:
+            return error_response(mapped)
+        log.error("unexpected error serving %s", request.url.path, exc_info=exc)
+        return JSONResponse(error_body("internal", f"internal error: {type(exc).__name__}"), 500)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = HTTP_CODES.get(
+            exc.status_code, "bad_request" if exc.status_code < 500 else "internal"
+        )
+        headers = getattr(exc, "headers", None)
+        return JSONResponse(error_body(code, str(exc.detail)), exc.status_code, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = list(exc.errors())
+        refused = refusal(errors)
+        detail = [{"loc": e.get("loc"), "msg": e.get("msg"), "type": e.get("type")} for e in errors]
+        return JSONResponse(error_body(refused.code, refused.message, detail), 400)

@@ -1,0 +1,65 @@
+"""Health, readiness, what the worker is, and its metrics."""
+
+from __future__ import annotations
+
+import subprocess
+
+import anyio
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, PlainTextResponse
+from framewire.client import __version__
+from framewire.service._http.deps import WorkerParts
+from framewire.service._ops.limits import cgroup_cpu_limit
+from framewire.service._ops.versions import ffmpeg_version
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    # On the event loop, needing no thread: it answers while every pool thread is busy.
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(parts: WorkerParts) -> JSONResponse:
+    def ffmpeg_runs() -> bool:
+        try:
+            argv = [parts.encoder.ffmpeg, "-hide_banner", "-version"]
+            return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+
+    ok = await anyio.to_thread.run_sync(ffmpeg_runs)
+    return JSONResponse({"ready": ok}, 200 if ok else 503)
+
+
+@router.get("/v1/info")
+def info(parts: WorkerParts) -> dict[str, object]:
+    settings, cuda = parts.settings, parts.cuda
+    return {
+        "version": __version__,
+        "ffmpeg": parts.encoder.ffmpeg,
+        "ffmpeg_version": ffmpeg_version(parts.encoder.ffmpeg),
+        "device": "cuda" if cuda else "cpu",
+        "cuda": cuda.info() if cuda else None,  # devices and their memory figures
+        "limits": {
+            "chunk_bytes": settings.chunk_bytes,
+            "cpu_slots": settings.cpu_slots,
+            "max_queue": settings.max_queue,
+            "decode_cache_bytes": settings.decode_cache_bytes,
+            "max_decode_bytes": settings.max_decode_bytes,
+            "cgroup_cpu_quota": cgroup_cpu_limit(),
+        },
+        "sockets": {"uds": str(settings.uds), "fd_socket": str(settings.fd_socket)},
+        "output_roots": settings.output_roots,
+        "input_roots": settings.input_roots,
+        "shm_prefixes": settings.shm_prefixes,
+    }
+
+
+@router.get("/metrics")
+def prometheus(parts: WorkerParts) -> PlainTextResponse:
+    registry = parts.metrics.registry
+    return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,118 @@
+"""Plain ASGI middleware: request counting, body limits and timeouts, the bearer token.
+
+Plain ASGI on purpose: Starlette's BaseHTTPMiddleware wraps ``receive`` and hides
+client disconnects from the endpoints, which need them to cancel encodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+
+from fastapi.responses import JSONResponse
+from framewire.service._http.errors import error_body
+from framewire.service._ops.metrics import Metrics
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+# Routes that answer without the bearer token: probes by orchestrators.
+OPEN_ROUTES = frozenset({"/healthz", "/readyz"})
+
+
+class RequestCounter:
+    """Counts requests by route template and status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.requests.labels(route, str(status)).inc()
+
+
+class BodyGuard:
+    """Request bodies: at most ``limit`` bytes, and no read waits more than ``idle_s``.
+
+    Over the limit is 413 ``body_too_large`` as JSON (framework limiters answer in
+    plain text): a declared Content-Length over it is refused before anything is
+    read; a body without one (chunked) fails its read once it passes the limit. A
+    body that stops arriving fails its read after ``idle_s`` with 408
+    ``request_timeout``, and the connection is closed. Once the body is complete,
+    reads only wait for a disconnect and have no bound: an encode may take long.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int, idle_s: float):
+        self.app = app
+        self.limit = limit
+        self.idle_s = idle_s
+        self.message = f"the request body is over {limit} bytes (FRAMEWIRE_MAX_BODY_BYTES)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            response = JSONResponse(error_body("body_too_large", self.message), 413)
+            await response(scope, receive, send)
+            return
+        seen = 0
+        complete = False
+
+        async def guarded() -> Message:
+            nonlocal seen, complete
+            if complete:
+                return await receive()
+            try:
+                async with asyncio.timeout(self.idle_s):
+                    message = await receive()
+            except TimeoutError:
+                raise StarletteHTTPException(
+                    408,
+                    f"no request body bytes for {self.idle_s:g} s (FRAMEWIRE_IDLE_TIMEOUT_S)",
+                    headers={"connection": "close"},
+                ) from None
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise StarletteHTTPException(413, self.message)
+                complete = not message.get("more_body", False)
+            return message
+
+        await self.app(scope, guarded, send)
+
+
+class BearerAuth:
+    """Every route but ``OPEN_ROUTES`` needs ``Authorization: Bearer <token>`` when a token
+    is set: the API, ``/metrics``, and the docs and schema (``/docs``, ``/openapi.json``)."""
+
+    def __init__(self, app: ASGIApp, token: str | None):
+        self.app = app
+        self.expected = None if token is None else f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.expected is None or scope["path"] in OPEN_ROUTES:
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("authorization", "").encode("latin-1", "replace")
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        body = error_body("unauthorized", "missing or wrong bearer token")
+        await JSONResponse(body, 401, headers={"www-authenticate": "Bearer"})(scope, receive, send)

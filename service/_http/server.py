@@ -1,0 +1,80 @@
+"""The uvicorn server the worker runs its app on, and the signals that stop it."""
+
+from __future__ import annotations
+
+import signal
+import socket
+from collections.abc import Awaitable, Callable
+from types import FrameType
+
+import uvicorn
+from framewire.service._http.connections import protocol_class
+from framewire.service._settings import Settings
+from uvicorn.config import LOG_LEVELS
+
+DrainHook = Callable[[], Awaitable[None]]
+
+
+class StopSignals:
+    """SIGTERM and SIGINT handlers for the whole life of ``serve``, uvicorn's run apart.
+
+    uvicorn re-raises a signal it handled, once it has shut down, to the handler
+    that was in place before it started: that is this one, which only takes note,
+    so a graceful stop exits with status 0 (orchestrators read a signal death as a
+    crash). A signal that arrives before uvicorn runs (while the app is built)
+    makes it stop as soon as it has started.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.server: uvicorn.Server | None = None
+        self._previous: dict[int, object] = {}
+
+    def _note(self, sig: int, frame: FrameType | None) -> None:
+        self.requested = True
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def __enter__(self) -> StopSignals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    def watch(self, server: uvicorn.Server) -> None:
+        self.server = server
+        if self.requested:
+            server.should_exit = True
+
+
+class Server(uvicorn.Server):
+    """uvicorn, with ``on_drain`` run first when a shutdown begins.
+
+    Listeners uvicorn does not own stop accepting too; uvicorn then waits up to
+    the config's ``timeout_graceful_shutdown`` for requests in flight and cancels
+    the rest.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_drain: DrainHook | None = None):
+        super().__init__(config)
+        self.on_drain = on_drain
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.on_drain is not None:
+            await self.on_drain()
+        await super().shutdown(sockets)
+
+
+def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
+    level = LOG_LEVELS[settings.log_level.lower()]
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        log_level=level,
+        log_config=None,  # configure_logging did it: one format for every logger
+        lifespan="on",
+        http=protocol_class(settings.idle_timeout_s, settings.max_connections),
+        timeout_graceful_shutdown=settings.shutdown_grace,  # type: ignore[arg-type]
+    )

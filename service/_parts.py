@@ -1,0 +1,45 @@
+"""The worker's parts, built once from its settings: what the routes and sockets serve from.
+
+Building them finds and warms the GPUs (a CUDA context and the conversion kernels,
+so the first request pays for neither).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from framewire.service._decode.decoder import ReferenceDecoder
+from framewire.service._decode.fdserver import FdServer
+from framewire.service._encode.encoder import Encoder
+from framewire.service._encode.jobs import EncodeJobs
+from framewire.service._encode.scheduler import Scheduler
+from framewire.service._ops.metrics import Metrics
+from framewire.service._settings import Settings
+from framewire.service._sources.cuda_ipc import CudaRuntime
+from framewire.service._sources.regions import RegionRegistry
+
+
+@dataclass(frozen=True)
+class Parts:
+    settings: Settings
+    encoder: Encoder
+    metrics: Metrics
+    cuda: CudaRuntime | None  # None without a usable GPU: cuda_ipc sources are refused
+    regions: RegionRegistry
+    scheduler: Scheduler
+    jobs: EncodeJobs
+    fd_server: FdServer
+
+    @classmethod
+    def build(cls, settings: Settings) -> Parts:
+        encoder = Encoder.from_settings(settings)
+        metrics = Metrics()
+        cuda = CudaRuntime.start()
+        regions = RegionRegistry(settings.shm_prefixes, cuda, max_regions=settings.max_regions)
+        scheduler = Scheduler(settings.cpu_slots, settings.max_queue)
+        if cuda is not None:
+            scheduler.gpu_budget = cuda.gpu_budget(scheduler.gpu_held)
+        jobs = EncodeJobs(settings, encoder, regions, metrics, scheduler, cuda)
+        decoder = ReferenceDecoder(settings, encoder.ffmpeg, metrics)
+        fd_server = FdServer(settings, decoder, metrics)
+        return cls(settings, encoder, metrics, cuda, regions, scheduler, jobs, fd_server)

@@ -1,0 +1,82 @@
+"""Worker configuration: every field is a ``FRAMEWIRE_*`` variable and a ``serve`` flag."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+from framewire.client._fdsocket import runtime_dir
+from framewire.service._ops.limits import usable_memory
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+CommaList = Annotated[list[str], NoDecode]
+
+
+def _eighth_of_memory() -> int:
+    return usable_memory() // 8
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FRAMEWIRE_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=7700, ge=0, le=65535)
+    uds: Path = Field(default_factory=lambda: runtime_dir() / "api.sock")
+    fd_socket: Path = Field(default_factory=lambda: runtime_dir() / "fd.sock")
+    output_roots: CommaList = Field(default_factory=lambda: ["./outputs"])
+    input_roots: CommaList = Field(default_factory=lambda: ["./inputs"])
+    shm_prefixes: CommaList = Field(default_factory=lambda: ["/framewire", "/torch_"])
+    token: str | None = None
+    ffmpeg: str | None = None
+    chunk_bytes: int = Field(default=128 << 20, ge=1)
+    cpu_slots: int = Field(default_factory=lambda: len(os.sched_getaffinity(0)), ge=1)
+    max_queue: int = Field(default=64, ge=0)
+    # An encode request is a few hundred bytes an output; anything near this is not one.
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    decode_cache_bytes: int = Field(default_factory=_eighth_of_memory, ge=0)
+    # One decode's frames: a long reference at a large size must not take the host's RAM.
+    max_decode_bytes: int = Field(default_factory=_eighth_of_memory, ge=1)
+    allowed_uids: Annotated[list[int], NoDecode] = Field(default_factory=lambda: [os.getuid()])
+    allowed_gids: Annotated[list[int], NoDecode] = Field(default_factory=list)
+    fallback: bool = True
+    log_level: str = "info"
+    log_format: Literal["plain", "json"] = "plain"
+    # Seconds a SIGTERM waits for requests in flight before stopping what still runs.
+    shutdown_grace: float = Field(default=30.0, ge=0)
+    # An ffmpeg run (encode, decode) that makes no progress this long is killed.
+    stall_timeout_s: float = Field(default=60.0, gt=0)
+    # A connection (HTTP or fd socket) that does not complete a request's headers (or
+    # line), or stops sending a body, for this long is closed.
+    idle_timeout_s: float = Field(default=30.0, gt=0)
+    # Open connections per listener kind (HTTP, fd socket); past it new ones are refused.
+    max_connections: int = Field(default=256, ge=1)
+    # Registered shared-memory regions (each holds a file descriptor).
+    max_regions: int = Field(default=1024, ge=1)
+
+    @field_validator("token")
+    @classmethod
+    def _usable_token(cls, v: str | None) -> str | None:
+        # An empty token would lock every caller out without a word; spaces and control
+        # characters cannot survive an Authorization header.
+        if v is not None and (not v or any(c.isspace() or not c.isprintable() for c in v)):
+            raise ValueError(
+                "FRAMEWIRE_TOKEN is set but empty or holds spaces or control characters: "
+                "unset it, or give it a printable value"
+            )
+        return v
+
+    @field_validator("output_roots", "input_roots", "shm_prefixes", mode="before")
+    @classmethod
+    def _split(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    @field_validator("allowed_uids", "allowed_gids", mode="before")
+    @classmethod
+    def _split_ints(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [int(p) for p in v.split(",") if p.strip()]
+        return v

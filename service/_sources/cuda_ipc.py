@@ -1,0 +1,296 @@
+"""CUDA tensors of other processes, opened from their IPC handles, and the worker's GPUs.
+
+Devices are matched by UUID (indices differ between processes). A handle is
+opened with torch's own IPC machinery with two departures. The producer's IPC
+reference counter is never touched: the producer releases it once the worker
+has answered, so a request refused before the open strands no GPU memory, and
+the worker never writes into a shared-memory file that a request names. The
+producer's event, when it sent one, is opened as a torch Event that is
+destroyed with the source instead of leaking one per request.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+from framewire.client._errors import BadRequest, Forbidden, FramewireError, NotFound
+from framewire.client.wire import (
+    IPC_HANDLE_BYTES,
+    CudaIpcSource,
+    DType,
+    RegionSource,
+    contiguous_strides,
+    normalize_uuid,
+)
+from framewire.service._encode.convert import TORCH_DTYPES
+from framewire.service._sources.cuda_convert import (
+    CudaTensorSource,
+    CudaWriter,
+    cuda_available,
+    first_line,
+)
+from framewire.service._sources.regions import CudaRegion
+
+log = logging.getLogger("framewire.cuda")
+
+# Passed where torch wants the producer's ref-counter file: shm_open refuses a name
+# with an inner slash, so the release torch attempts when the storage dies is a no-op.
+NO_REF_COUNTER = b"/framewire-none/none"
+CUDA_ERROR_NOT_FOUND = 500
+TORCH_MALLOC_HANDLE = b"c"  # the type byte of torch's handles to plain cudaMalloc memory
+TORCH_EXPANDABLE_HANDLE = b"e"  # ... and to its expandable segments (cuMemCreate memory)
+
+
+# ----------------------------------------------------------------------------- handles
+
+
+@functools.cache
+def _address_range_fn() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.c_uint64,
+    ]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+def _allocation_of(pointer: int) -> tuple[int, int] | None:
+    """(base, size) of the device allocation holding ``pointer``; None when unknown."""
+    fn = _address_range_fn()
+    if fn is None:
+        return None
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    if fn(ctypes.byref(base), ctypes.byref(size), pointer) != 0:
+        return None
+    return base.value, size.value
+
+
+def check_allocation(storage: torch.UntypedStorage, handle: bytes, nbytes: int) -> None:
+    """Refuse a storage that runs past the end of the allocation it starts in.
+
+    Reading past it would be an illegal address, which leaves the worker's CUDA
+    context unusable for good. Asked of the driver only for plain cudaMalloc
+    handles (CUDA's own 64 bytes, or torch's with its version and type bytes):
+    for torch's expandable segments the driver describes one mapped piece only.
+    """
+    plain = len(handle) == IPC_HANDLE_BYTES or (
+        len(handle) == IPC_HANDLE_BYTES + 2 and handle[1:2] == TORCH_MALLOC_HANDLE
+    )
+    if not plain:
+        return
+    start = storage.data_ptr()
+    found = _allocation_of(start)
+    if found is None:
+        return
+    base, size = found
+    if start + nbytes > base + size:
+        raise BadRequest(
+            f"the storage claims {nbytes} bytes at offset {start - base} of an allocation "
+            f"of {size} bytes",
+            code="cuda_tensor_out_of_bounds",
+        )
+
+
+def open_storage(device: int, handle: bytes, size: int, offset: int = 0) -> torch.UntypedStorage:
+    """Map ``size`` bytes at ``offset`` of another process's allocation on ``device``."""
+    with torch.cuda.device(device):
+        try:
+            storage = torch.UntypedStorage._new_shared_cuda(
+                device, handle, size, offset, NO_REF_COUNTER, 0, b"", False
+            )
+        except RuntimeError as exc:
+            raise open_error(handle, exc) from None
+        check_allocation(storage, handle, size)
+    return storage
+
+
+def open_error(handle: bytes, exc: RuntimeError) -> FramewireError:
+    """What a handle that torch could not open is answered with.
+
+    Expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` in the
+    producer) are shared as file descriptors that the importer takes out of the
+    producer with ``pidfd_open``/``pidfd_getfd``. That needs the producer's PID
+    namespace and ptrace rights over it, which a default container or Yama's
+    ptrace_scope 1 denies: a deployment matter, answered as one.
+    """
+    why, text = first_line(exc), str(exc)
+    if handle[1:2] == TORCH_EXPANDABLE_HANDLE and "pidfd" in text:
+        if "not permitted" in text:
+            return Forbidden(
+                "the tensor lies in a torch expandable segment, whose memory the worker "
+                "must take from the producer process with pidfd_getfd, and it may not: "
+                "give the worker CAP_SYS_PTRACE (and the producer's PID namespace), or "
+                f"allocate the video outside expandable segments: {why}",
+                code="cuda_ipc_not_permitted",
+            )
+        return BadRequest(
+            "the tensor lies in a torch expandable segment, and its producer process is "
+            "not visible to the worker (it exited, or runs in another PID namespace: "
+            f"share the worker's): {why}",
+            code="cuda_handle_invalid",
+        )
+    return BadRequest(
+        "cannot open the CUDA IPC handle (freed, from another host or container, "
+        f"or not for this GPU): {why}",
+        code="cuda_handle_invalid",
+    )
+
+
+def tensor_on(
+    storage: torch.UntypedStorage,
+    dtype: DType,
+    offset: int,
+    shape: list[int],
+    strides: list[int],
+) -> torch.Tensor:
+    """A tensor viewing ``storage`` (``offset`` in elements), never reaching past it."""
+    last = offset + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+    need = (last + 1) * dtype.itemsize
+    if min(strides) < 0 or need > storage.nbytes():
+        raise BadRequest(
+            f"shape {shape}, stride {strides} and offset {offset} of {dtype} reach byte "
+            f"{need} of a storage of {storage.nbytes()}",
+            code="cuda_tensor_out_of_bounds",
+        )
+    empty = torch.empty(0, dtype=TORCH_DTYPES[dtype], device=storage.device)
+    try:
+        return empty.set_(storage, offset, shape, strides)
+    except RuntimeError as exc:
+        raise BadRequest(first_line(exc), code="cuda_tensor_out_of_bounds") from None
+
+
+# ----------------------------------------------------------------------------- the runtime
+
+
+class CudaRuntime:
+    """The worker's GPUs, found and warmed once at start, matched by UUID."""
+
+    def __init__(self) -> None:
+        torch.cuda.init()
+        self.devices: dict[str, int] = {
+            normalize_uuid(torch.cuda.get_device_properties(i).uuid): i
+            for i in range(torch.cuda.device_count())
+        }
+
+    @classmethod
+    def start(cls) -> CudaRuntime | None:
+        """The runtime, warmed up, or None without a usable GPU."""
+        if not cuda_available():
+            return None
+        try:
+            runtime = cls()
+            runtime.warm()
+        except RuntimeError as exc:
+            # Host encodes do not need the GPU: serve them, and refuse CUDA sources.
+            log.warning("CUDA is present but unusable, serving without it: %s", exc)
+            return None
+        for uuid, index in sorted(runtime.devices.items(), key=lambda kv: kv[1]):
+            name = torch.cuda.get_device_name(index)
+            log.info("CUDA device cuda:%d %s (GPU-%s) ready", index, name, uuid)
+        return runtime
+
+    def warm(self) -> None:
+        """Create each device's context and load the conversion kernels now, so the first
+        request pays for neither; then forget the warm-up in the peak-memory figures."""
+        for index in self.devices.values():
+            with torch.cuda.device(index):
+                for dtype in TORCH_DTYPES.values():
+                    x = torch.zeros((3, 2, 8, 8), dtype=dtype, device=index)
+                    out = torch.empty((2, 8, 8, 3), dtype=torch.uint8)
+                    writer = CudaWriter(CudaTensorSource(x))
+                    writer.open(None, 2)
+                    try:
+                        writer.write(lambda out=out: out, 0, 2)
+                    finally:
+                        writer.close()
+                torch.cuda.synchronize(index)
+                torch.cuda.reset_peak_memory_stats(index)
+
+    def device_index(self, uuid: str) -> int:
+        try:
+            return self.devices[normalize_uuid(uuid)]
+        except (KeyError, ValueError):
+            seen = ", ".join(sorted(self.devices)) or "none"
+            raise NotFound(
+                f"no GPU with UUID {uuid} is visible to the worker (it sees: {seen})",
+                code="cuda_device_not_found",
+            ) from None
+
+    def open_ipc(self, src: CudaIpcSource) -> CudaTensorSource:
+        """The producer's tensor, mapped on the same GPU here."""
+        index = self.device_index(src.device_uuid)
+        event = None
+        event_handle = src.event_bytes
+        if event_handle is not None:
+            try:
+                with torch.cuda.device(index):
+                    event = torch.cuda.Event.from_ipc_handle(
+                        torch.device("cuda", index), event_handle
+                    )
+            except RuntimeError as exc:
+                raise BadRequest(
+                    f"cannot open the producer's CUDA event: {first_line(exc)}",
+                    code="cuda_handle_invalid",
+                ) from None
+        storage = open_storage(
+            index, src.handle_bytes, src.storage_size_bytes, src.storage_offset_bytes
+        )
+        tensor = tensor_on(storage, src.dtype, src.tensor_offset, src.shape, src.strides)
+        return CudaTensorSource(tensor, src.layout, event=event)
+
+    def open_region(self, handle: bytes, device_id: int, byte_size: int) -> torch.UntypedStorage:
+        """A Triton-style CUDA region: ``byte_size`` bytes from the start of the allocation."""
+        if not 0 <= device_id < torch.cuda.device_count():
+            raise NotFound(
+                f"no CUDA device {device_id} (the worker sees {torch.cuda.device_count()})",
+                code="cuda_device_not_found",
+            )
+        return open_storage(device_id, handle, byte_size)
+
+    def region_source(self, region: CudaRegion, src: RegionSource) -> CudaTensorSource:
+        itemsize = src.dtype.itemsize
+        if src.offset % itemsize:
+            raise BadRequest(
+                f"offset {src.offset} is not a multiple of the {src.dtype} size {itemsize}",
+                code="bad_offset",
+            )
+        strides = contiguous_strides(src.shape)
+        tensor = tensor_on(region.storage, src.dtype, src.offset // itemsize, src.shape, strides)
+        return CudaTensorSource(tensor, src.layout)
+
+    def free_bytes(self, index: int) -> int:
+        """Free memory on device ``index``, counting blocks our cache holds unused."""
+        driver_free, _ = torch.cuda.mem_get_info(index)
+        cached = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+        return int(driver_free + cached)
+
+    def gpu_budget(self, held: Callable[[int], int]) -> Callable[[int], int]:
+        """What the scheduler may admit on a device: a quarter of its free memory plus
+        what encodes already hold there (``held``)."""
+        return lambda index: self.free_bytes(index) // 4 + held(index)
+
+    def info(self) -> dict[str, object]:
+        devices = []
+        for uuid, index in sorted(self.devices.items(), key=lambda kv: kv[1]):
+            props = torch.cuda.get_device_properties(index)
+            devices.append(
+                {
+                    "index": index,
+                    "name": props.name,
+                    "uuid": uuid,
+                    "total_bytes": props.total_memory,
+                    "free_bytes": torch.cuda.mem_get_info(index)[0],
+                    "memory_allocated": torch.cuda.memory_allocated(index),
+                    "max_memory_allocated": torch.cuda.max_memory_allocated(index),
+                }
+            )
+        return {"devices": devices}

@@ -1,0 +1,221 @@
+"""Where frames come from: an in-process tensor, or bytes behind a file descriptor.
+
+A source hands out chunks over T in its own layout. File-backed sources (POSIX
+shared memory, an .npy file) are read with ``pread`` into a buffer the encoder
+owns instead of being mapped: a client that truncates its segment mid-encode
+then yields a short read, an error, instead of a SIGBUS that kills the worker.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from framewire.client._errors import BadRequest
+from framewire.client.wire import DType, Layout
+from framewire.service._encode.convert import TORCH_DTYPES, WIRE_DTYPES, slice_frames
+from framewire.service._encode.staging import ChunkWriter
+
+
+@dataclass
+class Geometry:
+    dtype: DType
+    layout: Layout
+    frames: int
+    height: int
+    width: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.layout.shape(self.frames, self.height, self.width)
+
+    @property
+    def nbytes(self) -> int:
+        return 3 * self.frames * self.height * self.width * self.dtype.itemsize
+
+
+def tensor_geometry(tensor: torch.Tensor, layout: Layout | str) -> Geometry:
+    """The geometry of a clip tensor in ``layout``, or the 4xx that says why it is none."""
+    if tensor.dtype not in WIRE_DTYPES:
+        raise BadRequest(f"unsupported dtype {tensor.dtype}", code="bad_dtype")
+    layout = Layout(layout)
+    try:
+        channels, frames, height, width = layout.dims(tuple(tensor.shape))
+    except ValueError as exc:
+        raise BadRequest(str(exc), code="bad_shape") from exc
+    if channels != 3 or frames < 1:
+        raise BadRequest(
+            f"shape {list(tensor.shape)} is not a 3-channel clip in {layout}", code="bad_shape"
+        )
+    return Geometry(WIRE_DTYPES[tensor.dtype], layout, frames, height, width)
+
+
+class FrameSource:
+    """What the encoder reads. Subclasses fill in ``read``."""
+
+    geometry: Geometry
+    gpu_index = 0  # the CUDA device that ``gpu_bytes`` are held on
+
+    def read(
+        self, t0: int, t1: int, r0: int = 0, r1: int | None = None
+    ) -> tuple[torch.Tensor, bool]:
+        """Frames [t0, t1), rows [r0, r1), in the source layout, and whether the caller may
+        scale them in place. A partial row range is asked for one frame at a time."""
+        raise NotImplementedError
+
+    def zero_copy(self) -> tuple[int, int] | None:
+        """(fd, offset) of contiguous THWC uint8 bytes that can be sent as they are."""
+        return None
+
+    def chunk_writer(self) -> ChunkWriter | None:
+        """A converter of its own (a GPU source converts where its frames are); None: the
+        host converts what ``read`` returns."""
+        return None
+
+    def gpu_bytes(self, frames_per_chunk: int) -> int:
+        """GPU memory its conversion holds at ``frames_per_chunk`` frames a chunk."""
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class TensorSource(FrameSource):
+    """A CPU torch tensor or numpy array, used where it lies (never copied whole)."""
+
+    def __init__(self, data: torch.Tensor | np.ndarray, layout: Layout | str = Layout.CTHW):
+        tensor = torch.from_numpy(np.asarray(data)) if isinstance(data, np.ndarray) else data
+        if tensor.device.type != "cpu":
+            raise BadRequest("TensorSource takes CPU tensors", code="bad_device")
+        self.geometry = tensor_geometry(tensor, layout)
+        self.tensor = tensor
+
+    def read(
+        self, t0: int, t1: int, r0: int = 0, r1: int | None = None
+    ) -> tuple[torch.Tensor, bool]:
+        x = slice_frames(self.tensor, self.geometry.layout, t0, t1)
+        if r0 == 0 and r1 in (None, self.geometry.height):
+            return x, False
+        rows = slice(r0, r1)
+        layout = self.geometry.layout
+        return (x[:, :, rows] if layout is not Layout.THWC else x[:, rows]), False
+
+
+class FileSource(FrameSource):
+    """Bytes at ``offset`` of an open file (a shm segment, an .npy body), C-contiguous."""
+
+    def __init__(self, fd: int, offset: int, geometry: Geometry, *, owns_fd: bool = True):
+        self.fd = fd
+        self.offset = offset
+        self.geometry = geometry
+        self.owns_fd = owns_fd
+        self._buffer: torch.Tensor | None = None
+        size = os.fstat(fd).st_size
+        if offset + geometry.nbytes > size:
+            raise BadRequest(
+                f"the segment holds {size} bytes; the descriptor needs "
+                f"{offset + geometry.nbytes} (offset {offset} + {geometry.nbytes})",
+                code="segment_too_small",
+            )
+
+    def _runs(self, t0: int, t1: int, r0: int, r1: int) -> list[tuple[int, int]]:
+        """(file offset, length) of each contiguous run holding the block, in tensor order."""
+        g = self.geometry
+        item = g.dtype.itemsize
+        row = g.width * item  # one row of one plane (planar layouts) ...
+        plane = g.height * row
+        full = r0 == 0 and r1 == g.height
+        if g.layout is Layout.THWC:
+            frame = 3 * plane
+            if full:
+                return [(self.offset + t0 * frame, (t1 - t0) * frame)]
+            return [(self.offset + t0 * frame + 3 * r0 * row, 3 * (r1 - r0) * row)]
+        if g.layout is Layout.CTHW:
+            channel = g.frames * plane
+            if full:
+                return [
+                    (self.offset + c * channel + t0 * plane, (t1 - t0) * plane) for c in range(3)
+                ]
+            return [
+                (self.offset + c * channel + t0 * plane + r0 * row, (r1 - r0) * row)
+                for c in range(3)
+            ]
+        frame = 3 * plane  # TCHW
+        if full:
+            return [(self.offset + t0 * frame, (t1 - t0) * frame)]
+        return [
+            (self.offset + t0 * frame + c * plane + r0 * row, (r1 - r0) * row) for c in range(3)
+        ]
+
+    def read(
+        self, t0: int, t1: int, r0: int = 0, r1: int | None = None
+    ) -> tuple[torch.Tensor, bool]:
+        g = self.geometry
+        r1 = g.height if r1 is None else r1
+        shape = g.layout.shape(t1 - t0, r1 - r0, g.width)
+        numel = 3 * (t1 - t0) * (r1 - r0) * g.width
+        if self._buffer is None or self._buffer.numel() < numel:
+            self._buffer = torch.empty(numel, dtype=TORCH_DTYPES[g.dtype])
+        out = self._buffer[:numel]
+        raw = out.view(torch.uint8).numpy()
+        pos = 0
+        for offset, length in self._runs(t0, t1, r0, r1):
+            view = memoryview(raw[pos : pos + length])
+            got = 0
+            while got < length:
+                n = os.preadv(self.fd, [view[got:]], offset + got)
+                if n == 0:
+                    raise BadRequest(
+                        "the shared-memory segment shrank while it was being read",
+                        code="segment_truncated",
+                    )
+                got += n
+            pos += length
+        return out.view(shape), True
+
+    def zero_copy(self) -> tuple[int, int] | None:
+        g = self.geometry
+        if g.dtype is DType.uint8 and g.layout is Layout.THWC:
+            return self.fd, self.offset
+        return None
+
+    def close(self) -> None:
+        self._buffer = None
+        if self.owns_fd and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def open_npy(path: str | os.PathLike[str], layout: Layout | str = Layout.CTHW) -> FileSource:
+    """An .npy file as a FileSource: the header is parsed, the body is read in chunks."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        readers = {
+            (1, 0): np.lib.format.read_array_header_1_0,
+            (2, 0): np.lib.format.read_array_header_2_0,
+        }
+        if version not in readers:
+            raise BadRequest(f"{path}: .npy format {version} is not supported", code="bad_npy")
+        shape, fortran, dtype = readers[version](f)
+        offset = f.tell()
+    if fortran:
+        raise BadRequest(f"{path}: Fortran-ordered arrays are not supported", code="bad_layout")
+    try:
+        wire = DType(str(dtype))
+    except ValueError as exc:
+        raise BadRequest(f"{path}: unsupported dtype {dtype}", code="bad_dtype") from exc
+    layout = Layout(layout)
+    try:
+        channels, frames, height, width = layout.dims(tuple(shape))
+    except ValueError as exc:
+        raise BadRequest(f"{path}: {exc}", code="bad_shape") from exc
+    if channels != 3:
+        raise BadRequest(f"{path}: shape {shape} is not 3-channel in {layout}", code="bad_shape")
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return FileSource(fd, offset, Geometry(wire, layout, frames, height, width))
+    except BaseException:
+        os.close(fd)
+        raise

@@ -1,0 +1,99 @@
+"""The worker: its sockets, its parts and its lifetime, from start to a clean stop.
+
+``Worker.run`` is what ``framewire serve`` does: bind every socket (or refuse to
+start, touching nothing, when another worker holds them), build the parts (the
+GPUs are warmed here), serve HTTP with uvicorn and the fd socket beside it
+until SIGTERM/SIGINT, drain, stop what still runs past the grace period, and
+release everything. ``start``, ``drain`` and ``stop`` are its three steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from framewire.client._sharing.shm import remove_abandoned_segments
+from framewire.service._encode.outputs import remove_stale_temps
+from framewire.service._http.app import create_app
+from framewire.service._http.server import Server, StopSignals, uvicorn_config
+from framewire.service._ops.limits import cpu_quota_note, exposure_note, raise_open_files_limit
+from framewire.service._ops.logs import configure_logging
+from framewire.service._parts import Parts
+from framewire.service._settings import Settings
+from framewire.service._sockets import Listeners, UnixListener
+from uvicorn.config import LOG_LEVELS
+
+log = logging.getLogger("framewire.worker")
+
+
+class Worker:
+    """One framewire worker. ``Worker(settings).run()`` serves until a signal."""
+
+    def __init__(self, settings: Settings | None = None):
+        self.settings = settings or Settings()
+        self.parts: Parts | None = None
+        self.app: FastAPI | None = None
+        self._fd_listener: UnixListener | None = None
+
+    def build(self, fd_listener: UnixListener | None = None) -> FastAPI:
+        """Build the parts and the app serving them; the fd socket will serve on
+        ``fd_listener`` (else on a socket bound at start)."""
+        self.parts = Parts.build(self.settings)
+        self._fd_listener = fd_listener
+        self.app = create_app(self.parts, lifespan=self._lifespan)
+        return self.app
+
+    def _built(self) -> Parts:
+        if self.parts is None:
+            raise RuntimeError("Worker.build() first")
+        return self.parts
+
+    @asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        await self.start()
+        try:
+            yield
+        finally:
+            await self.stop()
+
+    async def start(self) -> None:
+        """Sweep what killed workers and clients left, warn about the host, open the fd socket."""
+        parts, settings = self._built(), self.settings
+        for path in remove_stale_temps(settings.output_roots):
+            log.warning("removed %s, left by a worker that was killed", path)
+        for key in remove_abandoned_segments():
+            log.warning("removed shm segment %s, left by a client that was killed", key)
+        for note in (cpu_quota_note(settings.cpu_slots), exposure_note(settings)):
+            if note:
+                log.warning(note)
+        await parts.fd_server.start(self._fd_listener)
+
+    async def drain(self) -> None:
+        """A shutdown began: the fd socket stops accepting (HTTP is uvicorn's to drain)."""
+        await self._built().fd_server.stop_accepting()
+
+    async def stop(self) -> None:
+        """Stop everything still running (the grace period is over) and release it all."""
+        parts = self._built()
+        try:
+            # The server has drained what finished within the grace period; the rest
+            # is stopped before the fd server and the regions those requests use.
+            await parts.jobs.stop()
+            await parts.fd_server.close()
+        finally:
+            parts.regions.close()
+            parts.jobs.close()
+
+    def run(self) -> None:
+        """Bind, build, serve until SIGTERM/SIGINT, stop. Raises ``AlreadyServed`` (another
+        worker holds the sockets) or ``OSError`` (a socket cannot be bound) before
+        anything else is touched."""
+        configure_logging(self.settings.log_format, LOG_LEVELS[self.settings.log_level.lower()])
+        raise_open_files_limit()
+        with StopSignals() as stop, Listeners(self.settings) as listeners:
+            app = self.build(listeners.fd)
+            server = Server(uvicorn_config(app, self.settings), on_drain=self.drain)
+            stop.watch(server)
+            server.run(sockets=listeners.http)
