@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/decode.py [--ranks 8] [--seconds 5] [--json OUT]
 
 A 1920x1080 30 fps source (testsrc2 with temporal noise, libx264) is made once in
-a temp dir. Every rank decodes it to 1344x768 at 24 fps with the DESIGN §4 argv:
+a temp dir. Every rank decodes it to 1344x768 at 24 fps with the reference-decode argv
+(docs/byte-exactness.md):
 
   one decode      one process, ffmpeg's rgb24 read from its stdout (the yardstick:
                   what every rank does today)
@@ -19,7 +20,7 @@ with every page touched. Memory is the sum over ranks of the growth of their
 proportional set size (Pss, /proc/PID/smaps_rollup), measured while all of them
 still hold their frames: shared pages count once in total, not once per rank.
 Every rank's frames are hashed; all variants must give the same bytes.
-See DESIGN.md section 8 for the goals.
+The goals are in benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ All three pass the same x264 thread count, so their outputs must be byte-identic
 "Peak extra" is the worker's resident memory (RssAnon + RssFile + RssShmem),
 sampled every 5 ms during the encode, above a sample taken just before it; the
 imageio path's mapped input is touched before that sample, so it is not counted.
-See DESIGN.md section 8 for the goals.
+The goals are in benchmarks/README.md.
 """
 
 from __future__ import annotations

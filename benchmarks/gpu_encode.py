@@ -23,7 +23,7 @@ Measured in this process on the same clip:
 
 "Peak GPU MiB" is torch.cuda.max_memory_allocated: the worker's over its whole
 life (reported by /v1/info), and the naive path's above the clip itself.
-See DESIGN.md section 8 for the goals.
+The goals are in benchmarks/README.md.
 """
 
 from __future__ import annotations

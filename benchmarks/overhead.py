@@ -5,7 +5,7 @@
 1. A 16x16, 4-frame float32 clip: the same encode in-process (Encoder over a
    TensorSource) and through a worker over its Unix socket with the Python
    client (frames copied into shm, HTTP, encode, validation). The overhead is
-   the difference of the medians. Goal (DESIGN §8): <= 5 ms.
+   the difference of the medians. Goal: <= 5 ms (benchmarks/README.md).
 2. A 1344x768 float32 clip of --frames frames already in a POSIX shm segment:
    bare ffmpeg reading the converted rgb24 from /dev/shm, against one
    `POST /v1/videos:encode` of the segment (the worker reads it with pread,
@@ -39,7 +39,7 @@ from framewire.client._media.process import resolve_ffmpeg  # noqa: E402
 from framewire.service._encode.encoder import EncodeParams, Encoder  # noqa: E402
 from framewire.service._sources.frames import TensorSource  # noqa: E402
 
-from tests.worker import start_worker  # noqa: E402
+from tests.support.worker import start_worker  # noqa: E402
 
 
 def sha256(path: Path) -> str:

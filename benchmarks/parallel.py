@@ -7,7 +7,7 @@ One 1344x768 float32 clip sits in a POSIX shm segment; each output encodes it.
 request with every output, and the worker's scheduler runs them side by side as
 far as its CPU slots (the affinity set) allow. Every encode pins the same x264
 thread count (default: half the CPUs, so two encodes fit), so both ways produce
-the same bytes. Goal (DESIGN §8): 2 outputs <= 0.6x serial wall on a host with
+the same bytes. Goal (benchmarks/README.md): 2 outputs <= 0.6x serial wall on a host with
 >= 8 free cores.
 """
 
@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE))
 import harness  # noqa: E402
 from encode import write_clip  # noqa: E402
 
-from tests.worker import start_worker  # noqa: E402
+from tests.support.worker import start_worker  # noqa: E402
 
 HEIGHT, WIDTH = 768, 1344
 

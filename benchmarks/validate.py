@@ -18,7 +18,7 @@ Encodes the clip of benchmarks/encode.py (moving gradients and a little noise,
                     the same, one thread per output, as the outputs of one
                     request are validated (PyAV releases the GIL meanwhile)
 
-Goal (DESIGN §8): validating 4 outputs in <= 10 ms.
+Goal (benchmarks/README.md): validating 4 outputs in <= 10 ms.
 """
 
 from __future__ import annotations

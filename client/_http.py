@@ -122,10 +122,11 @@ class _BaseClient:
         self.fd_socket = fd_socket  # None: FRAMEWIRE_FD_SOCKET, else the worker's default
         # One knob for both sockets: an fd-socket request may wait as long as an HTTP read.
         self.fd_timeout = timeout.read if isinstance(timeout, httpx.Timeout) else timeout
+        self._uds: str | None = None
         if url.startswith("unix://"):
             self._base_url, self._uds = "http://framewire", url.removeprefix("unix://")
         else:
-            self._base_url, self._uds = url.rstrip("/"), None
+            self._base_url = url.rstrip("/")
         self._client_args: dict[str, Any] = {
             "base_url": self._base_url,
             "headers": {"authorization": f"Bearer {token}"} if token else {},

@@ -37,13 +37,13 @@ def probe(source: str | os.PathLike[str] | InputFile, *, pixel_format: bool = Tr
 
 def _probe(source: InputFile, pixel_format: bool) -> MediaInfo:
     path = source.name
-    stream_options = None if pixel_format else [NO_DECODING]
+    stream_options = None if pixel_format else [NO_DECODING]  # one dict per stream
     try:
         with av.open(
             source.ffmpeg_path,
             metadata_errors="ignore",
             container_options=GUARD,
-            stream_options=stream_options,
+            stream_options=stream_options,  # type: ignore[arg-type]  # the stub says list[str]
         ) as container:
             videos = container.streams.video
             if not videos:

@@ -65,7 +65,8 @@ class Worker:
             log.warning("removed %s, left by a worker that was killed", path)
         for key in remove_abandoned_segments():
             log.warning("removed shm segment %s, left by a client that was killed", key)
-        for note in (cpu_quota_note(settings.cpu_slots), exposure_note(settings)):
+        exposure = exposure_note(settings.host, settings.port, settings.token)
+        for note in (cpu_quota_note(settings.cpu_slots), exposure):
             if note:
                 log.warning(note)
         await parts.fd_server.start(self._fd_listener)

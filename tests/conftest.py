@@ -1,135 +1,64 @@
+"""The fixtures every suite shares; the helpers behind them live in tests.support."""
+
 from __future__ import annotations
 
-import hashlib
+import itertools
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
-import imageio.v2 as imageio
-import imageio_ffmpeg
-import numpy as np
 import pytest
-import torch
-from framewire.client.wire import Layout
 
-FFMPEG = imageio_ffmpeg.get_ffmpeg_exe()
-
-
-def sha256(path: str | os.PathLike[str]) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def make_clip(
-    frames: int = 6,
-    height: int = 48,
-    width: int = 64,
-    dtype: torch.dtype = torch.float32,
-    layout: Layout = Layout.CTHW,
-    seed: int = 0,
-) -> torch.Tensor:
-    """A deterministic float clip in [0, 1] (or uint8) with structure and noise."""
-    g = torch.Generator().manual_seed(seed)
-    t = torch.linspace(0, 1, frames).view(1, frames, 1, 1)
-    y = torch.linspace(0, 1, height).view(1, 1, height, 1)
-    x = torch.linspace(0, 1, width).view(1, 1, 1, width)
-    c = torch.tensor([0.2, 0.5, 0.8]).view(3, 1, 1, 1)
-    clip = (0.5 + 0.35 * torch.sin(6 * x + 4 * y + 3 * t + c * 5)).expand(3, frames, height, width)
-    clip = (clip + 0.08 * torch.rand(3, frames, height, width, generator=g)).clamp(0, 1)
-    clip = (clip * 255).to(torch.uint8) if dtype == torch.uint8 else clip.to(dtype)
-    if layout is Layout.TCHW:
-        clip = clip.permute(1, 0, 2, 3)
-    elif layout is Layout.THWC:
-        clip = clip.permute(1, 2, 3, 0)
-    return clip.contiguous()
-
-
-def reference_uint8(clip: torch.Tensor | np.ndarray, layout: Layout) -> np.ndarray:
-    """The in-process conversion, written out here independently of framewire's code."""
-    x = torch.from_numpy(clip) if isinstance(clip, np.ndarray) else clip
-    if x.dtype != torch.uint8:
-        x = (x * 255).clamp(0, 255).to(torch.uint8)
-    perm = {Layout.CTHW: (1, 2, 3, 0), Layout.TCHW: (0, 2, 3, 1), Layout.THWC: (0, 1, 2, 3)}
-    return x.permute(*perm[layout]).contiguous().numpy()
-
-
-def reference_mp4(
-    clip: torch.Tensor | np.ndarray,
-    path: Path,
-    *,
-    layout: Layout = Layout.CTHW,
-    fps: float = 24,
-    quality: int = 5,
-    preset: str = "fast",
-    threads: int | None = None,
-    audio: Path | None = None,
-) -> str:
-    """The oracle: imageio.mimsave exactly as DESIGN §3 states it. Returns its sha256."""
-    frames = reference_uint8(clip, layout)
-    output_params = ["-preset", preset]
-    if threads is not None:
-        output_params += ["-threads", str(threads)]
-    kwargs: dict[str, object] = {}
-    if audio is not None:
-        kwargs = {"audio_path": str(audio), "audio_codec": "aac"}
-    imageio.mimsave(
-        str(path),
-        list(frames),
-        fps=fps,
-        codec="libx264",
-        quality=quality,
-        output_params=output_params,
-        **kwargs,
-    )
-    return sha256(path)
+from tests.support.media import FFMPEG
+from tests.support.processes import child_pids, framewire_temps
+from tests.support.segments import Segments
+from tests.support.worker import Worker, Workers
 
 
 @pytest.fixture(scope="session")
 def wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One second of a 440 Hz tone, mono, 22050 Hz."""
     path = tmp_path_factory.mktemp("audio") / "tone.wav"
     subprocess.run(
-        [
-            FFMPEG,
-            "-v",
-            "error",
-            "-f",
-            "lavfi",
-            "-i",
-            "sine=frequency=440:duration=1",
-            "-ac",
-            "1",
-            "-ar",
-            "22050",
-            str(path),
-        ],
+        [FFMPEG, "-v", "error", "-f", "lavfi", "-i", "sine=frequency=440:duration=1",
+         "-ac", "1", "-ar", "22050", str(path)],
         check=True,
-    )
+    )  # fmt: skip
     return path
 
 
-def child_pids(pid: int | str = "self") -> set[int]:
-    """Children of ``pid``, less torch's shm manager daemon (it lives as long as torch)."""
-    pids: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            pids.update(int(p) for p in (task / "children").read_text().split())
-        except OSError:
-            pass
-    return {p for p in pids if not _comm(p).startswith("torch_shm_manag")}
+@pytest.fixture
+def segments() -> Iterator[Segments]:
+    """POSIX shm segments for this test, unlinked after it."""
+    made = Segments()
+    yield made
+    made.remove()
 
 
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[Workers]:
+    """Start workers for this test (``workers.start(*flags)``); stopped after it, exit 0."""
+    count = itertools.count()
+    started = Workers(lambda: tmp_path / f"worker{next(count)}")
+    yield started
+    started.stop_all()
 
 
-def framewire_temps(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if p.name.startswith(".framewire-tmp-")]
+@pytest.fixture(scope="module")
+def worker(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Worker]:
+    """The module's worker, started with the module's ``WORKER_ARGS`` (flags of
+    ``framewire serve``) and shared by its tests; it must stop with status 0."""
+    args = tuple(getattr(request.module, "WORKER_ARGS", ()))
+    started = Workers(lambda: tmp_path_factory.mktemp("worker"))
+    yield started.start(*args)
+    started.stop_all()
 
 
 @pytest.fixture(autouse=True)
-def no_leaks(tmp_path: Path):
+def no_leaks(tmp_path: Path) -> Iterator[None]:
     """Every test: no ffmpeg child, no temp output, no memfd left behind."""
 
     def memfds() -> int:
@@ -146,7 +75,3 @@ def no_leaks(tmp_path: Path):
     assert child_pids() - before_children == set(), "child processes left running"
     assert framewire_temps(tmp_path) == [], "temp outputs left behind"
     assert memfds() <= before_memfds, "memfds left open"
-
-
-# Last: it imports tests.worker, which needs child_pids above.
-from tests.requests import shm_clip  # noqa: E402, F401  (a fixture for every suite)

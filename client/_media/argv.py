@@ -99,7 +99,7 @@ def encode_argv(
     stdin_name: str = "pipe:0",
     guard: bool = True,
 ) -> list[str]:
-    """The encode command of DESIGN §3.
+    """The encode command of docs/byte-exactness.md.
 
     ``stdin_name="-"`` with ``threads=None`` and ``guard=False`` is exactly
     imageio-ffmpeg's ``write_frames`` command for ``mimsave(..., codec="libx264",
@@ -138,7 +138,7 @@ def decode_argv(
     out_fd: int = 1,
     guard: bool = True,
 ) -> list[str]:
-    """The reference-decode command of DESIGN §4, writing rgb24 to ``pipe:{out_fd}``.
+    """The reference-decode command of docs/byte-exactness.md, writing rgb24 to ``pipe:{out_fd}``.
 
     ``guard`` adds the input's protocol and demuxer whitelist (the worker and the
     local fallback always do: the same command either way).

@@ -1,4 +1,4 @@
-"""The reference decode of DESIGN §4, run straight into a sealed memfd.
+"""The reference decode (docs/byte-exactness.md), run straight into a sealed memfd.
 
 The worker and the client's local fallback both decode through :class:`DecodeRun`,
 so a rank gets the same bytes (and the same checks) whichever way it got them.

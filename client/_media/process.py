@@ -58,7 +58,7 @@ def resolve_ffmpeg(configured: str | None = None) -> str:
             "no ffmpeg: set FRAMEWIRE_FFMPEG or install imageio-ffmpeg", code="ffmpeg_missing"
         ) from exc
     try:
-        return imageio_ffmpeg.get_ffmpeg_exe()
+        return str(imageio_ffmpeg.get_ffmpeg_exe())
     except RuntimeError as exc:
         raise Unavailable(str(exc), code="ffmpeg_missing") from exc
 
@@ -157,6 +157,14 @@ class PipeWriter:
             view = view[n:]
 
 
+def _tail(fd: int, limit: int) -> str:
+    if fd < 0:
+        return ""
+    size = os.fstat(fd).st_size
+    start = max(0, size - limit)
+    return os.pread(fd, size - start, start).decode("utf-8", "replace").strip()
+
+
 def cpu_ticks(pid: int) -> int | None:
     """User plus system CPU time of ``pid`` in clock ticks; None once it cannot be read."""
     try:
@@ -185,6 +193,7 @@ class FfmpegProcess(Closing):
         argv: Sequence[str],
         *,
         stdin: bool = True,
+        stdout: bool = False,
         pass_fds: Sequence[int] = (),
         stall_s: float | None = None,
         file_size_limit: int | None = None,
@@ -192,17 +201,19 @@ class FfmpegProcess(Closing):
         self.argv = list(argv)
         self.stall_s = stall_s
         self._stderr = os.memfd_create("framewire-ffmpeg-stderr", os.MFD_CLOEXEC)
+        # stdout, when it is wanted (``-version``), goes to a memfd too, for the same reason.
+        self._stdout = os.memfd_create("framewire-ffmpeg-stdout", os.MFD_CLOEXEC) if stdout else -1
         try:
             self.proc = subprocess.Popen(
                 self.argv,
                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
+                stdout=self._stdout if stdout else subprocess.DEVNULL,
                 stderr=self._stderr,
                 close_fds=True,
                 pass_fds=tuple(pass_fds),
             )
         except OSError as exc:
-            os.close(self._stderr)
+            self._close_memfds()
             raise Unavailable(
                 f"cannot run ffmpeg {self.argv[0]!r}: {exc.strerror or exc}", code="ffmpeg_missing"
             ) from exc
@@ -268,11 +279,18 @@ class FfmpegProcess(Closing):
                 self.proc.kill()
 
     def stderr_tail(self, limit: int = STDERR_TAIL) -> str:
-        if self._stderr < 0:
-            return ""
-        size = os.fstat(self._stderr).st_size
-        start = max(0, size - limit)
-        return os.pread(self._stderr, size - start, start).decode("utf-8", "replace").strip()
+        return _tail(self._stderr, limit)
+
+    def stdout_text(self, limit: int = STDERR_TAIL) -> str:
+        """The end of what ffmpeg printed on stdout (``stdout=True``)."""
+        return _tail(self._stdout, limit)
+
+    def _close_memfds(self) -> None:
+        for name in ("_stderr", "_stdout"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
 
     def close(self) -> None:
         """Kill if still running, reap, release the stderr memfd. Idempotent."""
@@ -281,6 +299,4 @@ class FfmpegProcess(Closing):
         self.proc.wait()
         with _running_lock:
             _running.discard(self)
-        if self._stderr >= 0:
-            os.close(self._stderr)
-            self._stderr = -1
+        self._close_memfds()

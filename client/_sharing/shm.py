@@ -40,7 +40,7 @@ def _torch_shm_key(video: Any) -> tuple[str, int] | None:
 
     if not (video.is_shared() and video.is_contiguous()):
         return None
-    if tmp.get_sharing_strategy() != "file_system":
+    if tmp.get_sharing_strategy() != "file_system":  # type: ignore[no-untyped-call]
         return None
     storage = video.untyped_storage()
     _, name, _ = storage._share_filename_cpu_()
@@ -70,11 +70,16 @@ def shared(video: Any, *, layout: Layout | str | None = None) -> Iterator[ShmSou
     dtype = wire_dtype(video)
     lay = guess_layout(shape, dtype is DType.uint8, layout)
     nbytes = int(np.prod(shape)) * dtype.itemsize
-    fields = {"dtype": dtype, "shape": list(shape), "layout": lay, "byte_size": nbytes}
+
+    def source(key: str, offset: int = 0) -> ShmSource:
+        return ShmSource(
+            key=key, offset=offset, dtype=dtype, shape=list(shape), layout=lay, byte_size=nbytes
+        )
+
     if is_torch(video):
         existing = _torch_shm_key(video)
         if existing is not None:
-            yield ShmSource(key=existing[0], offset=existing[1], **fields)
+            yield source(*existing)
             return
     global _swept
     if not _swept:
@@ -90,7 +95,7 @@ def shared(video: Any, *, layout: Layout | str | None = None) -> Iterator[ShmSou
         os.ftruncate(fd, max(nbytes, 1))
         with mmap.mmap(fd, nbytes) as m:
             np.frombuffer(m, np.uint8)[:] = as_bytes(video).reshape(-1)
-        yield ShmSource(key=key, **fields)
+        yield source(key)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

@@ -61,7 +61,10 @@ def as_bytes(video: Any) -> np.ndarray[Any, np.dtype[np.uint8]]:
         t = video.contiguous()
         import torch
 
-        return t.view(torch.uint8).numpy() if t.dtype != torch.uint8 else t.numpy()
+        raw: np.ndarray[Any, np.dtype[np.uint8]] = (
+            t.view(torch.uint8).numpy() if t.dtype != torch.uint8 else t.numpy()
+        )
+        return raw
     return np.ascontiguousarray(video).view(np.uint8)
 
 

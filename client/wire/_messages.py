@@ -201,7 +201,7 @@ def error_code(errors: Sequence[Any]) -> str:
         return str(first["type"])
     if first.get("type") in ("union_tag_invalid", "union_tag_not_found"):
         return "bad_source_kind"
-    for part in reversed(first.get("loc", ())):  # type: ignore[arg-type]
+    for part in reversed(first.get("loc", ())):
         if isinstance(part, str) and part in FIELD_CODES:
             return FIELD_CODES[part]
     return "bad_request"
@@ -211,7 +211,7 @@ def error_code(errors: Sequence[Any]) -> str:
 
 
 class DecodeRequest(WireModel):
-    """One reference decode: a video file and the decode parameters of DESIGN §4."""
+    """One reference decode: a video file and the decode parameters (docs/byte-exactness.md)."""
 
     op: Literal["decode"] = "decode"
     path: str = Field(min_length=1, max_length=4096)

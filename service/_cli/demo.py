@@ -201,7 +201,7 @@ def _rank(
             client.decode_reference(path, fps=fps, width=width, height=height) as ref,
         ):
             ms = _ms(started)
-            digest = hashlib.sha256(ref.frames).hexdigest()
+            digest = hashlib.sha256(ref.frames.data).hexdigest()
             outcome = RankOutcome(
                 rank, os.getpid(), ms, ref.source, ref.cached, ref.shape[0], digest
             )

@@ -76,11 +76,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_result(r: object) -> None:
-    print(
-        f"{r.path}: {r.frames} frames, {r.bytes} bytes, sha256 {r.sha256}, "  # type: ignore[attr-defined]
-        f"route {r.route}"  # type: ignore[attr-defined]
-    )
+def _print_result(
+    path: object, frames: object, size: object, sha256: object, route: object
+) -> None:
+    print(f"{path}: {frames} frames, {size} bytes, sha256 {sha256}, route {route}")
 
 
 @contextlib.contextmanager
@@ -123,7 +122,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
             result = client.save_video(
                 frames, str(args.output.absolute()), audio=audio, layout=args.layout, **params
             )
-        _print_result(result)
+        _print_result(result.path, result.frames, result.bytes, result.sha256, result.route)
         return 0
 
     from framewire.service._encode.convert import single_threaded_conversion
@@ -135,10 +134,10 @@ def cmd_encode(args: argparse.Namespace) -> int:
     encoder = Encoder.from_settings(settings)
     source = open_npy(args.input, args.layout)
     try:
-        result = encoder.encode(source, args.output, EncodeParams(audio=args.audio, **params))
+        encoded = encoder.encode(source, args.output, EncodeParams(audio=args.audio, **params))
     finally:
         source.close()
-    _print_result(result)
+    _print_result(encoded.path, encoded.frames, encoded.bytes, encoded.sha256, encoded.route)
     return 0
 
 
@@ -177,7 +176,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     ) as ref:
         if args.output is not None:
             np.save(args.output, ref.frames)
-        digest = hashlib.sha256(ref.frames).hexdigest()
+        digest = hashlib.sha256(ref.frames.data).hexdigest()
         print(
             f"{args.input}: {ref.shape[0]} frames of {width}x{height}, {ref.nbytes} bytes, "
             f"sha256 {digest}, from {ref.source}"

@@ -1,4 +1,4 @@
-"""The fd socket (DESIGN §5.2): reference decodes answered with a sealed memfd.
+"""The fd socket (docs/api.md): reference decodes answered with a sealed memfd.
 
 A Unix stream socket served on the worker's event loop. A request is one JSON
 line; a reply is a 4-byte big-endian length, a JSON header and, for a decode,
@@ -124,9 +124,14 @@ async def send_reply(conn: socket.socket, reply: DecodeReply, fd: int | None = N
 
 
 async def _writable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
-    ready = loop.create_future()
+    ready: asyncio.Future[None] = loop.create_future()
     fileno = conn.fileno()
-    loop.add_writer(fileno, lambda: ready.done() or ready.set_result(None))
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_writer(fileno, wake)
     try:
         await ready
     finally:

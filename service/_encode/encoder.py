@@ -9,6 +9,7 @@ produces the same bytes. Either way the file appears only when complete.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import stat
@@ -290,7 +291,7 @@ class Encoder:
             try:
                 for t0, t1 in chunk_spans(g.frames, self.frames_per_chunk(g)):
                     check()
-                    writer.write(lambda t0=t0, t1=t1: frames[t0:t1], t0, t1)
+                    writer.write(functools.partial(frames.__getitem__, slice(t0, t1)), t0, t1)
             finally:
                 writer.close()
         else:
@@ -304,7 +305,7 @@ class Encoder:
         with self._run(argv, staged, params) as ff:
             assert ff.input is not None
             try:
-                ff.input.send(memoryview(frames.numpy()).cast("B"), check)
+                ff.input.send(frames.numpy().data.cast("B"), check)
             except FfmpegExited:
                 pass  # _finish reports ffmpeg's exit status and stderr
             _finish(ff, check)

@@ -158,7 +158,8 @@ class EncodeJobs:
             return await self._run(request, is_disconnected, cancel, me, access)
         finally:
             self._cancels.discard(cancel)
-            self._requests.discard(me)  # type: ignore[arg-type]
+            if me is not None:
+                self._requests.discard(me)
 
     async def _run(
         self,

@@ -184,6 +184,7 @@ def pump_converted(
                 drain = PipeDrain(pipe.fd, 2)
             pending = pool.submit(convert, 0, *spans[0])
             for i in range(len(spans)):
+                assert pending is not None  # submitted for every span
                 nbytes = pending.result()
                 pending = (
                     pool.submit(convert, (i + 1) % 2, *spans[i + 1]) if i + 1 < len(spans) else None

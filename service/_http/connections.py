@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from collections.abc import MutableMapping
 from typing import Any
 
 from framewire.service._access.peers import Peer, tcp_peer, unix_peer
@@ -51,7 +52,7 @@ class PeerLookup:
         return self._peer
 
 
-def peer_of(scope: dict[str, Any]) -> Peer | None:
+def peer_of(scope: MutableMapping[str, Any]) -> Peer | None:
     """The caller of a request, if its connection could tell."""
     lookup = (scope.get("extensions") or {}).get(PEER_KEY)
     return lookup.get() if isinstance(lookup, PeerLookup) else None

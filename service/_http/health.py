@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import anyio
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse
 from framewire.client import __version__
 from framewire.service._http.deps import WorkerParts
 from framewire.service._ops.limits import cgroup_cpu_limit
-from framewire.service._ops.versions import ffmpeg_version
+from framewire.service._ops.versions import ffmpeg_runs, ffmpeg_version
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 router = APIRouter()
@@ -24,14 +22,7 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(parts: WorkerParts) -> JSONResponse:
-    def ffmpeg_runs() -> bool:
-        try:
-            argv = [parts.encoder.ffmpeg, "-hide_banner", "-version"]
-            return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            return False
-
-    ok = await anyio.to_thread.run_sync(ffmpeg_runs)
+    ok = await anyio.to_thread.run_sync(ffmpeg_runs, parts.encoder.ffmpeg)
     return JSONResponse({"ready": ok}, 200 if ok else 503)
 
 

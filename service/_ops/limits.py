@@ -14,10 +14,6 @@ import os
 import resource
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from framewire.service._settings import Settings
 
 PROC_CGROUP = Path("/proc/self/cgroup")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -44,6 +40,7 @@ def _cgroup_files(
         if len(fields) != 3:
             continue
         _, controllers, path = fields
+        places: list[tuple[Path, tuple[str, ...]]]
         if controllers == "":
             places = [(root, (v2_name,)), (root / "unified", (v2_name,))]
         elif v1_controller in controllers.split(","):
@@ -108,19 +105,19 @@ def cpu_quota_note(cpu_slots: int) -> str | None:
     )
 
 
-def exposure_note(settings: Settings) -> str | None:
+def exposure_note(host: str, port: int, token: str | None) -> str | None:
     """A warning when HTTP listens beyond loopback with no bearer token: callers there
     cannot be identified, so they are refused host memory and files, and anyone who
     can reach the port may still write outputs."""
     try:
-        loopback = ipaddress.ip_address(settings.host).is_loopback
+        loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
-        loopback = settings.host == "localhost"
-    if loopback or settings.token is not None:
+        loopback = host == "localhost"
+    if loopback or token is not None:
         return None
     return (
-        f"HTTP listens on {settings.host}:{settings.port} beyond loopback and no "
-        "FRAMEWIRE_TOKEN is set: set a token, or bind 127.0.0.1 and use the Unix socket"
+        f"HTTP listens on {host}:{port} beyond loopback and no FRAMEWIRE_TOKEN is set: "
+        "set a token, or bind 127.0.0.1 and use the Unix socket"
     )
 
 

@@ -3,20 +3,40 @@
 from __future__ import annotations
 
 import functools
-import subprocess
 
-from framewire.client._errors import Unavailable
+from framewire.client._errors import FramewireError, Unavailable
+from framewire.client._media.process import FfmpegProcess
+
+VERSION_STALL_S = 10.0  # ``-version`` takes milliseconds; a binary that hangs is not ready
+
+
+def version_line(exe: str) -> str:
+    """First line of ``ffmpeg -version``; raises Unavailable when it does not run."""
+    try:
+        with FfmpegProcess(
+            [exe, "-hide_banner", "-version"], stdin=False, stdout=True, stall_s=VERSION_STALL_S
+        ) as ff:
+            rc = ff.wait()
+            out = ff.stdout_text()
+    except FramewireError as exc:  # cannot be started, or stalled
+        raise Unavailable(
+            f"ffmpeg {exe!r} does not run: {exc.message}", code="ffmpeg_missing"
+        ) from exc
+    if rc != 0 or not out:
+        raise Unavailable(f"ffmpeg {exe!r} exited {rc}", code="ffmpeg_missing")
+    return out.splitlines()[0]
 
 
 @functools.cache
 def ffmpeg_version(exe: str) -> str:
-    """First line of ``ffmpeg -version``; raises Unavailable when it does not run."""
+    """:func:`version_line`, asked once per executable."""
+    return version_line(exe)
+
+
+def ffmpeg_runs(exe: str) -> bool:
+    """Whether ``exe -version`` runs now (the readiness check: not cached)."""
     try:
-        out = subprocess.run(
-            [exe, "-hide_banner", "-version"], capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise Unavailable(f"ffmpeg {exe!r} does not run: {exc}", code="ffmpeg_missing") from exc
-    if out.returncode != 0 or not out.stdout:
-        raise Unavailable(f"ffmpeg {exe!r} exited {out.returncode}", code="ffmpeg_missing")
-    return out.stdout.splitlines()[0]
+        version_line(exe)
+    except Unavailable:
+        return False
+    return True

@@ -60,7 +60,7 @@ def _address_range_fn() -> Callable[..., int] | None:
         ctypes.c_uint64,
     ]
     fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def _allocation_of(pointer: int) -> tuple[int, int] | None:
@@ -209,7 +209,7 @@ class CudaRuntime:
                     writer = CudaWriter(CudaTensorSource(x))
                     writer.open(None, 2)
                     try:
-                        writer.write(lambda out=out: out, 0, 2)
+                        writer.write(functools.partial(lambda t: t, out), 0, 2)
                     finally:
                         writer.close()
                 torch.cuda.synchronize(index)

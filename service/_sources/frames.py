@@ -162,7 +162,7 @@ class FileSource(FrameSource):
         raw = out.view(torch.uint8).numpy()
         pos = 0
         for offset, length in self._runs(t0, t1, r0, r1):
-            view = memoryview(raw[pos : pos + length])
+            view = raw[pos : pos + length].data
             got = 0
             while got < length:
                 n = os.preadv(self.fd, [view[got:]], offset + got)

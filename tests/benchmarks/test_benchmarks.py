@@ -1,0 +1,81 @@
+"""The benchmark scripts run, on clips small enough for CI, and their outputs agree.
+
+Wall times are printed, never asserted; what is asserted is that each script
+finishes, prints its table and finds framewire's bytes equal to its peers'
+(each exits 1 otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO
+
+
+def bench(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
+
+
+def test_encode_benchmark(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    r = bench("encode.py", "--frames", "4", "--width", "64", "--height", "48", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())
+    assert {row["variant"] for row in rows} == {"bare ffmpeg", "imageio", "framewire"}
+    assert all(row["same_bytes"] for row in rows), rows
+    assert "framewire" in r.stdout
+
+
+def test_overhead_benchmark() -> None:
+    r = bench("overhead.py", "--repeat", "3", "--frames", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "over in-process" in r.stdout and "x bare ffmpeg" in r.stdout, r.stdout
+
+
+def test_parallel_benchmark() -> None:
+    r = bench("parallel.py", "--outputs", "1", "2", "--frames", "2", "--threads", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "parallel / serial" in r.stdout, r.stdout
+
+
+def test_decode_benchmark(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    r = bench("decode.py", "--ranks", "2", "--seconds", "0.5", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = json.loads(out.read_text())
+    assert {"one decode", "2 x framewire", "2 x framewire, cached"} <= set(results)
+    assert "bytes identical across all ranks and variants: True" in r.stdout
+
+
+def test_validate_benchmark() -> None:
+    r = bench("validate.py", "--frames", "6", "--repeat", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "framewire, serial" in r.stdout and "goal: 4 outputs" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("args", [["--repeat", "0"], ["--frames", "-1"], ["--width", "x"]])
+def test_counts_below_one_are_refused_up_front(args: list[str]) -> None:
+    r = bench("encode.py", *args)
+    assert r.returncode == 2 and "error: argument" in r.stderr, r.stderr
+
+
+def test_gpu_benchmark_says_why_it_cannot_run() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: scripts/gpu-check runs this benchmark")
+    r = bench("gpu_encode.py", "--frames", "2")
+    assert r.returncode == 2 and "no CUDA device" in r.stderr, r.stdout + r.stderr

@@ -1,0 +1,64 @@
+"""Client and AsyncClient are twins: the same public methods, signatures and docstrings."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import numpy as np
+import pytest
+from framewire.client import AsyncClient, Client
+
+# What only the async twin spells differently: closing, and its context manager.
+OWN = {"close", "aclose", "__enter__", "__exit__", "__aenter__", "__aexit__"}
+
+
+def public(cls: type) -> dict[str, object]:
+    return {
+        name: member
+        for name, member in inspect.getmembers(cls, inspect.isfunction)
+        if not name.startswith("_") and name not in OWN
+    }
+
+
+def test_the_twins_have_the_same_methods_signatures_and_docstrings():
+    sync, coro = public(Client), public(AsyncClient)
+    assert sorted(sync) == sorted(coro)
+    assert {"info", "probe", "save_videos", "save_video", "decode_reference"} <= set(sync)
+    for name in sync:
+        assert inspect.signature(sync[name]) == inspect.signature(coro[name]), name
+        assert inspect.iscoroutinefunction(coro[name]), f"AsyncClient.{name} is not async"
+        assert not inspect.iscoroutinefunction(sync[name]), f"Client.{name} is async"
+        assert sync[name].__doc__, f"Client.{name} has no docstring"
+        assert inspect.getdoc(sync[name]) == inspect.getdoc(coro[name]), name
+    assert inspect.signature(Client.__init__) == inspect.signature(AsyncClient.__init__)
+
+
+def test_the_twins_build_the_same_requests(monkeypatch):
+    """One base builds every request: the bodies each twin would send are the same."""
+    sent: list[tuple[str, str, object]] = []
+
+    class Answered(Exception):
+        pass
+
+    def capture(self, method, path, json=None):  # either twin's transport
+        sent.append((method, path, json))
+        raise Answered
+
+    monkeypatch.setattr("httpx.Client.request", capture)
+    monkeypatch.setattr("httpx.AsyncClient.request", capture)
+    frames = np.zeros((2, 16, 16, 3), np.uint8)
+    with Client("unix:///nowhere.sock") as c, pytest.raises(Answered):
+        c.save_video(frames, "a.mp4", fps=24, quality=7, threads=2)
+
+    async def go() -> None:
+        async with AsyncClient("unix:///nowhere.sock") as c:
+            with pytest.raises(Answered):
+                await c.save_video(frames, "a.mp4", fps=24, quality=7, threads=2)
+
+    asyncio.run(go())
+    (m1, p1, b1), (m2, p2, b2) = sent
+    assert (m1, p1) == (m2, p2) == ("POST", "/v1/videos:encode")
+    for body in (b1, b2):  # the shm key differs (a new segment each time); the rest does not
+        body["outputs"][0]["source"].pop("key")
+    assert b1 == b2

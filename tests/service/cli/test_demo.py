@@ -1,0 +1,34 @@
+"""``framewire demo``, run as a user would: against a running worker, and with none."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+DEMO = [sys.executable, "-m", "framewire.service", "demo"]
+
+
+def test_demo_against_a_running_worker(workers):
+    w = workers.start()
+    run = subprocess.run([*DEMO, "--url", w.uds_url], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout
+    assert "every process got the same bytes" in out
+    assert out.count("via worker") == 4, out
+    assert "1 for 4 requests" in out  # one ffmpeg decode, shared by every process
+    saved = sorted(p.name for p in (w.outputs / "framewire-demo").iterdir())
+    assert len(saved) == 2 and all(name.endswith(".mp4") for name in saved)
+    assert all(name in out for name in saved)
+    assert list(w.inputs.iterdir()) == []  # the reference it wrote is removed again
+
+
+def test_demo_starts_its_own_worker_when_none_answers(tmp_path):
+    run = subprocess.run(
+        [*DEMO, "--url", f"unix://{tmp_path}/nobody.sock", "--frames", "12", "--ranks", "2"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "started one" in run.stdout
+    assert run.stdout.count("via worker") == 2, run.stdout

@@ -1,0 +1,167 @@
+"""The sendfile pump: page reuse, partial writes, EAGAIN, early exit."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from framewire.client._errors import BadRequest
+from framewire.client._media.process import FfmpegExited, PipeWriter
+from framewire.client.wire import Layout
+from framewire.service._encode import pump as stream
+from framewire.service._encode import staging
+from framewire.service._encode.pump import HostWriter, pump_converted
+from framewire.service._encode.staging import ChunkWriter, Staging
+from framewire.service._sources.frames import TensorSource
+
+from tests.support.media import make_clip, reference_uint8
+
+
+def drain_later(fd: int, delay: float, out: bytearray) -> threading.Thread:
+    def run() -> None:
+        time.sleep(delay)
+        while block := os.read(fd, 1 << 16):
+            out.extend(block)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def pump_through_slow_pipe(clip: torch.Tensor, writer: ChunkWriter | None = None) -> bytes:
+    r, w = os.pipe()
+    got = bytearray()
+    reader = drain_later(r, 0.3, got)
+    try:
+        pump_converted(TensorSource(clip), PipeWriter(w), per_chunk=1, writer=writer)
+    finally:
+        os.close(w)
+        reader.join()
+        os.close(r)
+    return bytes(got)
+
+
+def test_slots_are_not_rewritten_under_the_pipe():
+    """Many chunks sit in the pipe unread while both slots are reused."""
+    clip = make_clip(frames=40, height=48, width=64)
+    assert pump_through_slow_pipe(clip) == reference_uint8(clip, Layout.CTHW).tobytes()
+
+
+def test_without_punching_slots_the_pipe_sees_rewritten_pages(monkeypatch):
+    """Shows why Staging punches slots: reuse without it corrupts what ffmpeg reads."""
+
+    def slot_without_punch(self: Staging, index: int, nbytes: int) -> torch.Tensor:
+        start = index * self.slot_bytes
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=start)
+
+    monkeypatch.setattr(staging.Staging, "slot", slot_without_punch)
+    clip = make_clip(frames=40, height=48, width=64)
+    if pump_through_slow_pipe(clip) == reference_uint8(clip, Layout.CTHW).tobytes():
+        pytest.skip("this kernel copies on sendfile into a pipe; the hazard cannot show here")
+
+
+class PinnedHostWriter(HostWriter):
+    """The host converter declaring its staging page-locked, as the GPU writer does when
+    cudaHostRegister succeeds: its slots must then never be punched."""
+
+    def open(self, staging: Staging | None, frames: int) -> None:
+        self.pinned = True
+
+
+def test_pinned_slots_are_reused_only_once_the_pipe_drained(monkeypatch):
+    punches: list[bool] = []
+    real_slot = Staging.slot
+
+    def slot(self: Staging, index: int, nbytes: int, *, punch: bool = True) -> torch.Tensor:
+        punches.append(punch)
+        return real_slot(self, index, nbytes, punch=punch)
+
+    monkeypatch.setattr(staging.Staging, "slot", slot)
+    clip = make_clip(frames=40, height=48, width=64)
+    got = pump_through_slow_pipe(clip, PinnedHostWriter(TensorSource(clip)))
+    assert got == reference_uint8(clip, Layout.CTHW).tobytes()
+    assert len(punches) == 40 and not any(punches)
+
+
+def test_pinned_slots_without_the_drain_wait_would_be_overwritten(monkeypatch):
+    """Shows why pinned slots wait: not punched and not waited for, they corrupt."""
+    monkeypatch.setattr(stream.PipeDrain, "wait", lambda self, slot: None)
+    clip = make_clip(frames=40, height=48, width=64)
+    got = pump_through_slow_pipe(clip, PinnedHostWriter(TensorSource(clip)))
+    if got == reference_uint8(clip, Layout.CTHW).tobytes():
+        pytest.skip("this kernel copies on sendfile into a pipe; the hazard cannot show here")
+
+
+def test_pinned_pump_stops_when_the_reader_goes_away():
+    r, w = os.pipe()
+    pipe = PipeWriter(w)
+
+    def read_a_little_then_close() -> None:
+        os.read(r, 4096)
+        time.sleep(0.2)
+        os.close(r)
+
+    reader = threading.Thread(target=read_a_little_then_close)
+    reader.start()
+    clip = make_clip(frames=60, height=96, width=128)
+    started = time.monotonic()
+    try:
+        with pytest.raises(FfmpegExited):
+            pump_converted(
+                TensorSource(clip), pipe, per_chunk=1, writer=PinnedHostWriter(TensorSource(clip))
+            )
+    finally:
+        reader.join()
+        os.close(w)
+    assert time.monotonic() - started < 10
+
+
+def test_send_file_handles_nonblocking_pipe_and_partial_writes():
+    data = np.random.default_rng(1).integers(0, 255, 3 << 20, dtype=np.uint8).tobytes()
+    src = os.memfd_create("framewire-test-src")
+    os.write(src, data)
+    r, w = os.pipe()
+    pipe = PipeWriter(w)
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 16)  # partial writes: 3 MiB through 64 KiB
+    got = bytearray()
+    reader = drain_later(r, 0.05, got)
+    try:
+        pipe.send_file(src, 0, len(data))
+    finally:
+        os.close(w)
+        reader.join()
+        os.close(r)
+        os.close(src)
+    assert bytes(got) == data
+
+
+def test_send_file_reports_reader_gone_and_short_source():
+    src = os.memfd_create("framewire-test-src")
+    os.write(src, b"x" * 1000)
+    r, w = os.pipe()
+    os.close(r)
+    with pytest.raises(FfmpegExited):
+        PipeWriter(w).send_file(src, 0, 1000)
+    os.close(w)
+    r, w = os.pipe()
+    with pytest.raises(BadRequest) as err:
+        PipeWriter(w).send_file(src, 0, 2000)
+    assert err.value.code == "segment_truncated"
+    for fd in (r, w, src):
+        os.close(fd)
+
+
+def test_staging_slots_are_page_aligned_and_released():
+    with Staging(1000) as s:
+        assert s.slot_bytes % os.sysconf("SC_PAGE_SIZE") == 0
+        view = s.slot(1, 1000)
+        view.fill_(7)
+        del view
+        fd = s.fd
+    with pytest.raises(OSError):
+        os.fstat(fd)

@@ -1,0 +1,265 @@
+"""Admission control: slots, FIFO, the bounded queue, cancellation; unit and end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from framewire.client import Client, Overloaded
+from framewire.client._errors import Overloaded as OverloadedError
+from framewire.service._encode.scheduler import Scheduler
+
+from tests.support.media import make_clip, reference_mp4
+
+# ----------------------------------------------------------------------------- unit
+
+
+def test_slots_fifo_and_release():
+    async def go() -> list[str]:
+        s = Scheduler(cpu_slots=4, max_queue=10)
+        order: list[str] = []
+
+        async def encode(name: str, cpu: int, seconds: float) -> None:
+            async with s.hold(cpu):
+                order.append(f"start {name}")
+                await asyncio.sleep(seconds)
+            order.append(f"end {name}")
+
+        await asyncio.gather(
+            encode("a", 3, 0.05),
+            encode("b", 3, 0.01),  # waits for a
+            encode("c", 1, 0.01),  # fits beside a, but b is first in line: FIFO
+        )
+        assert (s.cpu_used, s.running, s.waiting) == (0, 0, 0)
+        return order
+
+    order = asyncio.run(go())
+    assert order.index("start b") > order.index("end a")
+    assert order.index("start c") > order.index("start b")
+
+
+def test_gpu_bytes_are_admitted_per_device():
+    """A device's budget holds back encodes of its own frames only, in FIFO order, and an
+    encode on a device that holds nothing of ours always starts."""
+    free = {0: 100, 1: 1000}  # what a quarter of each device's free memory allows
+
+    async def go() -> list[str]:
+        s = Scheduler(cpu_slots=16, max_queue=10, gpu_budget=lambda d: free[d] + s.gpu_held(d))
+        order: list[str] = []
+        release = {name: asyncio.Event() for name in "abcde"}
+
+        async def encode(name: str, gpu: int, device: int) -> None:
+            async with s.hold(1, gpu, device):
+                order.append(f"start {name}")
+                await release[name].wait()
+            order.append(f"end {name}")
+
+        tasks = [
+            asyncio.create_task(encode("a", 80, 0)),  # device 0 holds nothing: starts
+            asyncio.create_task(encode("b", 300, 1)),  # another device: starts beside a
+            asyncio.create_task(encode("c", 80, 0)),  # 80 + 80 > 100 + 80? no: fits
+            asyncio.create_task(encode("d", 200, 0)),  # 160 + 200 > 100 + 160: waits
+            asyncio.create_task(encode("e", 10, 1)),  # fits on device 1, but d is first: FIFO
+        ]
+        await asyncio.sleep(0.05)
+        assert s.gpu_used == {0: 160, 1: 300} and s.waiting == 2
+        free[0] = 10_000  # device 0's memory was freed by someone else meanwhile
+        release["a"].set()  # any release re-reads the budgets: d, then e, start
+        await asyncio.sleep(0.05)
+        assert s.gpu_used == {0: 280, 1: 310} and s.waiting == 0
+        for name in "bcde":
+            release[name].set()
+        await asyncio.gather(*tasks)
+        assert s.gpu_used == {} and s.running == 0
+        return order
+
+    order = asyncio.run(go())
+    assert order[:3] == ["start a", "start b", "start c"]
+    assert order[3:6] == ["end a", "start d", "start e"]
+
+
+def test_threads_are_capped_at_the_slot_count():
+    async def go() -> None:
+        s = Scheduler(cpu_slots=2, max_queue=0)
+        async with s.hold(24):
+            assert s.cpu_used == 2
+
+    asyncio.run(go())
+
+
+def test_full_queue_is_refused_with_retry_after():
+    async def go() -> None:
+        s = Scheduler(cpu_slots=1, max_queue=1)
+        s.admit(1)  # idle: starts at once
+        async with s.hold(1):
+            s.admit(1)  # one place in the queue
+            waiter = asyncio.create_task(s.hold(1).__aenter__())
+            await asyncio.sleep(0)
+            assert s.waiting == 1
+            with pytest.raises(OverloadedError) as err:
+                s.admit(1)
+            assert err.value.code == "queue_full" and err.value.retry_after >= 1
+            waiter.cancel()
+            await asyncio.gather(waiter, return_exceptions=True)
+        assert (s.waiting, s.cpu_used) == (0, 0)
+
+    asyncio.run(go())
+
+
+def test_cancelled_waiter_leaves_the_queue_and_the_next_one_starts():
+    async def go() -> None:
+        s = Scheduler(cpu_slots=1, max_queue=5)
+        started = asyncio.Event()
+
+        async def holder() -> None:
+            async with s.hold(1):
+                started.set()
+                await asyncio.sleep(0.05)
+
+        async def waiter() -> None:
+            async with s.hold(1):
+                await asyncio.sleep(1)
+
+        h = asyncio.create_task(holder())
+        await started.wait()
+        w1 = asyncio.create_task(waiter())
+        w2 = asyncio.create_task(waiter())
+        await asyncio.sleep(0.01)
+        w1.cancel()
+        await asyncio.gather(w1, return_exceptions=True)
+        await h
+        await asyncio.sleep(0.01)
+        assert s.running == 1  # w2 took the slot w1 gave up
+        w2.cancel()
+        await asyncio.gather(w2, return_exceptions=True)
+        assert (s.running, s.cpu_used, s.waiting) == (0, 0, 0)
+
+    asyncio.run(go())
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def overlap(a: dict, b: dict) -> float:
+    ta, tb = a["timings"], b["timings"]
+    return min(ta["finished_at"], tb["finished_at"]) - max(ta["started_at"], tb["started_at"])
+
+
+def clip(seed: int) -> torch.Tensor:
+    return make_clip(frames=24, height=240, width=320, seed=seed)
+
+
+def results_of(c: Client, clips, paths, **kw):
+    return [r.model_dump() for r in c.save_videos(clips, paths, fps=24, threads=2, **kw)]
+
+
+@pytest.fixture
+def roomy(workers):
+    return workers.start("--cpu-slots", "4")
+
+
+def test_two_outputs_of_one_request_overlap_and_stay_exact(roomy, tmp_path):
+    clips = [clip(1), clip(2)]
+    with Client(roomy.uds_url) as c:
+        a, b = results_of(c, clips, ["o/a.mp4", "o/b.mp4"], preset="medium")
+    assert overlap(a, b) > 0, (a["timings"], b["timings"])
+    for i, r in enumerate((a, b)):
+        ref = reference_mp4(clips[i], tmp_path / f"r{i}.mp4", preset="medium", threads=2)
+        assert r["sha256"] == ref
+    assert [a["path"], b["path"]] == [str(roomy.outputs / "o" / n) for n in ("a.mp4", "b.mp4")]
+
+
+def test_two_concurrent_requests_overlap(roomy):
+    out: dict[str, dict] = {}
+    both_ready = threading.Barrier(2, timeout=30)
+
+    def one(name: str, seed: int) -> None:
+        video = clip(seed)
+        with Client(roomy.uds_url) as c:
+            both_ready.wait()  # the two requests leave together, not one after the other
+            out[name] = results_of(c, [video], [f"c/{name}.mp4"], preset="medium")[0]
+
+    threads = [threading.Thread(target=one, args=(n, i)) for i, n in enumerate("xy")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert overlap(out["x"], out["y"]) > 0
+
+
+def test_with_slots_for_one_they_serialize(workers):
+    w = workers.start("--cpu-slots", "2")
+    with Client(w.uds_url) as c:
+        a, b = results_of(c, [clip(1), clip(2)], ["s/a.mp4", "s/b.mp4"], preset="medium")
+    assert overlap(a, b) <= 0
+    assert max(a["timings"]["queue_ms"], b["timings"]["queue_ms"]) > 0
+
+
+def post_raw(uds: Path, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(str(uds))
+    sock.sendall(
+        b"POST /v1/videos:encode HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return sock
+
+
+def shm_body(key: str, t: torch.Tensor, path: str) -> dict:
+    src = {"kind": "shm", "key": key, "byte_size": t.numel() * 4, "dtype": "float32",
+           "shape": list(t.shape)}  # fmt: skip
+    return {
+        "outputs": [{"source": src, "path": path, "fps": 24, "preset": "placebo", "threads": 1}]
+    }
+
+
+def metric(w, name: str) -> float:
+    with w.http() as h:
+        for line in h.get("/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def test_full_queue_429_and_cancel_frees_slots(workers, segments):
+    w = workers.start("--cpu-slots", "1", "--max-queue", "1")
+    long = make_clip(frames=96, height=256, width=256)
+    key = segments.write(long)
+    socks = []
+    try:
+        socks.append(post_raw(w.uds, shm_body(key, long, "q/a.mp4")))  # runs
+        deadline = time.monotonic() + 10
+        while metric(w, "framewire_encodes_in_flight") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        socks.append(post_raw(w.uds, shm_body(key, long, "q/b.mp4")))  # waits
+        while metric(w, "framewire_encodes_waiting") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with Client(w.uds_url) as c, pytest.raises(Overloaded) as err:
+            c.save_video(make_clip(frames=2), "q/c.mp4", fps=24)
+        assert err.value.code == "queue_full" and err.value.retry_after >= 1
+        with w.http() as h:
+            r = h.post("/v1/videos:encode", json=shm_body(key, long, "q/d.mp4"))
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        for s in socks:  # both clients go away: the runner stops, the waiter leaves
+            s.close()
+        deadline = time.monotonic() + 15
+        while metric(w, "framewire_encodes_in_flight") or metric(w, "framewire_encodes_waiting"):
+            assert time.monotonic() < deadline, "cancelled requests kept their slots"
+            time.sleep(0.05)
+        with Client(w.uds_url) as c:
+            r = c.save_video(make_clip(frames=2), "q/e.mp4", fps=24)
+        assert r.ok and r.timings.queue_ms < 1000
+        assert not (w.outputs / "q" / "a.mp4").exists() and not (w.outputs / "q" / "b.mp4").exists()
+    finally:
+        for s in socks:
+            s.close()

@@ -1,0 +1,103 @@
+"""Sources: shm opening rules, size checks, .npy files."""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import numpy as np
+import pytest
+import torch
+from framewire.client._errors import BadRequest, Forbidden, NotFound
+from framewire.client.wire import DType, Layout
+from framewire.service._sources.frames import FileSource, Geometry, TensorSource, open_npy
+from framewire.service._sources.shm import open_shm
+
+from tests.support.media import make_clip
+from tests.support.segments import Segments
+
+
+@pytest.fixture
+def segment(segments: Segments) -> str:
+    return segments.write(b"\x01" * 4096)
+
+
+def test_open_shm_is_read_only(segment):
+    fd = open_shm(segment, ["/framewire-test-"])
+    try:
+        with pytest.raises(OSError):
+            os.write(fd, b"x")
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize(
+    ("key", "exc", "code"),
+    [
+        ("/other-name", Forbidden, "shm_prefix"),
+        ("/framewire-test-missing", NotFound, "shm_not_found"),
+        ("no-slash", BadRequest, "bad_shm_key"),
+        ("/framewire-test-a/../../etc/passwd", BadRequest, "bad_shm_key"),
+    ],
+)
+def test_open_shm_refusals(key, exc, code):
+    with pytest.raises(exc) as err:
+        open_shm(key, ["/framewire-test-"])
+    assert err.value.code == code
+
+
+def test_open_shm_refuses_symlinks(tmp_path):
+    key = f"/framewire-test-{secrets.token_hex(6)}"
+    target = tmp_path / "secret"
+    target.write_bytes(b"x" * 100)
+    os.symlink(target, f"/dev/shm{key}")
+    try:
+        with pytest.raises(Forbidden):
+            open_shm(key, ["/framewire-test-"])
+    finally:
+        os.unlink(f"/dev/shm{key}")
+
+
+def test_segment_smaller_than_descriptor(segment):
+    fd = open_shm(segment, ["/framewire-test-"])
+    geometry = Geometry(DType.float32, Layout.CTHW, 2, 16, 16)  # 6144 bytes > 4096
+    with pytest.raises(BadRequest) as err:
+        FileSource(fd, 0, geometry)
+    os.close(fd)
+    assert err.value.code == "segment_too_small"
+
+
+def test_tensor_source_rejects_bad_shapes():
+    with pytest.raises(BadRequest):
+        TensorSource(torch.zeros(4, 2, 8, 8))
+    with pytest.raises(BadRequest):
+        TensorSource(torch.zeros(3, 8, 8))
+    with pytest.raises(BadRequest):
+        TensorSource(torch.zeros(3, 2, 8, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+def test_npy_reads_what_numpy_wrote(tmp_path, layout):
+    clip = make_clip(frames=5, layout=layout)
+    path = tmp_path / "c.npy"
+    np.save(path, clip.numpy())
+    source = open_npy(path, layout)
+    try:
+        assert source.geometry.frames == 5
+        got, owned = source.read(1, 4)
+        assert owned
+        want = clip[:, 1:4] if layout is Layout.CTHW else clip[1:4]
+        assert torch.equal(got, want)
+    finally:
+        source.close()
+
+
+def test_npy_refusals(tmp_path):
+    path = tmp_path / "f.npy"
+    np.save(path, np.asfortranarray(np.zeros((3, 2, 4, 4), np.float32)))
+    with pytest.raises(BadRequest):
+        open_npy(path)
+    np.save(path, np.zeros((3, 2, 4, 4), np.float64))
+    with pytest.raises(BadRequest) as err:
+        open_npy(path)
+    assert err.value.code == "bad_dtype"

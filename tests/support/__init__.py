@@ -1,0 +1,6 @@
+"""What the tests share: clips and their oracles, real workers and requests against them,
+processes and segments. Fixtures live in tests/conftest.py; nothing here imports a test."""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]

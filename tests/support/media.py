@@ -1,0 +1,83 @@
+"""Float clips like a VAE's, and the reference encode every byte-exact test compares with."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import imageio.v2 as imageio
+import imageio_ffmpeg
+import numpy as np
+import torch
+from framewire.client.wire import Layout
+
+FFMPEG = imageio_ffmpeg.get_ffmpeg_exe()
+
+
+def sha256(path: str | os.PathLike[str]) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def make_clip(
+    frames: int = 6,
+    height: int = 48,
+    width: int = 64,
+    dtype: torch.dtype = torch.float32,
+    layout: Layout = Layout.CTHW,
+    seed: int = 0,
+) -> torch.Tensor:
+    """A deterministic float clip in [0, 1] (or uint8) with structure and noise."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.linspace(0, 1, frames).view(1, frames, 1, 1)
+    y = torch.linspace(0, 1, height).view(1, 1, height, 1)
+    x = torch.linspace(0, 1, width).view(1, 1, 1, width)
+    c = torch.tensor([0.2, 0.5, 0.8]).view(3, 1, 1, 1)
+    clip = (0.5 + 0.35 * torch.sin(6 * x + 4 * y + 3 * t + c * 5)).expand(3, frames, height, width)
+    clip = (clip + 0.08 * torch.rand(3, frames, height, width, generator=g)).clamp(0, 1)
+    clip = (clip * 255).to(torch.uint8) if dtype == torch.uint8 else clip.to(dtype)
+    if layout is Layout.TCHW:
+        clip = clip.permute(1, 0, 2, 3)
+    elif layout is Layout.THWC:
+        clip = clip.permute(1, 2, 3, 0)
+    return clip.contiguous()
+
+
+def reference_uint8(clip: torch.Tensor | np.ndarray, layout: Layout) -> np.ndarray:
+    """The in-process conversion, written out here independently of framewire's code."""
+    x = torch.from_numpy(clip) if isinstance(clip, np.ndarray) else clip
+    if x.dtype != torch.uint8:
+        x = (x * 255).clamp(0, 255).to(torch.uint8)
+    perm = {Layout.CTHW: (1, 2, 3, 0), Layout.TCHW: (0, 2, 3, 1), Layout.THWC: (0, 1, 2, 3)}
+    return x.permute(*perm[layout]).contiguous().numpy()
+
+
+def reference_mp4(
+    clip: torch.Tensor | np.ndarray,
+    path: Path,
+    *,
+    layout: Layout = Layout.CTHW,
+    fps: float = 24,
+    quality: int = 5,
+    preset: str = "fast",
+    threads: int | None = None,
+    audio: Path | None = None,
+) -> str:
+    """The oracle: imageio.mimsave as docs/byte-exactness.md states it. Returns its sha256."""
+    frames = reference_uint8(clip, layout)
+    output_params = ["-preset", preset]
+    if threads is not None:
+        output_params += ["-threads", str(threads)]
+    kwargs: dict[str, object] = {}
+    if audio is not None:
+        kwargs = {"audio_path": str(audio), "audio_codec": "aac"}
+    imageio.mimsave(
+        str(path),
+        list(frames),
+        fps=fps,
+        codec="libx264",
+        quality=quality,
+        output_params=output_params,
+        **kwargs,
+    )
+    return sha256(path)

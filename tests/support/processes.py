@@ -1,0 +1,43 @@
+"""Child processes and what they leave: who is running, who is gone, temp outputs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def child_pids(pid: int | str = "self") -> set[int]:
+    """Children of ``pid``, less torch's shm manager daemon (it lives as long as torch)."""
+    pids: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            pids.update(int(p) for p in (task / "children").read_text().split())
+        except OSError:
+            pass
+    return {p for p in pids if not _comm(p).startswith("torch_shm_manag")}
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def framewire_temps(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.startswith(".framewire-tmp-")]
+
+
+def gone(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return status.rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has stopped running
+
+
+def wait_gone(pids: set[int], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(gone(p) for p in pids):
+        assert time.monotonic() < deadline, f"processes {pids} still running"
+        time.sleep(0.05)

@@ -1,0 +1,114 @@
+"""Requests against a real worker: encode bodies, requests on threads, what it holds after."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.media import make_clip, reference_mp4
+from tests.support.processes import framewire_temps
+from tests.support.segments import Segments
+from tests.support.worker import Worker, metric
+
+
+def encode_body(source: dict[str, Any], path: str, **over: Any) -> dict[str, Any]:
+    return {"outputs": [{"source": source, "path": path, "fps": 24} | over]}
+
+
+class Request(threading.Thread):
+    """One HTTP request to the worker on its own thread; ``response`` once it returns."""
+
+    def __init__(self, worker: Worker, method: str, path: str, **kw: Any):
+        super().__init__(daemon=True)
+        self.worker, self.method, self.path, self.kw = worker, method, path, kw
+        self.response: httpx.Response | None = None
+        self.error: Exception | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with self.worker.http() as http:
+                self.response = http.request(self.method, self.path, **self.kw)
+        except Exception as exc:
+            self.error = exc
+
+    def result(self, timeout: float = 60) -> httpx.Response:
+        self.join(timeout)
+        assert not self.is_alive(), "the request did not return"
+        assert self.response is not None, self.error
+        return self.response
+
+
+def wait_for_ffmpeg(worker: Worker, timeout: float = 20) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while not (pids := worker.children()):
+        assert worker.proc.poll() is None, worker.log.read_text()
+        assert time.monotonic() < deadline, "ffmpeg never started"
+        time.sleep(0.02)
+    return pids
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+@dataclass
+class Baseline:
+    """What a warmed-up worker holds: fds (decode-cache memfds apart) and /dev/shm names."""
+
+    fds: int
+    shm: set[str]
+
+    @classmethod
+    def of(cls, worker: Worker) -> Baseline:
+        return cls(len(_other_fds(worker)), shm_names())
+
+
+def _other_fds(worker: Worker) -> list[str]:
+    return [f for f in worker.open_fds() if not f.startswith("/memfd:framewire-decode")]
+
+
+def settle(
+    worker: Worker, baseline: Baseline, keep: set[str] = frozenset(), timeout: float = 10
+) -> None:
+    """Wait until the worker holds no more than ``baseline`` (its decode cache apart), runs
+    no child, and neither temp outputs nor new shm segments (but ``keep``) are left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        problems = []
+        fds = _other_fds(worker)
+        if len(fds) > baseline.fds:
+            problems.append(f"fds {len(fds)} > {baseline.fds}: {fds}")
+        with worker.http() as http:
+            cached = metric(http, "framewire_decode_cache_entries")
+        decode_fds = len(worker.open_fds()) - len(fds)
+        if decode_fds > cached:
+            problems.append(f"{decode_fds} decode memfds open for {cached:.0f} cached decodes")
+        if children := worker.children():
+            problems.append(f"children {children}")
+        if temps := framewire_temps(worker.outputs):
+            problems.append(f"temp outputs {temps}")
+        if shm := shm_names() - baseline.shm - {k.lstrip("/") for k in keep}:
+            problems.append(f"shm segments {shm}")
+        if not problems:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail("leaked: " + "; ".join(problems))
+        time.sleep(0.05)
+
+
+def still_serving(worker: Worker, segments: Segments, tmp_path: Path) -> None:
+    """A small encode right after the fault: answered, and byte-exact."""
+    clip = make_clip(frames=3, height=32, width=32, seed=7)
+    with worker.http() as http:
+        r = http.post("/v1/videos:encode", json=encode_body(segments.source(clip), "after.mp4"))
+    assert r.status_code == 200, r.text
+    assert r.json()["outputs"][0]["sha256"] == reference_mp4(clip, tmp_path / "after-ref.mp4")
+    (worker.outputs / "after.mp4").unlink()
