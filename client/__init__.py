@@ -27,6 +27,7 @@ from framewire.client._errors import (
 )
 from framewire.client._http import DEFAULT_URL, AsyncClient, Client
 from framewire.client._reference import ReferenceFrames, decode_reference
+from framewire.client._stream import AsyncVideoWriter, VideoWriter
 from framewire.client._version import __version__
 from framewire.client.wire import Layout, MediaInfo, OutputResult
 
@@ -57,6 +58,7 @@ def save_video(
 
 __all__ = [
     "AsyncClient",
+    "AsyncVideoWriter",
     "BadRequest",
     "Cancelled",
     "Client",
@@ -74,6 +76,7 @@ __all__ = [
     "Stalled",
     "Unauthorized",
     "Unavailable",
+    "VideoWriter",
     "__version__",
     "decode_reference",
     "save_video",

@@ -13,18 +13,17 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import httpx
+from framewire.client._calls import Call, as_dict, media_list, output_list, unreachable
 from framewire.client._closing import Closing
-from framewire.client._errors import FramewireError, Unavailable, error_class, rebuild
 from framewire.client._reference import ReferenceFrames, fetch, make_request
 from framewire.client._sharing import share
+from framewire.client._stream import AsyncVideoWriter, VideoWriter
 from framewire.client.wire import (
     DecodeRequest,
     EncodeRequest,
-    EncodeResponse,
     Layout,
     MediaInfo,
     OutputResult,
@@ -40,71 +39,12 @@ T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def raise_for(response: httpx.Response) -> None:
-    """Turn a non-2xx answer into the exception class its status names, with the worker's code."""
-    if response.is_success:
-        return
-    try:
-        body = response.json()
-    except ValueError:
-        body = {}
-    if not isinstance(body, dict):
-        body = {}
-    detail = body.get("detail") if isinstance(body.get("detail"), str) else None
-    retry_after = response.headers.get("retry-after")
-    exc = rebuild(
-        error_class(status=response.status_code),
-        str(body.get("error") or response.text or response.reason_phrase),
-        code=body.get("code"),
-        detail=detail,
-        retry_after=float(retry_after) if retry_after and retry_after.isdigit() else None,
-    )
-    if "outputs" in body:
-        exc.results = EncodeResponse.model_validate(body).outputs
-        failed = next((r for r in exc.results if not r.ok and r.error), None)
-        if failed is not None and failed.error is not None:
-            exc.detail = failed.error.detail
-    raise exc
-
-
-def unreachable(exc: httpx.TransportError) -> Unavailable:
-    return Unavailable(f"framewire worker unreachable: {exc}")
-
-
 def _per_output(value: Any, n: int, name: str) -> list[Any]:
     if isinstance(value, (list, tuple)):
         if len(value) != n:
             raise ValueError(f"{name} has {len(value)} entries for {n} videos")
         return list(value)
     return [value] * n
-
-
-@dataclass(frozen=True)
-class _Call(Generic[T]):
-    """One request, and how its answer is read."""
-
-    method: str
-    path: str
-    body: dict[str, Any] | None
-    read: Callable[[Any], T]
-
-    def answer(self, response: httpx.Response) -> T:
-        raise_for(response)
-        return self.read(response.json())
-
-
-def _dict(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise FramewireError("the worker's answer is not a JSON object", code="protocol")
-    return body
-
-
-def _media(body: Any) -> list[MediaInfo]:
-    return [MediaInfo.model_validate(r) for r in _dict(body)["results"]]
-
-
-def _outputs(body: Any) -> list[OutputResult]:
-    return EncodeResponse.model_validate(body).outputs
 
 
 class _BaseClient:
@@ -134,12 +74,12 @@ class _BaseClient:
         }
 
     @staticmethod
-    def _info() -> _Call[dict[str, Any]]:
-        return _Call("GET", "/v1/info", None, _dict)
+    def _info() -> Call[dict[str, Any]]:
+        return Call("GET", "/v1/info", None, as_dict)
 
     @staticmethod
-    def _probe(paths: Sequence[str | os.PathLike[str]]) -> _Call[list[MediaInfo]]:
-        return _Call("POST", "/v1/probe", {"paths": [os.fspath(p) for p in paths]}, _media)
+    def _probe(paths: Sequence[str | os.PathLike[str]]) -> Call[list[MediaInfo]]:
+        return Call("POST", "/v1/probe", {"paths": [os.fspath(p) for p in paths]}, media_list)
 
     @staticmethod
     def _encode(
@@ -152,7 +92,7 @@ class _BaseClient:
         threads: int | None,
         audio: Any,
         validate: bool,
-    ) -> _Call[list[OutputResult]]:
+    ) -> Call[list[OutputResult]]:
         audios = _per_output(audio, len(paths), "audio")
         try:
             outputs = [
@@ -171,7 +111,7 @@ class _BaseClient:
         except ValidationError as exc:
             raise refusal(exc) from None  # the code the worker would have answered
         body = request.model_dump(mode="json", by_alias=True, exclude_none=True)
-        return _Call("POST", "/v1/videos:encode", body, _outputs)
+        return Call("POST", "/v1/videos:encode", body, output_list)
 
     @staticmethod
     def _check_pairs(videos: Sequence[Any], paths: Sequence[Any]) -> None:
@@ -209,7 +149,7 @@ class Client(_BaseClient, Closing):
         transport = httpx.HTTPTransport(uds=self._uds) if self._uds else None
         self._http = httpx.Client(transport=transport, **self._client_args)
 
-    def _send(self, call: _Call[T]) -> T:
+    def _send(self, call: Call[T]) -> T:
         try:
             response = self._http.request(call.method, call.path, json=call.body)
         except httpx.TransportError as exc:
@@ -263,6 +203,34 @@ class Client(_BaseClient, Closing):
         """:meth:`save_videos` of one video; the same keywords."""
         return self.save_videos([video], [path], **kw)[0]
 
+    def open_video(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fps: float,
+        quality: int = 5,
+        preset: str = "fast",
+        threads: int | None = None,
+        audio: Any = None,
+        validate: bool = True,
+        layout: Layout | str | None = None,
+    ) -> VideoWriter:
+        """A writer for one video made chunk by chunk: ``write`` each chunk as it is
+        generated, then ``close`` for the result (or ``abort``). Use it as a context
+        manager: an exception inside the block aborts, and nothing of the output remains.
+        The file is byte-identical to :meth:`save_video` of the concatenated frames."""
+        return VideoWriter(
+            self._send,
+            path,
+            fps=fps,
+            quality=quality,
+            preset=preset,
+            threads=threads,
+            audio=audio,
+            validate=validate,
+            layout=layout,
+        )
+
     def decode_reference(
         self,
         path: str | os.PathLike[str],
@@ -307,7 +275,7 @@ class AsyncClient(_BaseClient):
         transport = httpx.AsyncHTTPTransport(uds=self._uds) if self._uds else None
         self._http = httpx.AsyncClient(transport=transport, **self._client_args)
 
-    async def _send(self, call: _Call[T]) -> T:
+    async def _send(self, call: Call[T]) -> T:
         try:
             response = await self._http.request(call.method, call.path, json=call.body)
         except httpx.TransportError as exc:
@@ -359,6 +327,31 @@ class AsyncClient(_BaseClient):
     @_twin(Client.save_video)
     async def save_video(self, video: Any, path: str | os.PathLike[str], **kw: Any) -> OutputResult:
         return (await self.save_videos([video], [path], **kw))[0]
+
+    @_twin(Client.open_video)
+    def open_video(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fps: float,
+        quality: int = 5,
+        preset: str = "fast",
+        threads: int | None = None,
+        audio: Any = None,
+        validate: bool = True,
+        layout: Layout | str | None = None,
+    ) -> AsyncVideoWriter:
+        return AsyncVideoWriter(
+            self._send,
+            path,
+            fps=fps,
+            quality=quality,
+            preset=preset,
+            threads=threads,
+            audio=audio,
+            validate=validate,
+            layout=layout,
+        )
 
     @_twin(Client.decode_reference)
     async def decode_reference(

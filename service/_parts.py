@@ -17,6 +17,7 @@ from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
 from framewire.service._sources.cuda_ipc import CudaRuntime
 from framewire.service._sources.regions import RegionRegistry
+from framewire.service._stream.sessions import Sessions
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Parts:
     regions: RegionRegistry
     scheduler: Scheduler
     jobs: EncodeJobs
+    sessions: Sessions
     fd_server: FdServer
 
     @classmethod
@@ -40,6 +42,7 @@ class Parts:
         if cuda is not None:
             scheduler.gpu_budget = cuda.gpu_budget(scheduler.gpu_held)
         jobs = EncodeJobs(settings, encoder, regions, metrics, scheduler, cuda)
+        sessions = Sessions(settings, jobs, metrics)
         decoder = ReferenceDecoder(settings, encoder.ffmpeg, metrics)
         fd_server = FdServer(settings, decoder, metrics)
-        return cls(settings, encoder, metrics, cuda, regions, scheduler, jobs, fd_server)
+        return cls(settings, encoder, metrics, cuda, regions, scheduler, jobs, sessions, fd_server)

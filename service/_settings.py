@@ -54,6 +54,10 @@ class Settings(BaseSettings):
     max_connections: int = Field(default=256, ge=1)
     # Registered shared-memory regions (each holds a file descriptor).
     max_regions: int = Field(default=1024, ge=1)
+    # A stream session that receives nothing this long is aborted (nothing remains).
+    stream_idle_s: float = Field(default=60.0, gt=0)
+    # Open stream sessions; past it, opening one is a 429.
+    max_streams: int = Field(default=64, ge=1)
 
     @field_validator("token")
     @classmethod

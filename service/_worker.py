@@ -72,8 +72,14 @@ class Worker:
         await parts.fd_server.start(self._fd_listener)
 
     async def drain(self) -> None:
-        """A shutdown began: the fd socket stops accepting (HTTP is uvicorn's to drain)."""
-        await self._built().fd_server.stop_accepting()
+        """A shutdown began: the fd socket stops accepting, new encodes and sessions are
+        refused (503 ``shutting_down``), and open stream sessions get the grace period to
+        finish (their producers may still send chunks). HTTP requests in flight are
+        uvicorn's to drain, in what is left of the grace."""
+        parts = self._built()
+        await parts.fd_server.stop_accepting()
+        parts.jobs.draining = True
+        await parts.sessions.drain(self.settings.shutdown_grace)
 
     async def stop(self) -> None:
         """Stop everything still running (the grace period is over) and release it all."""
@@ -81,6 +87,7 @@ class Worker:
         try:
             # The server has drained what finished within the grace period; the rest
             # is stopped before the fd server and the regions those requests use.
+            await parts.sessions.stop()
             await parts.jobs.stop()
             await parts.fd_server.close()
         finally:

@@ -25,10 +25,10 @@ PUBLIC_MODULES = {
     "framewire.service.__main__",
 }
 CLIENT_API = [
-    "AsyncClient", "BadRequest", "Cancelled", "Client", "Conflict", "Forbidden",
-    "FramewireError", "InsufficientStorage", "Layout", "MediaError", "MediaInfo", "NotFound",
-    "OutputResult", "Overloaded", "ReferenceFrames", "Stalled", "Unauthorized", "Unavailable",
-    "__version__", "decode_reference", "save_video", "save_videos",
+    "AsyncClient", "AsyncVideoWriter", "BadRequest", "Cancelled", "Client", "Conflict",
+    "Forbidden", "FramewireError", "InsufficientStorage", "Layout", "MediaError", "MediaInfo",
+    "NotFound", "OutputResult", "Overloaded", "ReferenceFrames", "Stalled", "Unauthorized",
+    "Unavailable", "VideoWriter", "__version__", "decode_reference", "save_video", "save_videos",
 ]  # fmt: skip
 SERVICE_API = [
     "AlreadyServed", "EncodeParams", "Encoder", "FileSource", "FrameSource", "Settings",

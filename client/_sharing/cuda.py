@@ -19,7 +19,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from framewire.client._sharing.video import guess_layout, squeeze_batch, wire_dtype
+from framewire.client._sharing.video import describe as describe_video
 from framewire.client.wire import CudaIpcSource, DType, Layout, normalize_uuid
 
 # What ``UntypedStorage._share_cuda_()`` returns, in order.
@@ -73,10 +73,8 @@ class CudaShare:
 
         if video.layout != torch.strided:
             raise ValueError(f"only dense (strided) tensors can be shared, not {video.layout}")
-        self.video = video[0] if squeeze_batch(tuple(video.shape)) else video
-        self.dtype = wire_dtype(self.video)
-        shape = tuple(self.video.shape)
-        self.layout = guess_layout(shape, self.dtype is DType.uint8, layout)
+        frames = describe_video(video, layout)
+        self.video, self.dtype, self.layout = frames.video, frames.dtype, frames.layout
         self.stream = torch.cuda.current_stream(self.video.device)
         self._counter: tuple[bytes, int] | None = None
 

@@ -18,14 +18,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from framewire.client._sharing.video import (
-    as_bytes,
-    guess_layout,
-    is_torch,
-    squeeze_batch,
-    wire_dtype,
-)
-from framewire.client.wire import DType, Layout, ShmSource
+from framewire.client._closing import Closing
+from framewire.client._sharing.video import Frames, describe, is_torch
+from framewire.client.wire import Layout, ShmSource
 
 SHM_PREFIX = "/framewire-"
 _counter = itertools.count()
@@ -56,6 +51,69 @@ def _torch_shm_key(video: Any) -> tuple[str, int] | None:
     return key, header + video.storage_offset() * video.element_size()
 
 
+class Segment(Closing):
+    """A POSIX shm segment made here: mode 0600, ``flock``-ed while it exists (so a later
+    sweep can tell it from one a killed process left behind), unlinked by :meth:`close`."""
+
+    def __init__(self, nbytes: int):
+        global _swept
+        if not _swept:
+            _swept = True
+            remove_abandoned_segments()
+        self.nbytes = nbytes
+        self.key = f"{SHM_PREFIX}{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
+        self._path = f"/dev/shm{self.key}"
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)  # dropped by the kernel if this process dies
+            os.ftruncate(self._fd, max(nbytes, 1))
+            self._map: mmap.mmap | None = mmap.mmap(self._fd, max(nbytes, 1))
+        except BaseException:
+            self.close()
+            raise
+
+    def write(self, frames: Frames) -> None:
+        """Copy ``frames``' bytes to the start of the segment, in one pass even when
+        they are strided (a time slice of a larger clip): no contiguous copy first."""
+        assert self._map is not None and frames.nbytes <= self.nbytes
+        video = frames.video
+        if is_torch(video):
+            import torch
+
+            raw = torch.frombuffer(self._map, dtype=torch.uint8, count=frames.nbytes)
+            with torch.no_grad():  # a tensor that requires grad is copied as plain data
+                raw.view(video.dtype).view(video.shape).copy_(video)
+        else:
+            target = np.frombuffer(self._map, np.dtype(video.dtype), count=video.size)
+            np.copyto(target.reshape(video.shape), video)
+
+    def source(self, frames: Frames) -> ShmSource:
+        """The descriptor of ``frames`` written at the start of the segment."""
+        return shm_source(self.key, 0, frames)
+
+    def close(self) -> None:
+        if getattr(self, "_map", None) is not None:
+            assert self._map is not None
+            self._map.close()
+            self._map = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def shm_source(key: str, offset: int, frames: Frames) -> ShmSource:
+    return ShmSource(
+        key=key,
+        offset=offset,
+        dtype=frames.dtype,
+        shape=list(frames.shape),
+        layout=frames.layout,
+        byte_size=frames.nbytes,
+    )
+
+
 @contextlib.contextmanager
 def shared(video: Any, *, layout: Layout | str | None = None) -> Iterator[ShmSource]:
     """Yield a descriptor of ``video`` in shared memory; release what was created on exit."""
@@ -64,42 +122,15 @@ def shared(video: Any, *, layout: Layout | str | None = None) -> Iterator[ShmSou
             f"a tensor on {video.device} cannot go through shared memory: CUDA tensors go "
             "through CUDA IPC (share()), others must be moved to the CPU"
         )
-    shape = tuple(video.shape)
-    video = video[0] if squeeze_batch(shape) else video
-    shape = tuple(video.shape)
-    dtype = wire_dtype(video)
-    lay = guess_layout(shape, dtype is DType.uint8, layout)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-
-    def source(key: str, offset: int = 0) -> ShmSource:
-        return ShmSource(
-            key=key, offset=offset, dtype=dtype, shape=list(shape), layout=lay, byte_size=nbytes
-        )
-
-    if is_torch(video):
-        existing = _torch_shm_key(video)
+    frames = describe(video, layout)
+    if is_torch(frames.video):
+        existing = _torch_shm_key(frames.video)
         if existing is not None:
-            yield source(*existing)
+            yield shm_source(*existing, frames)
             return
-    global _swept
-    if not _swept:
-        _swept = True
-        remove_abandoned_segments()
-    key = f"{SHM_PREFIX}{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
-    path = f"/dev/shm{key}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        # Held until the unlink, and dropped by the kernel if this process dies: how a
-        # later sweep tells a segment in use from one a killed process left behind.
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.ftruncate(fd, max(nbytes, 1))
-        with mmap.mmap(fd, nbytes) as m:
-            np.frombuffer(m, np.uint8)[:] = as_bytes(video).reshape(-1)
-        yield source(key)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        os.close(fd)
+    with Segment(frames.nbytes) as segment:
+        segment.write(frames)
+        yield segment.source(frames)
 
 
 def remove_abandoned_segments() -> list[str]:

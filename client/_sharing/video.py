@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -55,18 +56,32 @@ def wire_dtype(video: Any) -> DType:
         raise ValueError(f"unsupported dtype {video.dtype}") from None
 
 
-def as_bytes(video: Any) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    """A C-contiguous uint8 view (or copy, for strided input) of the raw bytes."""
-    if is_torch(video):
-        t = video.contiguous()
-        import torch
-
-        raw: np.ndarray[Any, np.dtype[np.uint8]] = (
-            t.view(torch.uint8).numpy() if t.dtype != torch.uint8 else t.numpy()
-        )
-        return raw
-    return np.ascontiguousarray(video).view(np.uint8)
-
-
 def is_cuda(video: Any) -> bool:
     return is_torch(video) and video.device.type == "cuda"
+
+
+@dataclass(frozen=True)
+class Frames:
+    """A caller's video as the wire describes it: 4-D, its dtype, layout and dimensions."""
+
+    video: Any  # the tensor or array, a leading batch of 1 dropped
+    dtype: DType
+    layout: Layout
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        """(channels, frames, height, width)."""
+        return self.layout.dims(self.shape)
+
+
+def describe(video: Any, layout: Layout | str | None = None) -> Frames:
+    """What ``video`` is; raises ValueError for what cannot be a video."""
+    video = video[0] if squeeze_batch(tuple(video.shape)) else video
+    shape = tuple(int(n) for n in video.shape)
+    dtype = wire_dtype(video)
+    return Frames(video, dtype, guess_layout(shape, dtype is DType.uint8, layout), shape)

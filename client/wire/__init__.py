@@ -9,6 +9,7 @@ from framewire.client.wire._messages import (
     AudioInfo,
     DecodeReply,
     DecodeRequest,
+    EncodeOptions,
     EncodeRequest,
     EncodeResponse,
     ErrorInfo,
@@ -44,6 +45,13 @@ from framewire.client.wire._sources import (
     contiguous_strides,
     normalize_uuid,
 )
+from framewire.client.wire._streams import (
+    StreamChunk,
+    StreamChunkAck,
+    StreamOpen,
+    StreamOpened,
+    StreamState,
+)
 
 __all__ = [
     "IPC_HANDLE_BYTES",
@@ -57,6 +65,7 @@ __all__ = [
     "DType",
     "DecodeReply",
     "DecodeRequest",
+    "EncodeOptions",
     "EncodeRequest",
     "EncodeResponse",
     "ErrorInfo",
@@ -75,6 +84,11 @@ __all__ = [
     "RegisterSystemRegion",
     "ShmSource",
     "Source",
+    "StreamChunk",
+    "StreamChunkAck",
+    "StreamOpen",
+    "StreamOpened",
+    "StreamState",
     "Timings",
     "WireModel",
     "contiguous_strides",

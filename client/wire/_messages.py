@@ -21,24 +21,27 @@ from framewire.client.wire._sources import (
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
+Preset = Literal[
+    "ultrafast",
+    "superfast",
+    "veryfast",
+    "faster",
+    "fast",
+    "medium",
+    "slow",
+    "slower",
+    "veryslow",
+    "placebo",
+]
 
-class OutputSpec(WireModel):
-    source: Source
+
+class EncodeOptions(WireModel):
+    """Where an output goes and how it is encoded: an encode's output, a stream session."""
+
     path: str = Field(min_length=1, max_length=4096)
     fps: Number = Field(ge=MIN_FPS, le=MAX_FPS)
     quality: Int = Field(default=5, ge=1, le=10)
-    preset: Literal[
-        "ultrafast",
-        "superfast",
-        "veryfast",
-        "faster",
-        "fast",
-        "medium",
-        "slow",
-        "slower",
-        "veryslow",
-        "placebo",
-    ] = "fast"
+    preset: Preset = "fast"
     threads: Int | None = Field(default=None, ge=1, le=128)
     audio: str | None = Field(default=None, min_length=1, max_length=4096)
 
@@ -55,6 +58,12 @@ class OutputSpec(WireModel):
         if v is not None and "\x00" in v:
             raise PydanticCustomError("bad_path", "paths may not contain NUL")
         return v
+
+
+class OutputSpec(EncodeOptions):
+    """One output of ``POST /v1/videos:encode``: the options and where the frames are."""
+
+    source: Source
 
 
 class EncodeRequest(WireModel):

@@ -198,6 +198,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         width=width,
         height=height,
         ranks=args.ranks,
+        chunk=args.chunk,
     )
     return run_demo(options)
 
@@ -280,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--frames", type=int, default=48)
     demo.add_argument("--size", type=_size, default=(256, 256), metavar="WxH")
     demo.add_argument("--ranks", type=int, default=4, help="processes asking for the reference")
+    demo.add_argument("--chunk", type=int, default=8, help="frames per chunk of the streamed save")
     demo.set_defaults(func=cmd_demo)
     return parser
 

@@ -35,7 +35,7 @@ from framewire.client._media.process import FfmpegExited, FfmpegProcess, resolve
 from framewire.client.wire import MAX_FPS, MIN_FPS
 from framewire.service._encode.convert import chunk_frames, convert_into
 from framewire.service._encode.outputs import Staged, atomic_output, open_directory, sha256_of
-from framewire.service._encode.pump import chunk_spans, pump_converted
+from framewire.service._encode.pump import Pump, chunk_spans
 from framewire.service._encode.staging import slot_frames
 from framewire.service._sources.frames import FrameSource, Geometry
 
@@ -229,14 +229,14 @@ class Encoder:
             fast_path_error=fast_error,
         )
 
-    def _argv(
-        self, staged: Staged, source: FrameSource, params: EncodeParams, **kw: object
+    def argv(
+        self, staged: Staged, width: int, height: int, params: EncodeParams, **kw: object
     ) -> list[str]:
-        g = source.geometry
+        """The encode command writing ``staged`` (``threads=``, ``stdin_name=`` pass on)."""
         return encode_argv(
             self.ffmpeg,
-            width=g.width,
-            height=g.height,
+            width=width,
+            height=height,
             fps=params.fps,
             output=staged.path,
             quality=params.quality,
@@ -254,8 +254,8 @@ class Encoder:
         check: Callable[[], None],
     ) -> None:
         g = source.geometry
-        argv = self._argv(staged, source, params, threads=threads)
-        with self._run(argv, staged, params) as ff:
+        argv = self.argv(staged, g.width, g.height, params, threads=threads)
+        with self.start(argv, staged, params) as ff:
             assert ff.input is not None
             try:
                 span = source.zero_copy()
@@ -263,11 +263,11 @@ class Encoder:
                     nbytes = g.frames * g.height * g.width * 3
                     ff.input.send_file(span[0], span[1], nbytes, check)
                 else:
-                    pump_converted(source, ff.input, self.frames_per_chunk(g), check=check)
+                    with Pump(ff.input, g.height, g.width, self.frames_per_chunk(g)) as pump:
+                        pump.send(source, check)
             except FfmpegExited as exc:
-                rc = ff.wait(check)
-                raise _failure(ff, rc, f"ffmpeg exited ({rc}) before it had every frame") from exc
-            _finish(ff, check)
+                raise cut_short(ff, check) from exc
+            wait_for(ff, check)
 
     def _reference(
         self,
@@ -301,16 +301,17 @@ class Encoder:
                 chunk, owned = source.read(t0, t1)
                 convert_into(chunk, g.layout, frames[t0:t1], inplace=owned)
         check()
-        argv = self._argv(staged, source, params, threads=params.threads, stdin_name="-")
-        with self._run(argv, staged, params) as ff:
+        argv = self.argv(staged, g.width, g.height, params, threads=params.threads, stdin_name="-")
+        with self.start(argv, staged, params) as ff:
             assert ff.input is not None
             try:
                 ff.input.send(frames.numpy().data.cast("B"), check)
             except FfmpegExited:
-                pass  # _finish reports ffmpeg's exit status and stderr
-            _finish(ff, check)
+                pass  # wait_for reports ffmpeg's exit status and stderr
+            wait_for(ff, check)
 
-    def _run(self, argv: list[str], staged: Staged, params: EncodeParams) -> FfmpegProcess:
+    def start(self, argv: list[str], staged: Staged, params: EncodeParams) -> FfmpegProcess:
+        """ffmpeg running ``argv``, frames to be fed on its stdin."""
         # The private directory's fd (and the audio's): ffmpeg names them through
         # /proc/self/fd, so it opens exactly what was judged.
         fds = (staged.fd,) if params.audio is None else (staged.fd, _audio(params).fd)
@@ -326,7 +327,8 @@ def _audio(params: EncodeParams) -> InputFile:
 _NO_SPACE = ("No space left on device", "File too large", "Disk quota exceeded")
 
 
-def _failure(ff: FfmpegProcess, rc: int, message: str) -> FramewireError:
+def ffmpeg_failure(ff: FfmpegProcess, rc: int, message: str) -> FramewireError:
+    """What an ffmpeg that exited ``rc`` is answered with (its stderr tail as detail)."""
     tail = ff.stderr_tail()
     # SIGXFSZ: ffmpeg ran past RLIMIT_FSIZE without ignoring the signal.
     if rc == -signal.SIGXFSZ or (rc > 0 and any(s in tail for s in _NO_SPACE)):
@@ -344,7 +346,14 @@ def _failure(ff: FfmpegProcess, rc: int, message: str) -> FramewireError:
     return MediaError(message, code="ffmpeg_killed" if rc < 0 else "ffmpeg_failed", detail=tail)
 
 
-def _finish(ff: FfmpegProcess, check: Callable[[], None]) -> None:
+def wait_for(ff: FfmpegProcess, check: Callable[[], None]) -> None:
+    """End of frames: wait for ffmpeg to write its trailer and exit; raise if it failed."""
     rc = ff.wait(check)
     if rc != 0:
-        raise _failure(ff, rc, f"ffmpeg exited with status {rc}")
+        raise ffmpeg_failure(ff, rc, f"ffmpeg exited with status {rc}")
+
+
+def cut_short(ff: FfmpegProcess, check: Callable[[], None]) -> FramewireError:
+    """What an ffmpeg that stopped reading before it had every frame is answered with."""
+    rc = ff.wait(check)
+    return ffmpeg_failure(ff, rc, f"ffmpeg exited ({rc}) before it had every frame")

@@ -11,31 +11,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from framewire.client._errors import BadRequest, Cancelled, FramewireError, Unavailable
 from framewire.client._media.process import kill_running
 from framewire.client.wire import (
     EncodeRequest,
     ErrorInfo,
-    MediaInfo,
     OutputResult,
-    Timings,
 )
 from framewire.service._access.paths import (
     remove_made,
 )
 from framewire.service._access.peers import TRUSTED, Access
-from framewire.service._encode.encoder import Encoded, Encoder
+from framewire.service._encode.encoder import Encoder
 from framewire.service._encode.prepare import Prepared, Preparer
+from framewire.service._encode.results import Check, failed, written
 from framewire.service._encode.scheduler import Scheduler
-from framewire.service._encode.validate import validate_output
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
 from framewire.service._sources.regions import RegionRegistry
@@ -48,6 +46,7 @@ STOP_WAIT_S = 10.0  # how long a shutdown waits for stopped requests to send the
 SHUTTING_DOWN = "the worker is shutting down; the encode was stopped"
 
 log = logging.getLogger("framewire.jobs")
+T = TypeVar("T")
 
 
 class EncodeJobs:
@@ -70,68 +69,24 @@ class EncodeJobs:
             max(4, settings.cpu_slots + 2), thread_name_prefix="framewire-encode"
         )
         self.stopping = False
+        self.draining = False  # a shutdown began: no new encodes
         self._cancels: set[threading.Event] = set()  # one per request in flight
         self._requests: set[asyncio.Task[object]] = set()  # the tasks serving them
 
     def _encode_one(self, job: Prepared, validate: bool, cancel: threading.Event) -> OutputResult:
         started = time.time()
         g = job.source.geometry
-        validate_ms = 0.0
-        info: MediaInfo | None = None
-
-        def check_file(staged: str) -> None:
-            # Before the rename: a file that fails validation never appears.
-            nonlocal validate_ms, info
-            t0 = time.perf_counter()
-            try:
-                info = validate_output(
-                    Path(staged),
-                    frames=g.frames,
-                    width=g.width,
-                    height=g.height,
-                    fps=job.params.fps,
-                    audio=job.params.audio is not None,
-                )
-            finally:
-                validate_ms = (time.perf_counter() - t0) * 1e3
-
-        encoded: Encoded = self.encoder.encode(
+        audio = job.params.audio is not None
+        check = Check(g.frames, g.width, g.height, job.params.fps, audio) if validate else None
+        encoded = self.encoder.encode(
             job.source,
             job.path,
             job.params,
             cancel=cancel,
             directory=job.directory,
-            inspect=check_file if validate else None,
+            inspect=check,
         )
-        if encoded.fast_path_error is not None:
-            log.warning(
-                "output %s was redone on the reference route",
-                job.path,
-                extra={"fast_path_error": encoded.fast_path_error},
-            )
-        self.metrics.encode_seconds.labels(encoded.route).observe(encoded.encode_ms / 1e3)
-        self.metrics.bytes_written.inc(encoded.bytes)
-        if encoded.route == "fallback":
-            self.metrics.fallbacks.inc()
-        return OutputResult(
-            path=str(job.path),
-            ok=True,
-            bytes=encoded.bytes,
-            sha256=encoded.sha256,
-            frames=encoded.frames,
-            width=info.width if info else None,
-            height=info.height if info else None,
-            fps=job.params.fps,
-            duration=info.duration if info else None,
-            audio=info.audio if info else None,
-            route=encoded.route,
-            timings=Timings(
-                encode_ms=encoded.encode_ms,
-                validate_ms=validate_ms,
-                started_at=started,
-                finished_at=time.time(),
-            ),
-        )
+        return written(encoded, job.params.fps, check, started, self.metrics)
 
     async def run(
         self,
@@ -147,7 +102,7 @@ class EncodeJobs:
         paths = [o.path for o in request.outputs]
         if len(set(paths)) != len(paths):
             raise BadRequest("two outputs of one request name the same path", code="duplicate_path")
-        if self.stopping:
+        if self.stopping or self.draining:
             raise Unavailable("the worker is shutting down", code="shutting_down")
         cancel = threading.Event()
         me = asyncio.current_task()
@@ -246,14 +201,7 @@ class EncodeJobs:
                     raise
                 except FramewireError as exc:
                     # ffmpeg's stderr tail goes into the log line, with the request's id.
-                    fields = {"code": exc.code} | ({"detail": exc.detail} if exc.detail else {})
-                    log.warning("output %s failed: %s", job.path, exc.message, extra=fields)
-                    result = OutputResult(
-                        path=str(job.path),
-                        ok=False,
-                        error=ErrorInfo(code=exc.code, message=exc.message, detail=exc.detail),
-                        timings=Timings(queue_ms=waited * 1e3),
-                    )
+                    result = failed(job.path, exc, waited * 1e3)
                     status = exc.status
                 finally:
                     self.metrics.in_flight.dec()
@@ -266,15 +214,18 @@ class EncodeJobs:
     async def _in_thread(
         self, cancel: threading.Event, job: Prepared, validate: bool
     ) -> OutputResult:
-        """Run one encode on the pool. If this task is cancelled, the encode is told to stop
-        and awaited: its source must stay open until the thread lets go of it. An encode
-        that completed anyway is a complete output, and is reported as one."""
+        return await self.in_pool(cancel, self._encode_one, job, validate, cancel)
+
+    async def in_pool(self, cancel: threading.Event, fn: Callable[..., T], *args: object) -> T:
+        """Run ``fn(*args)`` on the encode pool. If this task is cancelled, ``cancel`` is set
+        and the call awaited: what it reads must stay open until the thread lets go of
+        it. A call that completed anyway is reported as done."""
         if self.stopping:
             raise Unavailable("the worker is shutting down", code="shutting_down")
         # The thread sees this task's context (the request id its log lines carry).
         context = contextvars.copy_context()
         future = asyncio.get_running_loop().run_in_executor(
-            self.pool, context.run, self._encode_one, job, validate, cancel
+            self.pool, functools.partial(context.run, fn, *args)
         )
         try:
             return await asyncio.shield(future)

@@ -20,6 +20,7 @@ from framewire.client._errors import BadRequest, Conflict
 from framewire.client._media.inputs import InputFile
 from framewire.client.wire import (
     CudaIpcSource,
+    EncodeOptions,
     OutputSpec,
     RegionSource,
     ShmSource,
@@ -32,7 +33,7 @@ from framewire.service._access.paths import (
     resolve_output,
 )
 from framewire.service._access.peers import READ, SEARCH, WRITE, Access
-from framewire.service._encode.encoder import EncodeParams
+from framewire.service._encode.encoder import EncodeParams, check_params
 from framewire.service._settings import Settings
 from framewire.service._sources.frames import FileSource, FrameSource, Geometry
 from framewire.service._sources.regions import CudaRegion, RegionRegistry, SystemRegion
@@ -93,22 +94,30 @@ class Preparer:
         self, spec: OutputSpec, access: Access, stack: contextlib.AsyncExitStack
     ) -> Prepared:
         """Everything about one output that can be refused, before anything is made."""
+        path, params = await self.judge_options(spec, access, stack)
+        source = await self.open_source(spec.source, access, stack)
+        return Prepared(spec, path, source, params)
+
+    async def judge_options(
+        self, options: EncodeOptions, access: Access, stack: contextlib.AsyncExitStack
+    ) -> tuple[Path, EncodeParams]:
+        """Where the output goes (judged, nothing made) and how it is encoded (the audio
+        opened, closed with ``stack``)."""
         # Off the event loop: judging paths is the filesystem's time.
-        path = await asyncio.to_thread(self._judge_path, spec.path, access)
+        path = await asyncio.to_thread(self._judge_path, options.path, access)
         audio: InputFile | None = None
-        if spec.audio is not None:
-            audio = await asyncio.to_thread(self._open_input, spec.audio, access)
+        if options.audio is not None:
+            audio = await asyncio.to_thread(self._open_input, options.audio, access)
             stack.callback(audio.close)
-        source = await self._open_source(spec.source, access, stack)
-        stack.callback(source.close)
         params = EncodeParams(
-            fps=spec.fps,
-            quality=spec.quality,
-            preset=spec.preset,
-            threads=spec.threads,
+            fps=options.fps,
+            quality=options.quality,
+            preset=options.preset,
+            threads=options.threads,
             audio=audio,
         )
-        return Prepared(spec, path, source, params)
+        check_params(params)
+        return path, params
 
     def _judge_path(self, raw: str, access: Access) -> Path:
         roots = self.settings.output_roots
@@ -129,6 +138,14 @@ class Preparer:
             opened.close()
             raise
         return opened
+
+    async def open_source(
+        self, src: Source, access: Access, stack: contextlib.AsyncExitStack
+    ) -> FrameSource:
+        """The frames ``src`` names, opened for the caller (closed with ``stack``)."""
+        source = await self._open_source(src, access, stack)
+        stack.callback(source.close)
+        return source
 
     async def _open_source(
         self, src: Source, access: Access, stack: contextlib.AsyncExitStack
@@ -165,10 +182,16 @@ class Preparer:
 
     async def place(self, job: Prepared, stack: contextlib.AsyncExitStack) -> None:
         """Make and open the output's directory and claim its name (all judged before)."""
+        job.directory = await self.place_at(job.path, job.made, stack)
+
+    async def place_at(self, path: Path, made: list[Path], stack: contextlib.AsyncExitStack) -> int:
+        """The directory of ``path`` made (``made`` lists what was) and opened, its name
+        claimed; both released with ``stack``."""
         roots = self.settings.output_roots
-        job.directory = await asyncio.to_thread(open_output_dir, job.path, roots, job.made)
-        stack.callback(os.close, job.directory)
-        self.claims.claim(job.directory, job.path.name, stack)
+        directory = await asyncio.to_thread(open_output_dir, path, roots, made)
+        stack.callback(os.close, directory)
+        self.claims.claim(directory, path.name, stack)
+        return directory
 
 
 def _existing(directory: Path) -> Path:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+from framewire.client._closing import Closing
 from framewire.client._media.process import FfmpegExited, PipeWriter
 from framewire.service._encode.convert import convert_into
 from framewire.service._encode.staging import ChunkWriter, Staging
@@ -139,6 +140,97 @@ class PipeDrain:
         raise PumpStopped("the pump stopped")
 
 
+class Pump(Closing):
+    """Feeds one ffmpeg's stdin with converted frames from a two-slot staging memfd,
+    source after source (one encode's clip, or a stream session's chunks).
+
+    The slots alternate across sources, and what the pipe may still hold of each
+    is tracked across them too, so a slot is never rewritten under the pipe.
+    """
+
+    def __init__(self, pipe: PipeWriter, height: int, width: int, per_chunk: int):
+        self.pipe = pipe
+        self.frame_bytes = 3 * height * width
+        self.per_chunk = per_chunk
+        self.sent = 0
+        self._next_slot = 0
+        self._broken = False
+        self.staging = Staging(per_chunk * self.frame_bytes, in_flight=pipe_capacity(pipe.fd))
+        self.drain = PipeDrain(pipe.fd, 2)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="framewire-convert")
+
+    def send(
+        self,
+        source: FrameSource,
+        check: Callable[[], None] = lambda: None,
+        writer: ChunkWriter | None = None,
+    ) -> int:
+        """Convert all of ``source``'s frames and send them; returns the bytes sent.
+
+        Each piece (``per_chunk`` frames) is converted on a helper thread while the
+        one before it is sent (both release the GIL). When this returns, nothing of
+        ``source`` is read any more: its buffer may be reused. ``check`` runs
+        between pieces and while the pipe is full, and may raise to stop; after a
+        failure the pump is spent. ``writer`` defaults to the source's own
+        converter, else the host one.
+        """
+        if self._broken:
+            raise RuntimeError("the pump failed before: its ffmpeg's input is incomplete")
+        writer = writer or source.chunk_writer() or HostWriter(source)
+        spans = chunk_spans(source.geometry.frames, self.per_chunk)
+
+        def convert(slot: int, t0: int, t1: int) -> int:
+            nbytes = (t1 - t0) * self.frame_bytes
+
+            def take() -> torch.Tensor:
+                if writer.pinned:  # never punched: wait until the pipe let go of the slot
+                    self.drain.wait(slot)
+                    return self.staging.slot(slot, nbytes, punch=False)
+                return self.staging.slot(slot, nbytes)
+
+            writer.write(take, t0, t1)
+            return nbytes
+
+        sent = 0
+        slot = self._next_slot
+        pending: Future[int] | None = None
+        done = False
+        try:
+            writer.open(self.staging, self.per_chunk)
+            pending = self._pool.submit(convert, slot, *spans[0])
+            for i in range(len(spans)):
+                assert pending is not None  # submitted for every span
+                nbytes = pending.result()
+                following = slot ^ 1
+                pending = None
+                if i + 1 < len(spans):
+                    pending = self._pool.submit(convert, following, *spans[i + 1])
+                check()
+                self.pipe.send_file(self.staging.fd, slot * self.staging.slot_bytes, nbytes, check)
+                self.drain.sent(slot, nbytes)
+                sent += nbytes
+                slot = following
+            done = True
+        finally:
+            if not done:
+                self._broken = True
+                self.drain.stop()  # a converter waiting on a pinned slot gives up
+            # The converter writes into the mapping: it must be done before anything goes.
+            if pending is not None:
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    pending.result()
+            writer.close()
+        self._next_slot = slot
+        self.sent += sent
+        return sent
+
+    def close(self) -> None:
+        self.drain.stop()
+        self._pool.shutdown(wait=True)
+        self.staging.close()
+
+
 def pump_converted(
     source: FrameSource,
     pipe: PipeWriter,
@@ -147,60 +239,7 @@ def pump_converted(
     check: Callable[[], None] = lambda: None,
     writer: ChunkWriter | None = None,
 ) -> int:
-    """Convert ``source`` chunk by chunk into staging and sendfile each chunk into ``pipe``.
-
-    Chunk k+1 is converted on a helper thread while chunk k is sent (both
-    release the GIL). Returns the bytes sent. ``check`` runs between chunks and
-    may raise to stop (cancellation). ``writer`` defaults to the source's own
-    converter, else the host one.
-    """
+    """Convert ``source`` and send it into ``pipe`` with a :class:`Pump` of its own."""
     g = source.geometry
-    frame_bytes = 3 * g.height * g.width
-    spans = chunk_spans(g.frames, per_chunk)
-    writer = writer or source.chunk_writer() or HostWriter(source)
-    drain: PipeDrain | None = None
-
-    def convert(slot: int, t0: int, t1: int) -> int:
-        nbytes = (t1 - t0) * frame_bytes
-
-        def take() -> torch.Tensor:
-            if drain is None:
-                return staging.slot(slot, nbytes)
-            drain.wait(slot)
-            return staging.slot(slot, nbytes, punch=False)
-
-        writer.write(take, t0, t1)
-        return nbytes
-
-    sent = 0
-    with (
-        Staging(per_chunk * frame_bytes, in_flight=pipe_capacity(pipe.fd)) as staging,
-        ThreadPoolExecutor(1, thread_name_prefix="framewire-convert") as pool,
-    ):
-        pending: Future[int] | None = None
-        try:
-            writer.open(staging, per_chunk)
-            if writer.pinned:
-                drain = PipeDrain(pipe.fd, 2)
-            pending = pool.submit(convert, 0, *spans[0])
-            for i in range(len(spans)):
-                assert pending is not None  # submitted for every span
-                nbytes = pending.result()
-                pending = (
-                    pool.submit(convert, (i + 1) % 2, *spans[i + 1]) if i + 1 < len(spans) else None
-                )
-                check()
-                pipe.send_file(staging.fd, (i % 2) * staging.slot_bytes, nbytes, check)
-                if drain is not None:
-                    drain.sent(i % 2, nbytes)
-                sent += nbytes
-        finally:
-            # The converter writes into the mapping: it must be done before the unmap.
-            if drain is not None:
-                drain.stop()
-            if pending is not None:
-                pending.cancel()
-                with contextlib.suppress(BaseException):
-                    pending.result()
-            writer.close()
-    return sent
+    with Pump(pipe, g.height, g.width, per_chunk) as pump:
+        return pump.send(source, check, writer)

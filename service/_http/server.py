@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from types import FrameType
 
@@ -64,7 +65,13 @@ class Server(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.on_drain is not None:
+            started = time.monotonic()
             await self.on_drain()
+            # One grace period in all: what the drain took comes off uvicorn's wait.
+            grace = self.config.timeout_graceful_shutdown
+            if grace is not None:
+                left = max(0.0, grace - (time.monotonic() - started))
+                self.config.timeout_graceful_shutdown = left  # type: ignore[assignment]
         await super().shutdown(sockets)
 
 

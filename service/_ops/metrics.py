@@ -37,6 +37,20 @@ class Metrics:
             buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=r,
         )
+        # Stream sessions.
+        self.streams_open = Gauge("framewire_streams_open", "Stream sessions open", registry=r)
+        self.stream_chunks = Counter(
+            "framewire_stream_chunks", "Chunks read into stream sessions", registry=r
+        )
+        self.stream_bytes = Counter(
+            "framewire_stream_bytes", "Source bytes read into stream sessions", registry=r
+        )
+        self.stream_aborts = Counter(
+            "framewire_stream_aborts",
+            "Stream sessions that ended without a file, by cause",
+            ["cause"],  # deleted, idle, client, error, shutdown
+            registry=r,
+        )
         # Reference decodes (the fd socket).
         self.fd_requests = Counter(
             "framewire_fd_requests",

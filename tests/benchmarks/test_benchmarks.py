@@ -79,3 +79,17 @@ def test_gpu_benchmark_says_why_it_cannot_run() -> None:
         pytest.skip("a GPU is present: scripts/gpu-check runs this benchmark")
     r = bench("gpu_encode.py", "--frames", "2")
     assert r.returncode == 2 and "no CUDA device" in r.stderr, r.stdout + r.stderr
+
+
+def test_stream_benchmark(tmp_path: Path) -> None:
+    out = tmp_path / "stream.json"
+    r = bench("stream.py", "--frames", "8", "--chunk", "3", "--width", "64", "--height", "48",
+              "--repeat", "1", "--json", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())["runs"]
+    modes = sorted(row["mode"] for row in rows if row["rate"] > 0)
+    assert modes == ["a", "a", "b", "b", "c", "c"]  # two rates, one run each
+    assert len({row["sha256"] for row in rows}) == 1
+    assert "same bytes (a), (b) and (c), every run: True" in r.stdout
+    # The stream's extra memory is its two staging segments of 3 frames (a few KiB).
+    assert all(row["extra_mib"] < 8 for row in rows if row["mode"] == "b"), rows

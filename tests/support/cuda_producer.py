@@ -76,6 +76,27 @@ def save(spec: dict[str, Any]) -> Any:
     return [r.model_dump(mode="json") for r in results]
 
 
+def stream(spec: dict[str, Any]) -> Any:
+    """``open_video`` with the clip's CUDA chunks of ``spec["chunks"]`` frames each."""
+    from framewire.client import Client, FramewireError
+    from framewire.service._encode.convert import slice_frames
+
+    tensor, layout = clip_for(spec["clips"][0], "cuda")
+    try:
+        with (
+            Client(spec["url"], timeout=300) as client,
+            client.open_video(spec["paths"][0], fps=24, layout=layout) as writer,
+        ):
+            t0 = 0
+            for n in spec["chunks"]:
+                writer.write(slice_frames(tensor, layout, t0, t0 + n))
+                t0 += n
+    except FramewireError as exc:
+        return {"error": exc.code, "message": exc.message}
+    assert writer.result is not None
+    return writer.result.model_dump(mode="json")
+
+
 def describe(spec: dict[str, Any]) -> None:
     from framewire.client._sharing import share
 
@@ -134,7 +155,7 @@ def main() -> None:
     if mode == "describe":
         describe(spec)
         return
-    result = save(spec) if mode == "save" else region(spec)
+    result = {"save": save, "stream": stream, "region": region}[mode](spec)
     print(json.dumps(result), flush=True)
 
 

@@ -41,3 +41,21 @@ def wait_gone(pids: set[int], timeout: float = 10) -> None:
     while not all(gone(p) for p in pids):
         assert time.monotonic() < deadline, f"processes {pids} still running"
         time.sleep(0.05)
+
+
+def wait_until_writes_stop(pid: int, quiet_s: float = 0.3, timeout: float = 10) -> None:
+    """Until ``pid`` has written no byte (``wchar``) for ``quiet_s``."""
+
+    def written() -> int:
+        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+        raise AssertionError("no wchar")
+
+    deadline = time.monotonic() + timeout
+    last, since = written(), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, "the worker kept writing"
+        time.sleep(0.02)
+        if (now := written()) != last:
+            last, since = now, time.monotonic()

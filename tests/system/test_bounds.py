@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from tests.support.media import make_clip, reference_mp4, sha256
-from tests.support.processes import wait_gone
+from tests.support.processes import wait_gone, wait_until_writes_stop
 from tests.support.refclips import RawConnection, make_video
 from tests.support.requests import (
     Baseline,
@@ -124,24 +124,6 @@ def test_a_cancel_reaches_a_pump_blocked_on_a_stopped_ffmpeg(workers, segments):
     wait_gone({ffmpeg}, timeout=5)
     assert time.monotonic() - gone_at < 5
     settle(w, baseline, keep=set(segments.keys))
-
-
-def wait_until_writes_stop(pid: int, quiet_s: float = 0.3, timeout: float = 10) -> None:
-    """Until ``pid`` has written no byte (``wchar``) for ``quiet_s``."""
-
-    def written() -> int:
-        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-        raise AssertionError("no wchar")
-
-    deadline = time.monotonic() + timeout
-    last, since = written(), time.monotonic()
-    while time.monotonic() - since < quiet_s:
-        assert time.monotonic() < deadline, "the worker kept writing"
-        time.sleep(0.02)
-        if (now := written()) != last:
-            last, since = now, time.monotonic()
 
 
 def stopping_ffmpeg(directory: Path) -> Path:

@@ -358,6 +358,85 @@ def test_reference_replaced_during_decode(workers, tmp_path, request):
     )
 
 
+# --- stream sessions -----------------------------------------------------------------------
+
+
+def test_ffmpeg_killed_mid_stream(worker, baseline, segments, request):
+    """SIGKILL to a stream session's ffmpeg between two chunks; the producer sends the next."""
+    clip = make_clip(frames=8, height=64, width=64)
+    with worker.http() as h:
+        body = {"path": "streamed.mp4", "fps": 24, "dtype": "float32", "height": 64, "width": 64}
+        sid = h.post("/v1/streams", json=body).json()["id"]
+        chunk = {"first_frame": 0, "source": segments.source(clip[:, :4].contiguous())}
+        assert h.post(f"/v1/streams/{sid}/frames", json=chunk).status_code == 200
+        [ffmpeg] = wait_for_ffmpeg(worker)
+        os.kill(ffmpeg, signal.SIGKILL)
+        wait_gone({ffmpeg})
+        chunk = {"first_frame": 4, "source": segments.source(clip[:, 4:].contiguous())}
+        r = h.post(f"/v1/streams/{sid}/frames", json=chunk)
+        state = h.get(f"/v1/streams/{sid}").json()
+    assert (r.status_code, r.json()["code"]) == (422, "ffmpeg_killed"), r.text
+    assert state["state"] == "failed"
+    assert not (worker.outputs / "streamed.mp4").exists()
+    settle(worker, baseline, keep=frozenset(segments.keys))
+    faultmatrix.record(
+        request,
+        fault="ffmpeg killed mid-stream",
+        observed=f"the next chunk: {error_of(r.status_code, r.json())}; the session is "
+        "`failed` (no fallback: the frames already read are gone)",
+        output="nothing",
+        afterwards=CLEAN,
+    )
+
+
+PRODUCER = """
+import sys, torch
+from framewire.client import Client
+clip = torch.rand(3, 96, 128, 128)
+with Client("unix://" + sys.argv[1]) as c:
+    w = c.open_video("orphan.mp4", fps=24, preset="veryslow")
+    for t0 in range(0, 96, 8):
+        w.write(clip[:, t0:t0 + 8])
+    print("written", flush=True)
+    sys.stdin.read()  # killed here, before close()
+"""
+
+
+def test_producer_killed_mid_stream(workers, segments, tmp_path, request):
+    """SIGKILL to a producer process that wrote 12 chunks through ``open_video`` and did
+    not close; the worker's ``FRAMEWIRE_STREAM_IDLE_S`` is 1 s."""
+    w = workers.start("--stream-idle-s", "1")
+    baseline = Baseline.of(w)
+    producer = subprocess.Popen([sys.executable, "-c", PRODUCER, str(w.uds)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    assert producer.stdout is not None and producer.stdout.readline() == b"written\n"
+    producer.kill()
+    producer.wait()
+    killed_at, deadline = time.monotonic(), time.monotonic() + 20
+    with w.http() as h:
+        while metric(h, "framewire_streams_open") > 0:
+            assert time.monotonic() < deadline, "the orphaned session stayed open"
+            time.sleep(0.1)
+        aborted_after = time.monotonic() - killed_at
+        idle_aborts = metric(h, 'framewire_stream_aborts_total{cause="idle"}')
+    assert idle_aborts == 1 and aborted_after < 5
+    assert not (w.outputs / "orphan.mp4").exists()
+    # Its two staging segments outlived it; the next client's first share sweeps them.
+    swept = [k for k in remove_abandoned_segments() if k.startswith(f"/framewire-{producer.pid}-")]
+    assert len(swept) == 2
+    settle(w, baseline)
+    still_serving(w, segments, tmp_path)
+    faultmatrix.record(
+        request,
+        fault="producer killed mid-stream",
+        observed="the session aborted as idle within 5 s "
+        '(`framewire_stream_aborts_total{cause="idle"}`); the producer\'s 2 staging '
+        "segments are swept by the next client",
+        output="nothing",
+        afterwards=CLEAN,
+    )
+
+
 # --- the document --------------------------------------------------------------------------
 
 

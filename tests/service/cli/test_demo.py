@@ -16,8 +16,13 @@ def test_demo_against_a_running_worker(workers):
     assert "every process got the same bytes" in out
     assert out.count("via worker") == 4, out
     assert "1 for 4 requests" in out  # one ffmpeg decode, shared by every process
+    assert "open_video: 6 chunks of 8 frames" in out
+    assert "the same bytes as save_video" in out
     saved = sorted(p.name for p in (w.outputs / "framewire-demo").iterdir())
-    assert len(saved) == 2 and all(name.endswith(".mp4") for name in saved)
+    assert len(saved) == 3 and all(name.endswith(".mp4") for name in saved)
+    [streamed] = (w.outputs / "framewire-demo").glob("*-a-streamed.mp4")
+    [whole] = (w.outputs / "framewire-demo").glob("*-a.mp4")
+    assert streamed.read_bytes() == whole.read_bytes()
     assert all(name in out for name in saved)
     assert list(w.inputs.iterdir()) == []  # the reference it wrote is removed again
 

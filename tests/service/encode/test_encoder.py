@@ -210,7 +210,7 @@ def test_uint8_thwc_segment_is_sent_without_conversion(tmp_path, segments, monke
     def no_pump(*args, **kw):
         raise AssertionError("the conversion pump ran for zero-copy input")
 
-    monkeypatch.setattr(encoder, "pump_converted", no_pump)
+    monkeypatch.setattr(encoder, "Pump", no_pump)
     clip = make_clip(frames=6, height=75, width=100, dtype=torch.uint8, layout=Layout.THWC)
     source = file_source(segments, clip, Layout.THWC, offset=8192)
     try:

@@ -32,13 +32,14 @@ from framewire.client.wire import (
     normalize_uuid,
 )
 from framewire.service._encode import encoder as encoder_module
-from framewire.service._encode.convert import WIRE_DTYPES
+from framewire.service._encode.convert import WIRE_DTYPES, slice_frames
 from framewire.service._encode.encoder import EncodeParams, Encoder
 from framewire.service._encode.staging import Staging
 from framewire.service._sources import cuda_convert, cuda_ipc
 from framewire.service._sources.cuda_convert import CudaTensorSource
 from framewire.service._sources.cuda_ipc import CudaRuntime, check_allocation, tensor_on
 from framewire.service._sources.frames import Geometry
+from framewire.service._stream.output import StreamOutput
 from pydantic import ValidationError
 
 from tests.support import REPO
@@ -307,7 +308,7 @@ def test_gpu_writer_logic_is_byte_exact(tmp_path, no_cuda_calls, monkeypatch, ca
     """The GPU converter's slicing, scaling, interleave and pinned-slot handling, run on
     CPU tensors through the real pump and ffmpeg: the bytes of the reference."""
     if route == "fallback":
-        monkeypatch.setattr(encoder_module, "pump_converted", _broken_pump)
+        monkeypatch.setattr(encoder_module.Pump, "send", _broken_pump)
     spec = clip_spec(case, frames=9) | ({"view": "batch"} if case == "float32" else {})
     clip, layout = clip_for(spec)
     source = CpuStandIn(clip, layout)
@@ -326,6 +327,28 @@ def test_gpu_writer_logic_is_byte_exact(tmp_path, no_cuda_calls, monkeypatch, ca
     if g.dtype is not DType.uint8:
         expected *= g.dtype.itemsize + 1
     assert encoder.gpu_bytes(source) == expected
+
+
+@pytest.mark.parametrize("case", ["float32", "uint8", "strided"])
+def test_gpu_writer_logic_across_stream_chunks(tmp_path, no_cuda_calls, case):
+    """A stream session's chunks through the GPU converter (CPU stand-ins), each pinning
+    and unpinning the staging: the bytes of the reference, wherever the chunks fall
+    on the pump's pieces and slots."""
+    spec = clip_spec(case, frames=11)
+    clip, layout = clip_for(spec)
+    encoder = Encoder(FFMPEG, chunk_bytes=1 << 16)
+    g = CpuStandIn(clip, layout).geometry
+    directory = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        session = Geometry(g.dtype, g.layout, 0, g.height, g.width)
+        out = StreamOutput(encoder, tmp_path / "s.mp4", EncodeParams(fps=24), session, directory)
+        for t0, t1 in [(0, 1), (1, 7), (7, 11)]:
+            out.feed(CpuStandIn(slice_frames(clip, layout, t0, t1), layout), lambda: None)
+        result = out.finish(lambda: None)
+    finally:
+        os.close(directory)
+    assert result.sha256 == reference(spec, tmp_path / "ref.mp4") == sha256(tmp_path / "s.mp4")
+    assert no_cuda_calls.count("pin") == 3 == no_cuda_calls.count("unpin")
 
 
 def _broken_pump(*args: object, **kw: object) -> int:
@@ -526,6 +549,20 @@ def test_saves_from_another_process_are_byte_exact(gpu_worker, tmp_path, case):
     assert result["sha256"] == reference(spec, tmp_path / "ref.mp4")
 
 
+@pytest.mark.parametrize("case", ["float32", "bfloat16", "uint8"])
+@pytest.mark.cuda
+@gpu_only
+def test_streamed_cuda_chunks_are_byte_exact(gpu_worker, tmp_path, case):
+    """open_video with CUDA chunks (IPC handles, converted on the GPU), uneven sizes."""
+    spec = clip_spec(case, frames=12)
+    result = finish(producer({"mode": "stream", "url": gpu_worker.uds_url, "clips": [spec],
+                              "paths": [f"stream-{case}.mp4"], "chunks": [1, 6, 5]}))  # fmt: skip
+    assert "error" not in result, result
+    assert result["route"] == "stream" and result["frames"] == 12
+    assert result["sha256"] == reference(spec, tmp_path / "ref.mp4")
+    assert result["sha256"] == sha256(gpu_worker.outputs / f"stream-{case}.mp4")
+
+
 @pytest.mark.cuda
 @gpu_only
 def test_two_producers_on_one_gpu_at_once(gpu_worker, tmp_path):
@@ -678,7 +715,7 @@ def test_staging_is_page_locked_and_gpu_memory_budgeted():
 @gpu_only
 def test_reference_route_converts_on_the_gpu_too(tmp_path, monkeypatch):
     """The fallback (fast path broken) gives the same bytes from a CUDA source."""
-    monkeypatch.setattr(encoder_module, "pump_converted", _broken_pump)
+    monkeypatch.setattr(encoder_module.Pump, "send", _broken_pump)
     spec = clip_spec("bfloat16", frames=9)
     clip, layout = clip_for(spec, "cuda")
     source = CudaTensorSource(clip, layout)

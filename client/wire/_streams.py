@@ -1,0 +1,66 @@
+"""Streaming encode sessions: one output whose frames arrive over time, chunk by chunk."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from framewire.client.wire._messages import EncodeOptions, ErrorInfo
+from framewire.client.wire._sources import (
+    MAX_FRAMES,
+    MAX_SIDE,
+    DType,
+    Flag,
+    Int,
+    Layout,
+    Source,
+    WireModel,
+)
+from pydantic import BaseModel, Field
+
+StreamStateName = Literal["open", "streaming", "finishing", "done", "aborted", "failed"]
+
+
+class StreamOpen(EncodeOptions):
+    """``POST /v1/streams``: the output, and the geometry every chunk must have."""
+
+    dtype: DType
+    layout: Layout = Layout.CTHW
+    height: Int = Field(ge=1, le=MAX_SIDE)
+    width: Int = Field(ge=1, le=MAX_SIDE)
+    frames: Int | None = Field(default=None, ge=1, le=MAX_FRAMES)  # the expected total
+    validate_: Flag = Field(default=True, alias="validate")
+
+    model_config = EncodeOptions.model_config | {"populate_by_name": True}
+
+
+class StreamOpened(BaseModel):
+    """``201`` to ``POST /v1/streams``."""
+
+    id: str
+    idle_timeout_s: float
+
+
+class StreamChunk(WireModel):
+    """``POST /v1/streams/{id}/frames``: frames ``[first_frame, first_frame + n)``."""
+
+    first_frame: Int = Field(ge=0, le=MAX_FRAMES)
+    source: Source
+
+
+class StreamChunkAck(BaseModel):
+    """The chunk has been read: its buffer may be reused."""
+
+    frames_received: int
+
+
+class StreamState(BaseModel):
+    """``GET /v1/streams/{id}``."""
+
+    id: str
+    path: str
+    state: StreamStateName
+    frames_received: int
+    frames: int | None = None
+    idle_timeout_s: float
+    idle_s: float  # since the last chunk (or the open)
+    error: ErrorInfo | None = None

@@ -1,0 +1,113 @@
+"""One output fed chunk by chunk: its ffmpeg, pump and private file live across requests.
+
+The frames go through the same argv, conversion and staging as a one-shot
+encode, in the same order, so the file is byte-identical to an encode of the
+concatenated frames whatever the chunking. Two differences, both because a
+chunk's buffer is the producer's again once its request is answered:
+
+- Frames always go through staging, never straight from the source's pages
+  (the one-shot route's zero-copy ``sendfile`` from a segment leaves the pipe
+  holding references to pages the producer would then overwrite).
+- There is no fallback to the reference route: the frames already sent exist
+  nowhere else any more. A failed ffmpeg fails the session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from framewire.client._closing import Closing
+from framewire.client._media.process import FfmpegExited
+from framewire.service._encode.encoder import (
+    Encoded,
+    EncodeParams,
+    Encoder,
+    cut_short,
+    wait_for,
+)
+from framewire.service._encode.outputs import atomic_output
+from framewire.service._encode.pump import Pump
+from framewire.service._sources.frames import FrameSource, Geometry
+
+
+class _Aborted(Exception):
+    """Thrown into the output's context managers: discard everything."""
+
+
+class StreamOutput(Closing):
+    """ffmpeg writing ``path`` (in ``directory``) from frames given by :meth:`feed`."""
+
+    def __init__(
+        self,
+        encoder: Encoder,
+        path: Path,
+        params: EncodeParams,
+        geometry: Geometry,
+        directory: int,
+    ):
+        self.path = path
+        self.geometry = geometry
+        self.frames = 0
+        self.threads = encoder.threads_for(geometry.height, params)
+        self._started = time.perf_counter()
+        self._stack = contextlib.ExitStack()
+        try:
+            self._staged = self._stack.enter_context(atomic_output(directory, path.name))
+            g = geometry
+            argv = encoder.argv(self._staged, g.width, g.height, params, threads=self.threads)
+            self._ff = self._stack.enter_context(encoder.start(argv, self._staged, params))
+            assert self._ff.input is not None
+            per_chunk = encoder.frames_per_chunk(g)
+            self._pump = self._stack.enter_context(
+                Pump(self._ff.input, g.height, g.width, per_chunk)
+            )
+        except BaseException:
+            self.abort()
+            raise
+
+    def feed(self, source: FrameSource, check: Callable[[], None]) -> None:
+        """Send all of ``source``'s frames; when this returns, ``source`` is not read any more."""
+        try:
+            self._pump.send(source, check)
+        except FfmpegExited as exc:
+            raise cut_short(self._ff, check) from exc
+        self.frames += source.geometry.frames
+
+    def finish(
+        self, check: Callable[[], None], inspect: Callable[[str], None] | None = None
+    ) -> Encoded:
+        """End of frames: wait for ffmpeg, check the file (``inspect``), put it in place."""
+        try:
+            self._pump.close()
+            wait_for(self._ff, check)
+            encode_ms = (time.perf_counter() - self._started) * 1e3
+            size, sha256 = self._staged.digest()
+            if inspect is not None:
+                inspect(self._staged.path)
+        except BaseException:
+            self.abort()
+            raise
+        self._stack.close()  # ffmpeg reaped, the file fsynced and renamed into place
+        g = self.geometry
+        return Encoded(
+            path=self.path,
+            bytes=size,
+            sha256=sha256,
+            frames=self.frames,
+            width=g.width,
+            height=g.height,
+            route="stream",
+            threads=self.threads,
+            encode_ms=encode_ms,
+        )
+
+    def abort(self) -> None:
+        """Kill ffmpeg and remove whatever it wrote. Idempotent."""
+        with contextlib.suppress(_Aborted):
+            self._stack.__exit__(_Aborted, _Aborted("the stream was aborted"), None)
+
+    def close(self) -> None:
+        self.abort()

@@ -1,0 +1,389 @@
+"""Stream sessions: open, chunks in order, finish or abort; idle ones reaped.
+
+A session is judged when it opens (the output path, the caller's rights, the
+audio) and its directory made and its name claimed then, so nothing else can
+write that file meanwhile. Its first chunk waits for CPU (and GPU) admission
+like an encode and starts ffmpeg; the session holds those slots until it ends.
+Each chunk is answered once it has been read: the producer may reuse the
+buffer at once. One request of a session runs at a time.
+
+Ends: ``finish`` (the file appears, atomically), ``abort`` (``DELETE``, nothing
+remains), idle for ``FRAMEWIRE_STREAM_IDLE_S`` (aborted), a failed chunk (the
+session fails with that code, nothing remains), a client that goes away in the
+middle of a chunk (aborted), or the worker stopping (aborted once the drain's
+grace is over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from framewire.client._errors import (
+    BadRequest,
+    Cancelled,
+    Conflict,
+    FramewireError,
+    NotFound,
+    Overloaded,
+    Unavailable,
+)
+from framewire.client.wire import OutputResult, StreamChunk, StreamOpen, StreamState
+from framewire.client.wire._streams import StreamStateName
+from framewire.service._access.paths import remove_made
+from framewire.service._access.peers import Access
+from framewire.service._encode.encoder import EncodeParams
+from framewire.service._encode.jobs import EncodeJobs
+from framewire.service._encode.results import Check, failed, written
+from framewire.service._ops.metrics import Metrics
+from framewire.service._settings import Settings
+from framewire.service._sources.frames import FrameSource, Geometry
+from framewire.service._stream.output import StreamOutput
+
+log = logging.getLogger("framewire.streams")
+
+DISCONNECT_POLL_S = 0.1
+CLOSED_KEPT = 4096  # ended sessions remembered, to answer 409 stream_closed rather than 404
+
+
+def _not_open(session_id: str, state: str) -> Conflict:
+    return Conflict(f"stream {session_id} is {state}", code="stream_closed")
+
+
+@dataclass(eq=False)
+class Session:
+    id: str
+    spec: StreamOpen
+    path: Path
+    params: EncodeParams
+    geometry: Geometry  # frames: 0 (the chunks say how many)
+    directory: int
+    made: list[Path]
+    stack: contextlib.AsyncExitStack  # the claim, the directory, the audio, the slots
+    state: StreamStateName = "open"
+    received: int = 0
+    error: FramewireError | None = None
+    output: StreamOutput | None = None
+    started: float = field(default_factory=time.time)
+    active_at: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    aborted_by: str | None = None  # why it is being aborted, while a request still runs
+
+    def touch(self) -> None:
+        self.active_at = time.monotonic()
+
+    def idle_s(self) -> float:
+        return time.monotonic() - self.active_at
+
+    def check(self) -> None:
+        """Between pieces of blocking work: stop if the session is being aborted."""
+        if self.cancel.is_set():
+            raise Cancelled(f"stream {self.id} was aborted")
+
+
+class Sessions:
+    """Every open session of the worker, and the reaper of idle ones."""
+
+    def __init__(self, settings: Settings, jobs: EncodeJobs, metrics: Metrics):
+        self.settings = settings
+        self.jobs = jobs
+        self.metrics = metrics
+        self.draining = False
+        self._open: dict[str, Session] = {}
+        self._closed: OrderedDict[str, StreamState] = OrderedDict()
+        self._reaper: asyncio.Task[None] | None = None
+
+    # --- open ---------------------------------------------------------------------------------
+
+    async def open(self, spec: StreamOpen, access: Access) -> Session:
+        if self.draining or self.jobs.stopping:
+            raise Unavailable("the worker is shutting down", code="shutting_down")
+        limit = self.settings.max_streams
+        if len(self._open) >= limit:
+            raise Overloaded(
+                f"{len(self._open)} stream sessions are open (FRAMEWIRE_MAX_STREAMS={limit})",
+                code="too_many_streams",
+                retry_after=self.settings.stream_idle_s,
+            )
+        stack = contextlib.AsyncExitStack()
+        made: list[Path] = []
+        try:
+            prepare = self.jobs.prepare
+            path, params = await prepare.judge_options(spec, access, stack)
+            directory = await prepare.place_at(path, made, stack)
+        except BaseException:
+            await stack.aclose()
+            remove_made(made)
+            raise
+        geometry = Geometry(spec.dtype, spec.layout, 0, spec.height, spec.width)
+        session = Session(
+            secrets.token_hex(8), spec, path, params, geometry, directory, made, stack
+        )
+        self._open[session.id] = session
+        self.metrics.streams_open.set(len(self._open))
+        log.info("stream opened for %s", path, extra={"stream_id": session.id})
+        self._start_reaper()
+        return session
+
+    def get(self, session_id: str) -> Session:
+        session = self._open.get(session_id)
+        if session is not None:
+            return session
+        if session_id in self._closed:
+            raise _not_open(session_id, self._closed[session_id].state)
+        raise NotFound(f"no stream session {session_id!r}", code="stream_not_found")
+
+    def state(self, session_id: str) -> StreamState:
+        if session_id in self._closed:
+            return self._closed[session_id]
+        return self._state_of(self.get(session_id))
+
+    def _state_of(self, session: Session) -> StreamState:
+        error = session.error
+        return StreamState(
+            id=session.id,
+            path=str(session.path),
+            state=session.state,
+            frames_received=session.received,
+            frames=session.spec.frames,
+            idle_timeout_s=self.settings.stream_idle_s,
+            idle_s=round(session.idle_s(), 3),
+            error=None if error is None else failed(session.path, error).error,
+        )
+
+    # --- chunks -------------------------------------------------------------------------------
+
+    async def chunk(
+        self,
+        session_id: str,
+        chunk: StreamChunk,
+        access: Access,
+        is_disconnected: Callable[[], Awaitable[bool]],
+    ) -> int:
+        """Read one chunk into the session's ffmpeg; returns the frames received so far."""
+        session = self.get(session_id)
+        async with session.lock:
+            if session.state not in ("open", "streaming"):
+                raise _not_open(session.id, session.state)
+            session.touch()
+            self._refuse_misfit(session, chunk)
+            if session.output is None:
+                self.jobs.scheduler.admit(1)  # a full queue is a 429 to retry, not an end
+            try:
+                async with contextlib.AsyncExitStack() as held:
+                    source = await self.jobs.prepare.open_source(chunk.source, access, held)
+                    if session.output is None:
+                        await self._start(session, source)
+                    assert session.output is not None
+                    watcher = asyncio.create_task(self._watch(is_disconnected, session))
+                    try:
+                        await self.jobs.in_pool(
+                            session.cancel, session.output.feed, source, session.check
+                        )
+                    finally:
+                        watcher.cancel()
+            except (FramewireError, asyncio.CancelledError) as exc:
+                # The chunk was read in part, or not at all: the file cannot be completed.
+                await self._end_by(session, exc)
+                raise
+            frames = source.geometry.frames
+            session.received += frames
+            session.state = "streaming"
+            session.touch()
+            self.metrics.stream_chunks.inc()
+            self.metrics.stream_bytes.inc(source.geometry.nbytes)
+            return session.received
+
+    def _refuse_misfit(self, session: Session, chunk: StreamChunk) -> None:
+        """A chunk out of order or of another geometry is refused; the session goes on."""
+        src, g = chunk.source, session.geometry
+        if chunk.first_frame != session.received:
+            raise Conflict(
+                f"chunk starts at frame {chunk.first_frame}; the stream has received "
+                f"{session.received} frames, so the next chunk starts at {session.received}",
+                code="out_of_order",
+            )
+        if src.dtype is not g.dtype:
+            raise BadRequest(f"chunk of {src.dtype}; the stream is {g.dtype}", code="bad_dtype")
+        if src.layout is not g.layout or (src.height, src.width) != (g.height, g.width):
+            raise BadRequest(
+                f"chunk of {src.width}x{src.height} in {src.layout}; the stream is "
+                f"{g.width}x{g.height} in {g.layout}",
+                code="bad_shape",
+            )
+        expected = session.spec.frames
+        if expected is not None and session.received + src.frames > expected:
+            raise BadRequest(
+                f"the stream was opened for {expected} frames; this chunk would make "
+                f"{session.received + src.frames}",
+                code="too_many_frames",
+            )
+
+    async def _start(self, session: Session, source: FrameSource) -> None:
+        """The first chunk: admission (held until the session ends), then ffmpeg."""
+        encoder = self.jobs.encoder
+        threads = encoder.threads_for(session.geometry.height, session.params)
+        gpu = encoder.gpu_bytes(source)
+        await session.stack.enter_async_context(
+            self.jobs.scheduler.hold(threads, gpu, source.gpu_index)
+        )
+        session.started = time.time()
+        session.output = await asyncio.to_thread(
+            StreamOutput,
+            encoder,
+            session.path,
+            session.params,
+            session.geometry,
+            session.directory,
+        )
+
+    async def _watch(
+        self, is_disconnected: Callable[[], Awaitable[bool]], session: Session
+    ) -> None:
+        while not session.cancel.is_set():
+            if await is_disconnected():
+                session.aborted_by = session.aborted_by or "client"
+                session.cancel.set()  # the chunk in progress stops; the session is aborted
+                return
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    # --- the end ------------------------------------------------------------------------------
+
+    async def finish(self, session_id: str) -> tuple[int, OutputResult]:
+        """End of frames: (HTTP status, the output's result)."""
+        session = self.get(session_id)
+        async with session.lock:
+            if session.state not in ("open", "streaming"):
+                raise _not_open(session.id, session.state)
+            session.touch()
+            expected = session.spec.frames
+            problem: FramewireError | None = None
+            if session.output is None:
+                problem = BadRequest("the stream received no frames", code="empty_stream")
+            elif expected is not None and session.received != expected:
+                problem = BadRequest(
+                    f"the stream was opened for {expected} frames and received {session.received}",
+                    code="frame_count_mismatch",
+                )
+            if problem is not None:
+                await self._end(session, "failed", "error", problem)
+                return problem.status, failed(session.path, problem)
+            assert session.output is not None
+            session.state = "finishing"
+            g, fps = session.geometry, session.params.fps
+            check = None
+            if session.spec.validate_:
+                audio = session.params.audio is not None
+                check = Check(session.received, g.width, g.height, fps, audio)
+            try:
+                encoded = await self.jobs.in_pool(
+                    session.cancel, session.output.finish, session.check, check
+                )
+            except (FramewireError, asyncio.CancelledError) as exc:
+                error = _as_error(exc)
+                await self._end_by(session, exc)
+                return error.status, failed(session.path, error)
+            result = written(encoded, fps, check, session.started, self.metrics)
+            await self._end(session, "done", None, None)
+            self.metrics.outputs.labels("ok").inc()
+            return 200, result
+
+    async def abort(self, session_id: str, cause: str = "deleted") -> None:
+        """Stop the session; nothing of its output remains."""
+        session = self.get(session_id)
+        session.aborted_by = session.aborted_by or cause
+        session.cancel.set()  # a chunk in progress stops at its next step
+        async with session.lock:
+            if session.state in ("open", "streaming", "finishing"):
+                await self._end(session, "aborted", cause, None)
+
+    async def _end_by(self, session: Session, exc: BaseException) -> None:
+        """A request of the session failed, or was stopped by an abort."""
+        if session.aborted_by is not None:
+            await self._end(session, "aborted", session.aborted_by, None)
+        else:
+            await self._end(session, "failed", _cause(exc), _as_error(exc))
+
+    async def _end(
+        self,
+        session: Session,
+        state: StreamStateName,
+        cause: str | None,
+        error: FramewireError | None,
+    ) -> None:
+        session.state, session.error = state, error
+        if cause is not None:
+            self.metrics.stream_aborts.labels(cause).inc()
+        if session.output is not None and state != "done":
+            await asyncio.to_thread(session.output.abort)
+        await session.stack.aclose()  # slots, claim, directory, audio
+        if state != "done":
+            remove_made(session.made)
+        self._open.pop(session.id, None)
+        self._closed[session.id] = self._state_of(session)
+        while len(self._closed) > CLOSED_KEPT:
+            self._closed.popitem(last=False)
+        self.metrics.streams_open.set(len(self._open))
+        fields: dict[str, object] = {"stream_id": session.id, "frames": session.received}
+        if error is not None:
+            fields["code"] = error.code
+        log.info("stream %s for %s%s", state, session.path, f" ({cause})" if cause else "",
+                 extra=fields)  # fmt: skip
+
+    # --- idle sessions, shutdown ---------------------------------------------------------------
+
+    def _start_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.create_task(self._reap())
+
+    async def _reap(self) -> None:
+        idle = self.settings.stream_idle_s
+        while self._open:
+            await asyncio.sleep(min(1.0, idle / 4))
+            for session in list(self._open.values()):
+                if not session.lock.locked() and session.idle_s() > idle:
+                    log.warning(
+                        "stream idle for %.0f s (FRAMEWIRE_STREAM_IDLE_S): aborted",
+                        session.idle_s(),
+                        extra={"stream_id": session.id},
+                    )
+                    with contextlib.suppress(FramewireError):
+                        await self.abort(session.id, cause="idle")
+
+    async def drain(self, grace: float) -> None:
+        """A shutdown began: no new sessions; open ones get ``grace`` seconds to finish."""
+        self.draining = True
+        deadline = time.monotonic() + grace
+        while self._open and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        """Abort every session still open (the grace period is over)."""
+        self.draining = True
+        for session_id in list(self._open):
+            with contextlib.suppress(FramewireError):
+                await self.abort(session_id, cause="shutdown")
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+
+
+def _as_error(exc: BaseException) -> FramewireError:
+    if isinstance(exc, FramewireError):
+        return exc
+    return Cancelled("the request was cancelled")
+
+
+def _cause(exc: BaseException) -> str:
+    if isinstance(exc, Cancelled | asyncio.CancelledError):
+        return "client"
+    return "error"

@@ -1,0 +1,193 @@
+"""The stream writers against a real worker: the bytes, the staging pair, the ends.
+
+``open_video`` promises a file byte-identical to ``save_video`` of the
+concatenated frames; host chunks go through two staging segments however many
+chunks there are; and a writer that does not close leaves nothing: no output,
+no temp file, no shm segment, no session on the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from framewire.client import (
+    AsyncClient,
+    AsyncVideoWriter,
+    BadRequest,
+    Client,
+    OutputResult,
+    VideoWriter,
+)
+from framewire.client._sharing import shm
+
+from tests.support.media import make_clip, reference_mp4, sha256
+from tests.support.processes import framewire_temps
+from tests.support.worker import Worker, metric
+
+WORKER_ARGS = ("--stream-idle-s", "30")
+HAS_CUDA = torch.cuda.is_available()
+
+
+def our_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"framewire-{os.getpid()}-")}
+
+
+def chunks(clip: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """CTHW ``clip`` cut along time into chunks of ``size`` frames (the last may be short)."""
+    return list(torch.split(clip, size, dim=1))
+
+
+def nothing_left(worker: Worker, name: str) -> None:
+    assert not (worker.outputs / name).exists()
+    assert framewire_temps(worker.outputs) == []
+    assert our_segments() == set()
+    with worker.http() as h:
+        assert metric(h, "framewire_streams_open") == 0
+
+
+class Counting:
+    """Wraps ``Segment`` to count the staging segments a writer makes."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.made: list[int] = []
+        real = shm.Segment
+
+        def make(nbytes: int) -> shm.Segment:
+            self.made.append(nbytes)
+            return real(nbytes)
+
+        monkeypatch.setattr("framewire.client._stream.Segment", make)
+
+
+def test_a_written_video_is_the_bytes_of_save_video(worker, tmp_path, monkeypatch):
+    clip = make_clip(frames=23, height=48, width=64, dtype=torch.float32)
+    staging = Counting(monkeypatch)
+    with Client(worker.uds_url) as c:
+        with c.open_video("w.mp4", fps=23.976) as w:
+            for part in chunks(clip, 3):
+                w.write(part)
+            assert our_segments() != set()  # the staging pair, alive between chunks
+        assert isinstance(w.result, OutputResult)
+        saved = c.save_video(clip, "s.mp4", fps=23.976)
+    expected = reference_mp4(clip, tmp_path / "ref.mp4", fps=23.976)
+    assert w.result.sha256 == saved.sha256 == expected == sha256(worker.outputs / "w.mp4")
+    assert w.result.route == "stream" and w.result.frames == 23 == w.frames_sent
+    # Eight chunks, two staging segments of one chunk each: O(chunk), not O(clip).
+    assert staging.made == [clip[:, :3].nbytes] * 2
+    assert our_segments() == set()
+
+
+def test_numpy_thwc_chunks_of_uneven_sizes(worker, tmp_path):
+    video = np.random.default_rng(5).integers(0, 256, (9, 17, 30, 3), np.uint8)
+    with Client(worker.uds_url) as c, c.open_video("n.mp4", fps=24) as w:
+        for a, b in [(0, 1), (1, 6), (6, 9)]:
+            w.write(video[a:b])
+    thwc = torch.from_numpy(video)
+    assert w.result is not None
+    assert w.result.sha256 == reference_mp4(thwc, tmp_path / "ref.mp4", layout="THWC")
+
+
+def test_an_exception_in_the_block_aborts_and_leaves_nothing(worker):
+    clip = make_clip(frames=8, height=48, width=64)
+    with (
+        Client(worker.uds_url) as c,
+        pytest.raises(RuntimeError, match="the VAE"),
+        c.open_video("gone.mp4", fps=24) as w,
+    ):
+        w.write(clip[:, :4])
+        raise RuntimeError("the VAE ran out of memory")
+    assert w.result is None
+    with worker.http() as h:
+        assert h.get(f"/v1/streams/{w.id}").json()["state"] == "aborted"
+    nothing_left(worker, "gone.mp4")
+
+
+def test_a_refused_chunk_raises_its_error_and_leaves_nothing(worker):
+    """A chunk's error comes back at the next call; the block then aborts."""
+    first = make_clip(frames=2, height=48, width=64)
+    wrong = make_clip(frames=2, height=32, width=64)
+    with (
+        Client(worker.uds_url) as c,
+        pytest.raises(BadRequest) as caught,
+        c.open_video("bad.mp4", fps=24) as w,
+    ):
+        w.write(first)
+        w.write(wrong)  # refused on the sender thread: raised by a later call
+        w.write(first)
+    assert caught.value.code == "bad_shape"
+    nothing_left(worker, "bad.mp4")
+
+
+def test_closing_a_writer_that_wrote_nothing_is_refused(worker):
+    with Client(worker.uds_url) as c:
+        w = c.open_video("empty.mp4", fps=24)
+        with pytest.raises(ValueError, match="no frames"):
+            w.close()
+        w.abort()  # safe after anything
+    nothing_left(worker, "empty.mp4")
+
+
+def test_the_async_writer_gives_the_same_bytes(worker, tmp_path):
+    clip = make_clip(frames=10, height=48, width=64, dtype=torch.bfloat16)
+
+    async def go() -> OutputResult:
+        async with AsyncClient(worker.uds_url) as c:
+            async with c.open_video("a.mp4", fps=24) as w:
+                for part in chunks(clip, 4):
+                    await w.write(part)
+            assert w.result is not None
+            return w.result
+
+    result = asyncio.run(go())
+    assert result.sha256 == reference_mp4(clip, tmp_path / "ref.mp4")
+    assert our_segments() == set()
+
+
+def test_the_async_writer_aborts_on_an_exception(worker):
+    clip = make_clip(frames=6, height=48, width=64)
+
+    async def go() -> AsyncVideoWriter:
+        async with AsyncClient(worker.uds_url) as c:
+            w = c.open_video("agone.mp4", fps=24)
+            with pytest.raises(KeyError):
+                async with w:
+                    await w.write(clip[:, :3])
+                    await w.write(clip[:, 3:])
+                    raise KeyError("cancelled by the user")
+            return w
+
+    w = asyncio.run(go())
+    assert w.result is None
+    nothing_left(worker, "agone.mp4")
+
+
+def writer_api(cls: type) -> dict[str, Any]:
+    return {n: f for n, f in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")}
+
+
+def test_the_writers_are_twins():
+    sync, coro = writer_api(VideoWriter), writer_api(AsyncVideoWriter)
+    assert sorted(sync) == sorted(coro) == ["abort", "close", "write"]
+    for name in sync:
+        assert inspect.iscoroutinefunction(coro[name]) and not inspect.iscoroutinefunction(
+            sync[name]
+        ), name
+        assert inspect.getdoc(sync[name]) == inspect.getdoc(coro[name]), name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU: torch.cuda.is_available() is False")
+def test_cuda_chunks_give_the_bytes_of_save_video(worker, tmp_path: Path):
+    clip = make_clip(frames=12, height=48, width=64, dtype=torch.bfloat16)
+    with Client(worker.uds_url) as c, c.open_video("g.mp4", fps=24) as w:
+        for part in chunks(clip.cuda(), 5):
+            w.write(part)
+    assert w.result is not None
+    assert w.result.sha256 == reference_mp4(clip, tmp_path / "ref.mp4")
