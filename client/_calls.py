@@ -6,13 +6,22 @@ here and differ only in how they send them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import httpx
 from framewire.client._errors import FramewireError, Unavailable, error_class, rebuild
-from framewire.client.wire import EncodeResponse, MediaInfo, OutputResult
+from framewire.client.wire import (
+    EncodeRequest,
+    EncodeResponse,
+    MediaInfo,
+    OutputResult,
+    OutputSpec,
+    refusal,
+)
+from pydantic import ValidationError
 
 T = TypeVar("T")
 
@@ -74,3 +83,53 @@ def media_list(body: Any) -> list[MediaInfo]:
 
 def output_list(body: Any) -> list[OutputResult]:
     return EncodeResponse.model_validate(body).outputs
+
+
+def info_call() -> Call[dict[str, Any]]:
+    return Call("GET", "/v1/info", None, as_dict)
+
+
+def probe_call(paths: Sequence[str | os.PathLike[str]]) -> Call[list[MediaInfo]]:
+    return Call("POST", "/v1/probe", {"paths": [os.fspath(p) for p in paths]}, media_list)
+
+
+def encode_call(
+    sources: list[Any],
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    fps: float,
+    quality: int,
+    preset: str,
+    threads: int | None,
+    audio: Any,
+    validate: bool,
+) -> Call[list[OutputResult]]:
+    """``POST /v1/videos:encode`` of ``sources`` (shared already) to ``paths``; a request the
+    worker would refuse is refused here, with the worker's code."""
+    audios = _per_output(audio, len(paths), "audio")
+    try:
+        outputs = [
+            OutputSpec(
+                source=src,
+                path=os.fspath(p),
+                fps=fps,
+                quality=quality,
+                preset=preset,  # type: ignore[arg-type]  # checked by the model
+                threads=threads,
+                audio=None if a is None else os.fspath(a),
+            )
+            for src, p, a in zip(sources, paths, audios, strict=True)
+        ]
+        request = EncodeRequest(outputs=outputs, validate=validate)
+    except ValidationError as exc:
+        raise refusal(exc) from None  # the code the worker would have answered
+    body = request.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return Call("POST", "/v1/videos:encode", body, output_list)
+
+
+def _per_output(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} videos")
+        return list(value)
+    return [value] * n

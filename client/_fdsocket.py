@@ -16,7 +16,7 @@ from typing import Any
 
 from framewire.client._closing import Closing
 from framewire.client._errors import FramewireError, Unavailable, error_class, rebuild
-from framewire.client.wire import DecodeReply
+from framewire.client.wire import FdReply
 from pydantic import ValidationError
 
 LENGTH = struct.Struct(">I")
@@ -37,11 +37,13 @@ def default_fd_socket() -> Path:
     return Path(configured) if configured else runtime_dir() / "fd.sock"
 
 
-def error_from(reply: DecodeReply) -> FramewireError:
+def error_from(reply: FdReply) -> FramewireError:
     """The exception a failed reply stands for, carrying the worker's code."""
     code = reply.code or "decode_failed"
     message = reply.message or "the worker refused the request"
-    return rebuild(error_class(fd_code=code), message, code=code, detail=reply.detail)
+    return rebuild(
+        error_class(fd_code=code), message, code=reply.reason or code, detail=reply.detail
+    )
 
 
 def _close_all(fds: list[int]) -> None:
@@ -69,16 +71,17 @@ class FdSocket(Closing):
             self._sock.close()
             raise Unavailable(f"fd socket {self.path} unreachable: {exc}") from exc
 
-    def call(self, message: dict[str, Any]) -> tuple[DecodeReply, int | None]:
-        """Send one request; returns the reply header and the fd it carried (caller owns it)."""
+    def call(self, message: dict[str, Any], fd: int | None = None) -> tuple[FdReply, int | None]:
+        """Send one request (with ``fd`` beside it, which stays the caller's); returns the
+        reply header and the fd it carried (the caller owns it)."""
         fds: list[int] = []
         try:
-            self._sock.sendall(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+            self._send(json.dumps(message, separators=(",", ":")).encode() + b"\n", fd)
             (length,) = LENGTH.unpack(self._recv_exactly(LENGTH.size, fds))
             if length > MAX_HEADER:
                 raise FramewireError(f"reply header of {length} bytes", code="protocol")
             body = self._recv_exactly(length, fds)
-            reply = DecodeReply.model_validate_json(body)
+            reply = FdReply.model_validate_json(body)
             if len(fds) > 1:
                 raise FramewireError(f"reply carried {len(fds)} descriptors", code="protocol")
         except (OSError, EOFError) as exc:
@@ -91,6 +94,17 @@ class FdSocket(Closing):
             _close_all(fds)
             raise
         return reply, (fds[0] if fds else None)
+
+    def _send(self, line: bytes, fd: int | None) -> None:
+        if fd is None:
+            self._sock.sendall(line)
+            return
+        # The whole line goes with the descriptor in one message: the worker gives a
+        # descriptor to the line its message ends in.
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+        sent = self._sock.sendmsg([line], rights)
+        if sent < len(line):
+            self._sock.sendall(line[sent:])
 
     def _recv_exactly(self, n: int, fds: list[int]) -> bytes:
         """``n`` bytes, collecting any descriptors that arrive with them into ``fds``."""
@@ -114,7 +128,7 @@ class FdSocket(Closing):
         self._sock.close()
 
 
-def ping(path: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> DecodeReply:
+def ping(path: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> FdReply:
     """Ask the worker behind the fd socket whether it answers."""
     with FdSocket(path or default_fd_socket(), timeout) as conn:
         reply, fd = conn.call({"op": "ping"})

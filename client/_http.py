@@ -16,35 +16,25 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import httpx
-from framewire.client._calls import Call, as_dict, media_list, output_list, unreachable
+from framewire.client._calls import Call, encode_call, info_call, probe_call, unreachable
 from framewire.client._closing import Closing
 from framewire.client._reference import ReferenceFrames, fetch, make_request
+from framewire.client._route import HostRoute
 from framewire.client._sharing import share
+from framewire.client._sharing.fd import FdRegions
 from framewire.client._stream import AsyncVideoWriter, VideoWriter
 from framewire.client.wire import (
     DecodeRequest,
-    EncodeRequest,
     Layout,
     MediaInfo,
     OutputResult,
-    OutputSpec,
-    refusal,
 )
-from pydantic import ValidationError
 
 DEFAULT_URL = "http://127.0.0.1:7700"
 DEFAULT_TIMEOUT = httpx.Timeout(3600.0, connect=10.0)
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _per_output(value: Any, n: int, name: str) -> list[Any]:
-    if isinstance(value, (list, tuple)):
-        if len(value) != n:
-            raise ValueError(f"{name} has {len(value)} entries for {n} videos")
-        return list(value)
-    return [value] * n
 
 
 class _BaseClient:
@@ -62,6 +52,7 @@ class _BaseClient:
         self.fd_socket = fd_socket  # None: FRAMEWIRE_FD_SOCKET, else the worker's default
         # One knob for both sockets: an fd-socket request may wait as long as an HTTP read.
         self.fd_timeout = timeout.read if isinstance(timeout, httpx.Timeout) else timeout
+        self._route = HostRoute(fd_socket, self.fd_timeout)
         self._uds: str | None = None
         if url.startswith("unix://"):
             self._base_url, self._uds = "http://framewire", url.removeprefix("unix://")
@@ -74,49 +65,16 @@ class _BaseClient:
         }
 
     @staticmethod
-    def _info() -> Call[dict[str, Any]]:
-        return Call("GET", "/v1/info", None, as_dict)
-
-    @staticmethod
-    def _probe(paths: Sequence[str | os.PathLike[str]]) -> Call[list[MediaInfo]]:
-        return Call("POST", "/v1/probe", {"paths": [os.fspath(p) for p in paths]}, media_list)
-
-    @staticmethod
-    def _encode(
-        sources: list[Any],
-        paths: Sequence[str | os.PathLike[str]],
-        *,
-        fps: float,
-        quality: int,
-        preset: str,
-        threads: int | None,
-        audio: Any,
-        validate: bool,
-    ) -> Call[list[OutputResult]]:
-        audios = _per_output(audio, len(paths), "audio")
-        try:
-            outputs = [
-                OutputSpec(
-                    source=src,
-                    path=os.fspath(p),
-                    fps=fps,
-                    quality=quality,
-                    preset=preset,  # type: ignore[arg-type]  # checked by the model
-                    threads=threads,
-                    audio=None if a is None else os.fspath(a),
-                )
-                for src, p, a in zip(sources, paths, audios, strict=True)
-            ]
-            request = EncodeRequest(outputs=outputs, validate=validate)
-        except ValidationError as exc:
-            raise refusal(exc) from None  # the code the worker would have answered
-        body = request.model_dump(mode="json", by_alias=True, exclude_none=True)
-        return Call("POST", "/v1/videos:encode", body, output_list)
-
-    @staticmethod
     def _check_pairs(videos: Sequence[Any], paths: Sequence[Any]) -> None:
         if len(videos) != len(paths):
             raise ValueError(f"{len(videos)} videos for {len(paths)} paths")
+
+    @property
+    def host_route(self) -> str:
+        """How host frames reach the worker now: ``"fd"`` (descriptors over the fd socket)
+        or ``"shm"`` (named POSIX shm segments, before the fd route was tried or when it
+        is not to be had)."""
+        return self._route.name
 
     def _fetch(self, request: DecodeRequest, local_fallback: bool) -> ReferenceFrames:
         return fetch(
@@ -156,13 +114,21 @@ class Client(_BaseClient, Closing):
             raise unreachable(exc) from exc
         return call.answer(response)
 
+    def _update_route(self) -> None:
+        if not self._route.settled():
+            self._route.connect(self.info() if self._route.wants_info() else None)
+
+    def _writer_route(self) -> FdRegions | None:
+        self._update_route()
+        return self._route.regions
+
     def info(self) -> dict[str, Any]:
         """The worker's versions, devices, limits, sockets and roots (``GET /v1/info``)."""
-        return self._send(self._info())
+        return self._send(info_call())
 
     def probe(self, paths: Sequence[str | os.PathLike[str]]) -> list[MediaInfo]:
         """Media facts of each file (under the worker's roots), in order."""
-        return self._send(self._probe(paths))
+        return self._send(probe_call(paths))
 
     def save_videos(
         self,
@@ -185,9 +151,13 @@ class Client(_BaseClient, Closing):
         waited for first.
         """
         self._check_pairs(videos, paths)
+        self._update_route()
         with contextlib.ExitStack() as stack:
-            sources = [stack.enter_context(share(v, layout=layout)) for v in videos]
-            call = self._encode(
+            sources = [
+                stack.enter_context(share(v, layout=layout, regions=self._route.regions))
+                for v in videos
+            ]
+            call = encode_call(
                 sources,
                 paths,
                 fps=fps,
@@ -221,6 +191,7 @@ class Client(_BaseClient, Closing):
         The file is byte-identical to :meth:`save_video` of the concatenated frames."""
         return VideoWriter(
             self._send,
+            self._writer_route,
             path,
             fps=fps,
             quality=quality,
@@ -256,7 +227,9 @@ class Client(_BaseClient, Closing):
         return self._fetch(request, local_fallback)
 
     def close(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pool and the fd socket (the worker drops this client's
+        regions with it)."""
+        self._route.close()
         self._http.close()
 
 
@@ -282,13 +255,22 @@ class AsyncClient(_BaseClient):
             raise unreachable(exc) from exc
         return call.answer(response)
 
+    async def _update_route(self) -> None:
+        if not self._route.settled():
+            info = await self.info() if self._route.wants_info() else None
+            await asyncio.to_thread(self._route.connect, info)
+
+    async def _writer_route(self) -> FdRegions | None:
+        await self._update_route()
+        return self._route.regions
+
     @_twin(Client.info)
     async def info(self) -> dict[str, Any]:
-        return await self._send(self._info())
+        return await self._send(info_call())
 
     @_twin(Client.probe)
     async def probe(self, paths: Sequence[str | os.PathLike[str]]) -> list[MediaInfo]:
-        return await self._send(self._probe(paths))
+        return await self._send(probe_call(paths))
 
     @_twin(Client.save_videos)
     async def save_videos(
@@ -305,14 +287,17 @@ class AsyncClient(_BaseClient):
         layout: Layout | str | None = None,
     ) -> list[OutputResult]:
         self._check_pairs(videos, paths)
+        await self._update_route()
         with contextlib.ExitStack() as stack:
             # share() runs here, where the caller's CUDA stream is current; entering it
-            # (the copy into shm, the stream wait) runs off the event loop.
+            # (the copy into shared memory, the stream wait) runs off the event loop.
             sources = [
-                await asyncio.to_thread(stack.enter_context, share(v, layout=layout))
+                await asyncio.to_thread(
+                    stack.enter_context, share(v, layout=layout, regions=self._route.regions)
+                )
                 for v in videos
             ]
-            call = self._encode(
+            call = encode_call(
                 sources,
                 paths,
                 fps=fps,
@@ -343,6 +328,7 @@ class AsyncClient(_BaseClient):
     ) -> AsyncVideoWriter:
         return AsyncVideoWriter(
             self._send,
+            self._writer_route,
             path,
             fps=fps,
             quality=quality,
@@ -371,7 +357,9 @@ class AsyncClient(_BaseClient):
         return await asyncio.to_thread(self._fetch, request, local_fallback)
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pool and the fd socket (the worker drops this client's
+        regions with it)."""
+        self._route.close()
         await self._http.aclose()
 
     async def __aenter__(self) -> AsyncClient:

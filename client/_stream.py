@@ -6,7 +6,9 @@ the request for the chunk goes out on a thread (a task, for the async writer)
 while the producer makes the next chunk. A staging segment is written again
 only once the worker has answered the chunk that last used it (the worker
 answers once it has read a chunk), so the producer's extra memory is two
-chunks, whatever the length of the video. CUDA chunks go as IPC handles and
+chunks, whatever the length of the video. The segments are sealed memfds
+registered as regions over the fd socket when the client has the fd route
+(:attr:`Client.host_route`), named shm segments otherwise. CUDA chunks go as IPC handles and
 ``write`` waits for their answer: the producer owns that memory again only then.
 
 The session opens at the first ``write`` (its geometry is the first chunk's)
@@ -23,11 +25,12 @@ import asyncio
 import contextlib
 import os
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 from framewire.client._calls import Call
+from framewire.client._sharing.fd import FdRegions, RegisteredMemfd
 from framewire.client._sharing.shm import Segment
 from framewire.client._sharing.video import Frames, describe, is_cuda
 from framewire.client.wire import (
@@ -54,6 +57,9 @@ class AsyncSend(Protocol):
     """How an :class:`AsyncClient` sends one call."""
 
     def __call__(self, call: Call[T], /) -> Awaitable[T]: ...
+
+
+Staging = Segment | RegisteredMemfd
 
 
 def _nothing(body: Any) -> None:
@@ -89,7 +95,8 @@ class _WriterBase:
         self.id: str | None = None
         self.result: OutputResult | None = None
         self.frames_sent = 0
-        self._staging: list[Segment | None] = [None, None]
+        self._staging: list[Staging | None] = [None, None]
+        self._regions: FdRegions | None = None  # the fd route, when the client has it
         self._turn = 0  # the staging segment the next host chunk goes into
         self._error: BaseException | None = None  # the first refused chunk's, raised again
         self._ended = False
@@ -148,7 +155,11 @@ class _WriterBase:
         if segment is None or segment.nbytes < frames.nbytes:
             if segment is not None:
                 segment.close()
-            segment = self._staging[self._turn] = Segment(frames.nbytes)
+            if self._regions is None:
+                segment = Segment(frames.nbytes)
+            else:
+                segment = RegisteredMemfd(frames.nbytes, self._regions)
+            self._staging[self._turn] = segment
         segment.write(frames)
         self._turn ^= 1
         return segment.source(frames)
@@ -164,9 +175,16 @@ class _WriterBase:
 class VideoWriter(_WriterBase):
     """A stream session of :class:`Client`: ``write`` chunks, then ``close`` (or ``abort``)."""
 
-    def __init__(self, send: Send, path: str | os.PathLike[str], **options: Any):
+    def __init__(
+        self,
+        send: Send,
+        route: Callable[[], FdRegions | None],
+        path: str | os.PathLike[str],
+        **options: Any,
+    ):
         super().__init__(path, **options)
         self._send = send
+        self._route = route
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="framewire-stream")
         # Host chunks on their way, oldest first; the oldest uses this turn's segment.
         self._in_flight: deque[Future[StreamChunkAck]] = deque()
@@ -177,6 +195,7 @@ class VideoWriter(_WriterBase):
         self._settle(wait=False)
         chunk = self._describe(frames)
         if self.id is None:
+            self._regions = self._route()
             self.id = self._send(self._open_call(chunk)).id
         if is_cuda(chunk.video):
             from framewire.client._sharing.cuda import CudaShare  # imports torch
@@ -251,9 +270,16 @@ class VideoWriter(_WriterBase):
 class AsyncVideoWriter(_WriterBase):
     """The same session for :class:`AsyncClient`: ``await write(...)``, ``async with``."""
 
-    def __init__(self, send: AsyncSend, path: str | os.PathLike[str], **options: Any):
+    def __init__(
+        self,
+        send: AsyncSend,
+        route: Callable[[], Awaitable[FdRegions | None]],
+        path: str | os.PathLike[str],
+        **options: Any,
+    ):
         super().__init__(path, **options)
         self._send = send
+        self._route = route
         self._in_flight: deque[asyncio.Task[StreamChunkAck]] = deque()
         self._order = asyncio.Lock()  # chunks leave in the order they were written
 
@@ -263,6 +289,7 @@ class AsyncVideoWriter(_WriterBase):
         await self._settle(wait=False)
         chunk = self._describe(frames)
         if self.id is None:
+            self._regions = await self._route()
             self.id = (await self._send(self._open_call(chunk))).id
         if is_cuda(chunk.video):
             from framewire.client._sharing.cuda import CudaShare  # imports torch

@@ -6,13 +6,15 @@ so the first request pays for neither).
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 from framewire.service._decode.decoder import ReferenceDecoder
-from framewire.service._decode.fdserver import FdServer
+from framewire.service._encode import kernels
 from framewire.service._encode.encoder import Encoder
 from framewire.service._encode.jobs import EncodeJobs
 from framewire.service._encode.scheduler import Scheduler
+from framewire.service._fdsocket.server import FdServer
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
 from framewire.service._sources.cuda_ipc import CudaRuntime
@@ -31,9 +33,11 @@ class Parts:
     jobs: EncodeJobs
     sessions: Sessions
     fd_server: FdServer
+    instance: str  # this worker process, as /v1/info and the fd socket's ping name it
 
     @classmethod
     def build(cls, settings: Settings) -> Parts:
+        kernels.use(settings.kernel)
         encoder = Encoder.from_settings(settings)
         metrics = Metrics()
         cuda = CudaRuntime.start()
@@ -44,5 +48,17 @@ class Parts:
         jobs = EncodeJobs(settings, encoder, regions, metrics, scheduler, cuda)
         sessions = Sessions(settings, jobs, metrics)
         decoder = ReferenceDecoder(settings, encoder.ffmpeg, metrics)
-        fd_server = FdServer(settings, decoder, metrics)
-        return cls(settings, encoder, metrics, cuda, regions, scheduler, jobs, sessions, fd_server)
+        instance = secrets.token_hex(8)
+        fd_server = FdServer(settings, decoder, regions, metrics, instance)
+        return cls(
+            settings,
+            encoder,
+            metrics,
+            cuda,
+            regions,
+            scheduler,
+            jobs,
+            sessions,
+            fd_server,
+            instance,
+        )

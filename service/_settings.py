@@ -41,6 +41,8 @@ class Settings(BaseSettings):
     allowed_uids: Annotated[list[int], NoDecode] = Field(default_factory=lambda: [os.getuid()])
     allowed_gids: Annotated[list[int], NoDecode] = Field(default_factory=list)
     fallback: bool = True
+    # float32 -> rgb24: the compiled kernel when numba imports (auto), always, or never.
+    kernel: Literal["auto", "compiled", "pure"] = "auto"
     log_level: str = "info"
     log_format: Literal["plain", "json"] = "plain"
     # Seconds a SIGTERM waits for requests in flight before stopping what still runs.

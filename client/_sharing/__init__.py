@@ -1,8 +1,9 @@
 """Putting a caller's frames where the worker can read them, and describing them.
 
-:func:`share` picks the way: CUDA tensors go through CUDA IPC (``cuda``), host
-memory through POSIX shared memory (``shm``). Nothing is pickled: the worker
-gets a JSON descriptor.
+:func:`share` picks the way: CUDA tensors go through CUDA IPC (``cuda``); host
+memory as a descriptor over the worker's fd socket when the client has a
+connection to it (``fd``), else through a named POSIX shm segment (``shm``).
+Nothing is pickled: the worker gets a JSON descriptor.
 """
 
 from __future__ import annotations
@@ -10,14 +11,15 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from framewire.client._sharing.fd import FdRegions, fd_shared
 from framewire.client._sharing.shm import shared
 from framewire.client._sharing.video import is_cuda
-from framewire.client.wire import CudaIpcSource, Layout, ShmSource
+from framewire.client.wire import CudaIpcSource, Layout, RegionSource, ShmSource
 
 
 def share(
-    video: Any, *, layout: Layout | str | None = None
-) -> contextlib.AbstractContextManager[ShmSource | CudaIpcSource]:
+    video: Any, *, layout: Layout | str | None = None, regions: FdRegions | None = None
+) -> contextlib.AbstractContextManager[ShmSource | RegionSource | CudaIpcSource]:
     """A context manager yielding the descriptor the worker reads ``video`` through.
 
     Call it on the thread that produced a CUDA tensor (that thread's stream is the one
@@ -27,4 +29,6 @@ def share(
         from framewire.client._sharing.cuda import CudaShare  # imports torch
 
         return CudaShare(video, layout=layout)
+    if regions is not None:
+        return fd_shared(video, regions, layout=layout)
     return shared(video, layout=layout)

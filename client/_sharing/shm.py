@@ -17,9 +17,8 @@ import secrets
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 from framewire.client._closing import Closing
-from framewire.client._sharing.video import Frames, describe, is_torch
+from framewire.client._sharing.video import Frames, copy_into, describe, is_torch
 from framewire.client.wire import Layout, ShmSource
 
 SHM_PREFIX = "/framewire-"
@@ -73,19 +72,9 @@ class Segment(Closing):
             raise
 
     def write(self, frames: Frames) -> None:
-        """Copy ``frames``' bytes to the start of the segment, in one pass even when
-        they are strided (a time slice of a larger clip): no contiguous copy first."""
-        assert self._map is not None and frames.nbytes <= self.nbytes
-        video = frames.video
-        if is_torch(video):
-            import torch
-
-            raw = torch.frombuffer(self._map, dtype=torch.uint8, count=frames.nbytes)
-            with torch.no_grad():  # a tensor that requires grad is copied as plain data
-                raw.view(video.dtype).view(video.shape).copy_(video)
-        else:
-            target = np.frombuffer(self._map, np.dtype(video.dtype), count=video.size)
-            np.copyto(target.reshape(video.shape), video)
+        """Copy ``frames``' bytes to the start of the segment."""
+        assert self._map is not None
+        copy_into(self._map, frames)
 
     def source(self, frames: Frames) -> ShmSource:
         """The descriptor of ``frames`` written at the start of the segment."""

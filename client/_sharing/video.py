@@ -85,3 +85,20 @@ def describe(video: Any, layout: Layout | str | None = None) -> Frames:
     shape = tuple(int(n) for n in video.shape)
     dtype = wire_dtype(video)
     return Frames(video, dtype, guess_layout(shape, dtype is DType.uint8, layout), shape)
+
+
+def copy_into(mapping: Any, frames: Frames) -> None:
+    """Copy ``frames``' bytes to the start of a writable buffer (a shared mapping), in
+    one pass even when they are strided (a time slice of a larger clip)."""
+    if frames.nbytes > len(mapping):
+        raise ValueError(f"{frames.nbytes} bytes of frames for a buffer of {len(mapping)}")
+    video = frames.video
+    if is_torch(video):
+        import torch
+
+        raw = torch.frombuffer(mapping, dtype=torch.uint8, count=frames.nbytes)
+        with torch.no_grad():  # a tensor that requires grad is copied as plain data
+            raw.view(video.dtype).view(video.shape).copy_(video)
+    else:
+        target = np.frombuffer(mapping, np.dtype(video.dtype), count=video.size)
+        np.copyto(target.reshape(video.shape), video)

@@ -5,10 +5,15 @@ the two sides cannot drift. Nothing here imports torch or the service. The
 formats themselves are described in docs/api.md.
 """
 
+from framewire.client.wire._fdsocket import (
+    REGION_NAME,
+    DecodeRequest,
+    FdRegister,
+    FdReply,
+    FdUnregister,
+)
 from framewire.client.wire._messages import (
     AudioInfo,
-    DecodeReply,
-    DecodeRequest,
     EncodeOptions,
     EncodeRequest,
     EncodeResponse,
@@ -60,15 +65,18 @@ __all__ = [
     "MAX_HANDLE_BYTES",
     "MAX_SIDE",
     "MIN_FPS",
+    "REGION_NAME",
     "AudioInfo",
     "CudaIpcSource",
     "DType",
-    "DecodeReply",
     "DecodeRequest",
     "EncodeOptions",
     "EncodeRequest",
     "EncodeResponse",
     "ErrorInfo",
+    "FdRegister",
+    "FdReply",
+    "FdUnregister",
     "Flag",
     "Int",
     "Layout",

@@ -1,4 +1,4 @@
-"""The request and response bodies: encodes, probes, reference decodes, region registration."""
+"""The HTTP request and response bodies: encodes, probes, region registration."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from typing import Any, Literal
 from framewire.client._errors import BadRequest
 from framewire.client.wire._sources import (
     MAX_FPS,
-    MAX_FRAMES,
-    MAX_SIDE,
     MIN_FPS,
     Flag,
     Int,
@@ -214,57 +212,3 @@ def error_code(errors: Sequence[Any]) -> str:
         if isinstance(part, str) and part in FIELD_CODES:
             return FIELD_CODES[part]
     return "bad_request"
-
-
-# --- the fd socket (reference decodes) ------------------------------------------------------
-
-
-class DecodeRequest(WireModel):
-    """One reference decode: a video file and the decode parameters (docs/byte-exactness.md)."""
-
-    op: Literal["decode"] = "decode"
-    path: str = Field(min_length=1, max_length=4096)
-    fps: Number = Field(ge=MIN_FPS, le=MAX_FPS)
-    width: Int = Field(ge=1, le=MAX_SIDE)
-    height: Int = Field(ge=1, le=MAX_SIDE)
-    start: Number = Field(default=0.0, ge=0)
-    max_frames: Int | None = Field(default=None, ge=1, le=MAX_FRAMES)
-
-    @field_validator("fps", "start")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise PydanticCustomError("bad_number", "must be finite")
-        return v
-
-    @field_validator("path")
-    @classmethod
-    def _no_nul(cls, v: str) -> str:
-        if "\x00" in v:
-            raise PydanticCustomError("bad_path", "paths may not contain NUL")
-        return v
-
-    @property
-    def frame_bytes(self) -> int:
-        return self.width * self.height * 3
-
-    def parameters(self) -> dict[str, Any]:
-        """The decode's keywords (fps, width, height, start, max_frames), for the calls
-        that take them one by one."""
-        return self.model_dump(include={"fps", "width", "height", "start", "max_frames"})
-
-
-class DecodeReply(BaseModel):
-    """The JSON header of an fd-socket reply; a successful decode carries one fd beside it."""
-
-    ok: bool
-    frames: int | None = None
-    height: int | None = None
-    width: int | None = None
-    byte_size: int | None = None
-    cached: bool | None = None
-    decode_ms: float | None = None
-    code: str | None = None
-    message: str | None = None
-    detail: str | None = None  # ffmpeg's stderr tail, for decode_failed
-    pong: bool | None = None

@@ -172,6 +172,16 @@ class Access:
         if self.peer is not None and not self.peer.may(st, want):
             raise Forbidden(_denied(self.peer, what, want), code="caller_not_permitted")
 
+    def check_owner(self, uid: int, what: str) -> None:
+        """Raise Forbidden unless the caller is ``uid`` (or root): for memory that
+        process ``uid`` handed over, which no mode bits describe."""
+        self._known(what)
+        if self.peer is not None and self.peer.uid not in (uid, 0):
+            raise Forbidden(
+                f"{what} was handed over by uid {uid}; the caller is uid {self.peer.uid}",
+                code="caller_not_permitted",
+            )
+
     def check_path(
         self,
         path: Path,

@@ -125,12 +125,14 @@ def cmd_encode(args: argparse.Namespace) -> int:
         _print_result(result.path, result.frames, result.bytes, result.sha256, result.route)
         return 0
 
+    from framewire.service._encode import kernels
     from framewire.service._encode.convert import single_threaded_conversion
     from framewire.service._encode.encoder import EncodeParams, Encoder
     from framewire.service._sources.frames import open_npy
 
     single_threaded_conversion()
     settings = settings_from(args)
+    kernels.use(settings.kernel)
     encoder = Encoder.from_settings(settings)
     source = open_npy(args.input, args.layout)
     try:

@@ -2,16 +2,21 @@
 
 The reference conversion is ``(x * 255).clamp(0, 255).to(torch.uint8)`` in the
 tensor's own dtype, then a permute to (T, H, W, 3). It is elementwise, so any
-split over T gives the same bytes. The chunked path fuses the cast and the
-permute into one ``copy_`` straight into the staging buffer: ``copy_`` runs the
-same truncating cast kernel as ``.to(torch.uint8)`` (tests pin this, NaN and
-out-of-range values included).
+split over T gives the same bytes. float32 goes through a compiled single-pass
+kernel when numba is there (``kernels.py``). Otherwise, and for the narrow
+floats: scale and clamp into scratch, then cast and interleave in one pass,
+numpy's strided cast-assignment straight into the staging buffer (bfloat16,
+which numpy lacks, is cast by torch's ``copy_`` first: the same truncating
+kernel as ``.to(torch.uint8)``). Tests pin every route to the reference, NaN
+and out-of-range values included.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from framewire.client.wire import DType, Layout
+from framewire.service._encode import kernels
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {
     DType.float32: torch.float32,
@@ -45,7 +50,8 @@ def slice_frames(x: torch.Tensor, layout: Layout, t0: int, t1: int) -> torch.Ten
 
 
 def interleave_into(planes: torch.Tensor, layout: Layout, out: torch.Tensor) -> None:
-    """uint8 ``planes`` in ``layout`` into ``out``, (t, H, W, 3).
+    """``planes`` in ``layout`` into ``out``, (t, H, W, 3): uint8, or floats in [0, 255] that
+    numpy casts (truncating) on the way.
 
     For planar layouts numpy's three strided assignments are about twice as
     fast as torch's generic permuted copy (measured on 1344-wide rows).
@@ -72,12 +78,12 @@ def convert_into(
     ``inplace`` lets the scaling run in ``chunk`` itself (a buffer we own);
     otherwise ``scratch`` (at least ``chunk.numel()`` of its dtype) takes it, so
     the caller's tensor is never written. ``planes`` (uint8, at least
-    ``chunk.numel()``) holds the cast before the interleave. The cast runs on
-    contiguous data (``copy_`` into uint8: the same kernel as ``.to(torch.uint8)``),
-    then bytes are interleaved.
+    ``chunk.numel()``) holds a bfloat16 block's cast before the interleave.
     """
     if chunk.dtype == torch.uint8:
         interleave_into(chunk, layout, out)
+        return
+    if chunk.dtype == torch.float32 and _compiled(chunk, layout, out):
         return
     if inplace:
         scaled = chunk.mul_(255)
@@ -89,12 +95,40 @@ def convert_into(
     if layout is Layout.THWC:
         out.copy_(scaled)
         return
-    if planes is None or planes.numel() < chunk.numel():
-        cast = scaled.to(torch.uint8)
-    else:
-        cast = planes[: chunk.numel()].view(chunk.shape)
-        cast.copy_(scaled)
-    interleave_into(cast, layout, out)
+    if scaled.dtype == torch.bfloat16:
+        if planes is None or planes.numel() < chunk.numel():
+            cast = scaled.to(torch.uint8)
+        else:
+            cast = planes[: chunk.numel()].view(chunk.shape)
+            cast.copy_(scaled)
+        interleave_into(cast, layout, out)
+        return
+    with np.errstate(invalid="ignore"):  # NaN: cast as the platform casts it, like torch
+        interleave_into(scaled, layout, out)
+
+
+def _compiled(chunk: torch.Tensor, layout: Layout, out: torch.Tensor) -> bool:
+    """Convert with a compiled kernel if there is one for this block; whether it did."""
+    found = kernels.kernels()
+    if found is None or not out.is_contiguous():
+        return False
+    planar, interleaved = found
+    dst = out.numpy().reshape(-1)
+    if layout is Layout.THWC:
+        if not chunk.is_contiguous():
+            return False
+        interleaved(chunk.numpy().reshape(-1), dst)
+        return True
+    planes = chunk if layout is Layout.CTHW else chunk.permute(1, 0, 2, 3)
+    if planes.stride(3) != 1:
+        return False
+    plane, frame, row, _ = planes.stride()
+    _, frames, rows, width = planes.shape
+    # One flat run from the block's first element to its last, for the kernel's indexing.
+    span = 2 * plane + (frames - 1) * frame + (rows - 1) * row + width
+    flat = np.lib.stride_tricks.as_strided(planes.numpy(), shape=(span,), strides=(4,))
+    planar(flat, plane, frame, row, (frames, rows, width), dst)
+    return True
 
 
 def single_threaded_conversion() -> None:

@@ -35,8 +35,8 @@ from framewire.service._access.paths import (
 from framewire.service._access.peers import READ, SEARCH, WRITE, Access
 from framewire.service._encode.encoder import EncodeParams, check_params
 from framewire.service._settings import Settings
-from framewire.service._sources.frames import FileSource, FrameSource, Geometry
-from framewire.service._sources.regions import CudaRegion, RegionRegistry, SystemRegion
+from framewire.service._sources.frames import FileSource, FrameSource, Geometry, MappedSource
+from framewire.service._sources.regions import CudaRegion, FdRegion, RegionRegistry, SystemRegion
 from framewire.service._sources.shm import open_shm
 
 if TYPE_CHECKING:
@@ -157,6 +157,9 @@ class Preparer:
             region = await stack.enter_async_context(
                 self.regions.lease(src.region, src.offset, src.byte_size, access)
             )
+            if isinstance(region, FdRegion) and region.mapping is not None:
+                offset = region.offset + src.offset
+                return MappedSource(region.mapping, region.fd, offset, _geometry(src))
             if isinstance(region, SystemRegion):
                 offset = region.offset + src.offset
                 return FileSource(region.fd, offset, _geometry(src), owns_fd=False)

@@ -31,6 +31,7 @@ def info(parts: WorkerParts) -> dict[str, object]:
     settings, cuda = parts.settings, parts.cuda
     return {
         "version": __version__,
+        "instance": parts.instance,
         "ffmpeg": parts.encoder.ffmpeg,
         "ffmpeg_version": ffmpeg_version(parts.encoder.ffmpeg),
         "device": "cuda" if cuda else "cpu",

@@ -4,11 +4,15 @@ A source hands out chunks over T in its own layout. File-backed sources (POSIX
 shared memory, an .npy file) are read with ``pread`` into a buffer the encoder
 owns instead of being mapped: a client that truncates its segment mid-encode
 then yields a short read, an error, instead of a SIGBUS that kills the worker.
+Only memory that cannot shrink (a memfd sealed with ``F_SEAL_SHRINK``) is
+mapped and converted where it lies (:class:`MappedSource`).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +54,31 @@ def tensor_geometry(tensor: torch.Tensor, layout: Layout | str) -> Geometry:
             f"shape {list(tensor.shape)} is not a 3-channel clip in {layout}", code="bad_shape"
         )
     return Geometry(WIRE_DTYPES[tensor.dtype], layout, frames, height, width)
+
+
+def byte_runs(
+    g: Geometry, offset: int, t0: int, t1: int, r0: int, r1: int
+) -> list[tuple[int, int]]:
+    """(byte offset, length) of each contiguous run holding frames ``[t0, t1)``, rows
+    ``[r0, r1)``, of a C-contiguous clip at ``offset``, in tensor order."""
+    item = g.dtype.itemsize
+    row = g.width * item  # one row of one plane (planar layouts) ...
+    plane = g.height * row
+    full = r0 == 0 and r1 == g.height
+    if g.layout is Layout.THWC:
+        frame = 3 * plane
+        if full:
+            return [(offset + t0 * frame, (t1 - t0) * frame)]
+        return [(offset + t0 * frame + 3 * r0 * row, 3 * (r1 - r0) * row)]
+    if g.layout is Layout.CTHW:
+        channel = g.frames * plane
+        if full:
+            return [(offset + c * channel + t0 * plane, (t1 - t0) * plane) for c in range(3)]
+        return [(offset + c * channel + t0 * plane + r0 * row, (r1 - r0) * row) for c in range(3)]
+    frame = 3 * plane  # TCHW
+    if full:
+        return [(offset + t0 * frame, (t1 - t0) * frame)]
+    return [(offset + t0 * frame + c * plane + r0 * row, (r1 - r0) * row) for c in range(3)]
 
 
 class FrameSource:
@@ -120,35 +149,6 @@ class FileSource(FrameSource):
                 code="segment_too_small",
             )
 
-    def _runs(self, t0: int, t1: int, r0: int, r1: int) -> list[tuple[int, int]]:
-        """(file offset, length) of each contiguous run holding the block, in tensor order."""
-        g = self.geometry
-        item = g.dtype.itemsize
-        row = g.width * item  # one row of one plane (planar layouts) ...
-        plane = g.height * row
-        full = r0 == 0 and r1 == g.height
-        if g.layout is Layout.THWC:
-            frame = 3 * plane
-            if full:
-                return [(self.offset + t0 * frame, (t1 - t0) * frame)]
-            return [(self.offset + t0 * frame + 3 * r0 * row, 3 * (r1 - r0) * row)]
-        if g.layout is Layout.CTHW:
-            channel = g.frames * plane
-            if full:
-                return [
-                    (self.offset + c * channel + t0 * plane, (t1 - t0) * plane) for c in range(3)
-                ]
-            return [
-                (self.offset + c * channel + t0 * plane + r0 * row, (r1 - r0) * row)
-                for c in range(3)
-            ]
-        frame = 3 * plane  # TCHW
-        if full:
-            return [(self.offset + t0 * frame, (t1 - t0) * frame)]
-        return [
-            (self.offset + t0 * frame + c * plane + r0 * row, (r1 - r0) * row) for c in range(3)
-        ]
-
     def read(
         self, t0: int, t1: int, r0: int = 0, r1: int | None = None
     ) -> tuple[torch.Tensor, bool]:
@@ -161,7 +161,7 @@ class FileSource(FrameSource):
         out = self._buffer[:numel]
         raw = out.view(torch.uint8).numpy()
         pos = 0
-        for offset, length in self._runs(t0, t1, r0, r1):
+        for offset, length in byte_runs(g, self.offset, t0, t1, r0, r1):
             view = raw[pos : pos + length].data
             got = 0
             while got < length:
@@ -186,6 +186,66 @@ class FileSource(FrameSource):
         if self.owns_fd and self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+FAULT_AROUND = 64 << 10  # Linux's fault_around_bytes default (and its usual setting)
+DROP_BYTES = 32 << 20  # mapped pages read before they are dropped again
+
+
+class MappedSource(FrameSource):
+    """Frames at ``offset`` of a mapping that cannot shrink under us: read in place.
+
+    The pages read are dropped from this process's page tables once DROP_BYTES of
+    them have been (``MADV_DONTNEED`` on a shared mapping frees nothing but the
+    mapping's own entries), so the worker's resident memory does not grow with
+    the clip while the rank's pages stay as they are. In batches: each drop of a
+    multi-threaded process's mappings costs a TLB shootdown, and per 1 MiB block
+    they cost more than the faults they follow (benchmarks/routes.py).
+    """
+
+    def __init__(self, mapping: mmap.mmap, fd: int, offset: int, geometry: Geometry):
+        self.mapping, self.fd, self.offset, self.geometry = mapping, fd, offset, geometry
+        g = geometry
+        with warnings.catch_warnings():  # "not writable": it is not written, by design
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(mapping, dtype=torch.uint8, count=g.nbytes, offset=offset)
+        self._frames: torch.Tensor | None = flat.view(TORCH_DTYPES[g.dtype]).view(g.shape)
+        self._touched: list[tuple[int, int]] = []  # byte runs read and not dropped yet
+        self._touched_bytes = 0
+
+    def read(
+        self, t0: int, t1: int, r0: int = 0, r1: int | None = None
+    ) -> tuple[torch.Tensor, bool]:
+        assert self._frames is not None, "closed"
+        g = self.geometry
+        if self._touched_bytes >= DROP_BYTES:
+            self._drop_touched()  # blocks before this one: converted already
+        x = slice_frames(self._frames, g.layout, t0, t1)
+        if not (r0 == 0 and r1 in (None, g.height)):
+            x = x[:, :, r0:r1] if g.layout is not Layout.THWC else x[:, r0:r1]
+        runs = byte_runs(g, self.offset, t0, t1, r0, g.height if r1 is None else r1)
+        self._touched += runs
+        self._touched_bytes += sum(length for _, length in runs)
+        return x, False  # the rank's memory: never scaled in place
+
+    def _drop_touched(self) -> None:
+        for start, length in self._touched:
+            # From FAULT_AROUND before it: a fault maps the pages around it that are in
+            # memory, so reading this run mapped the tail of the run before it again.
+            aligned = max(0, start - FAULT_AROUND) // mmap.PAGESIZE * mmap.PAGESIZE
+            self.mapping.madvise(mmap.MADV_DONTNEED, aligned, start + length - aligned)
+        self._touched, self._touched_bytes = [], 0
+
+    def zero_copy(self) -> tuple[int, int] | None:
+        g = self.geometry
+        if g.dtype is DType.uint8 and g.layout is Layout.THWC:
+            return self.fd, self.offset
+        return None
+
+    def close(self) -> None:
+        if self._frames is not None:
+            self._drop_touched()
+            self._frames = None  # the region unmaps once no view is left
 
 
 def open_npy(path: str | os.PathLike[str], layout: Layout | str = Layout.CTHW) -> FileSource:

@@ -1,8 +1,11 @@
 """The shared-memory region registry, after NVIDIA Triton's extension.
 
-Two kinds of region share one namespace, as in Triton: a system region is a
+Three kinds of region share one namespace, as in Triton: a system region is a
 named window (key, offset, byte_size) of a POSIX shm segment, opened read-only
-once at registration; a CUDA region is the first byte_size bytes of another
+once at registration; an fd region is the same over a descriptor a rank sent
+on the fd socket (listed with the system regions, key ``fd:<name>``), mapped
+when the rank sealed it against shrinking and dropped when the rank's
+connection closes; a CUDA region is the first byte_size bytes of another
 process's GPU allocation, mapped from its raw IPC handle at registration.
 Requests lease a region. Unregistering, as in Triton, returns at once: the
 region leaves the registry (status no longer lists it, new requests cannot
@@ -14,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import mmap
 import os
 import threading
 from collections.abc import AsyncIterator
@@ -21,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from framewire.client._errors import BadRequest, NotFound, Unavailable
-from framewire.service._access.peers import READ, TRUSTED, Access
-from framewire.service._sources.shm import open_shm
+from framewire.service._access.peers import READ, TRUSTED, Access, Peer
+from framewire.service._sources.shm import judge_fd, open_shm
 
 
 class CudaOpener(Protocol):
@@ -76,6 +80,33 @@ class SystemRegion(Region):
 
 
 @dataclass(eq=False)
+class FdRegion(SystemRegion):
+    """Bytes behind a descriptor a rank handed over; its frames are the rank's alone."""
+
+    sealed: bool  # F_SEAL_SHRINK: mapped, converted straight from the mapping
+    owner: Peer | None
+    mapping: mmap.mmap | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.sealed:
+            self.mapping = mmap.mmap(
+                self.fd, self.offset + self.byte_size, mmap.MAP_SHARED, mmap.PROT_READ
+            )
+
+    def check(self, access: Access) -> None:
+        uid = self.owner.uid if self.owner is not None else os.getuid()
+        access.check_owner(uid, f"region '{self.name}'")
+
+    def release(self) -> None:
+        if self.mapping is not None:
+            # A view still alive elsewhere keeps the pages mapped until it is freed.
+            with contextlib.suppress(BufferError):
+                self.mapping.close()
+            self.mapping = None
+        super().release()
+
+
+@dataclass(eq=False)
 class CudaRegion(Region):
     device_id: int
     storage: Any  # a torch.UntypedStorage over the producer's allocation
@@ -108,6 +139,14 @@ class RegionRegistry:
                 f"shared memory region '{name}' already in manager", code="region_exists"
             )
 
+    def _check_room(self) -> None:
+        if len(self._regions) >= self.max_regions:
+            raise Unavailable(
+                f"{len(self._regions)} regions are registered (FRAMEWIRE_MAX_REGIONS): "
+                "unregister some first",
+                code="too_many_regions",
+            )
+
     def _add(self, region: Region) -> None:
         with self._lock:
             try:
@@ -124,12 +163,7 @@ class RegionRegistry:
         self._check_new(name)
         if offset < 0 or byte_size <= 0:
             raise BadRequest("offset must be >= 0 and byte_size > 0", code="bad_region")
-        if len(self._regions) >= self.max_regions:
-            raise Unavailable(
-                f"{len(self._regions)} regions are registered (FRAMEWIRE_MAX_REGIONS): "
-                "unregister some first",
-                code="too_many_regions",
-            )
+        self._check_room()
         fd = open_shm(key, self.prefixes)
         region = SystemRegion(name, byte_size, key, offset, fd)
         try:
@@ -144,6 +178,21 @@ class RegionRegistry:
             region.release()
             raise
         self._add(region)
+
+    def register_fd(
+        self, name: str, fd: int, offset: int, byte_size: int, owner: Peer | None
+    ) -> FdRegion:
+        """An fd region over ``fd`` (taken over: closed with the region, or now on failure)."""
+        try:
+            self._check_new(name)
+            self._check_room()
+            sealed = judge_fd(fd, offset, byte_size)
+            region = FdRegion(name, byte_size, f"fd:{name}", offset, fd, sealed, owner)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._add(region)
+        return region
 
     def register_cuda(self, name: str, raw_handle: str, device_id: int, byte_size: int) -> None:
         """A CUDA region: the first ``byte_size`` bytes behind a base64 cudaIpcMemHandle_t."""

@@ -1,7 +1,9 @@
-"""POSIX shared-memory segments, opened read-only and only under the allowed prefixes."""
+"""Host frames behind a descriptor: POSIX shm segments opened by name (read-only, only
+under the allowed prefixes), and descriptors a rank hands over on the fd socket."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 
@@ -31,3 +33,36 @@ def open_shm(key: str, prefixes: list[str]) -> int:
         os.close(fd)
         raise BadRequest(f"shm key {key!r} is not a segment", code="bad_shm_key")
     return fd
+
+
+def judge_fd(fd: int, offset: int, byte_size: int) -> bool:
+    """Whether a rank's descriptor may be a region (raises the 4xx if not); True when it
+    is sealed against shrinking, so the worker may map it.
+
+    Only memory may be handed over: a regular file of shmem (a memfd, a file in
+    /dev/shm), which ``F_GET_SEALS`` answers for and nothing else does. A file on
+    disk, NFS or FUSE could make a read wait without bound; a pipe, socket or
+    device is no frame store. The seals are read from the kernel, never taken
+    from the request: ``F_SEAL_SHRINK`` once set cannot be removed, so a mapping
+    of the first ``offset + byte_size`` bytes can never fault (SIGBUS).
+    """
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise BadRequest("the descriptor is not a regular file (memfd or /dev/shm)", code="bad_fd")
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY:
+        raise BadRequest("the descriptor is open for writing only", code="bad_fd")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise BadRequest(
+            "the descriptor is not memory (a memfd or a file in /dev/shm): files on disk "
+            "are not taken",
+            code="bad_fd",
+        ) from None
+    if offset + byte_size > st.st_size:
+        raise BadRequest(
+            f"the descriptor holds {st.st_size} bytes; the region needs "
+            f"{offset + byte_size} (offset {offset} + {byte_size})",
+            code="region_out_of_bounds",
+        )
+    return bool(seals & fcntl.F_SEAL_SHRINK)

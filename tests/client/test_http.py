@@ -13,6 +13,7 @@ from framewire.client import AsyncClient, Client
 OWN = {"close", "aclose", "__enter__", "__exit__", "__aenter__", "__aexit__"}
 # Plain functions in both twins: they make a writer (whose own twins are in test_stream).
 MAKERS = {"open_video"}
+NO_FD = "/nonexistent/fd.sock"  # a named fd socket nobody serves: host frames go as shm
 
 
 def public(cls: type) -> dict[str, object]:
@@ -55,11 +56,11 @@ def test_the_twins_build_the_same_requests(monkeypatch):
     monkeypatch.setattr("httpx.Client.request", capture)
     monkeypatch.setattr("httpx.AsyncClient.request", capture)
     frames = np.zeros((2, 16, 16, 3), np.uint8)
-    with Client("unix:///nowhere.sock") as c, pytest.raises(Answered):
+    with Client("unix:///nowhere.sock", fd_socket=NO_FD) as c, pytest.raises(Answered):
         c.save_video(frames, "a.mp4", fps=24, quality=7, threads=2)
 
     async def go() -> None:
-        async with AsyncClient("unix:///nowhere.sock") as c:
+        async with AsyncClient("unix:///nowhere.sock", fd_socket=NO_FD) as c:
             with pytest.raises(Answered):
                 await c.save_video(frames, "a.mp4", fps=24, quality=7, threads=2)
 

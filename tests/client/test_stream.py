@@ -25,7 +25,7 @@ from framewire.client import (
     OutputResult,
     VideoWriter,
 )
-from framewire.client._sharing import shm
+from framewire.client import _stream as stream_module
 
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.processes import framewire_temps
@@ -47,41 +47,54 @@ def chunks(clip: torch.Tensor, size: int) -> list[torch.Tensor]:
 def nothing_left(worker: Worker, name: str) -> None:
     assert not (worker.outputs / name).exists()
     assert framewire_temps(worker.outputs) == []
-    assert our_segments() == set()
+    assert our_segments() == set() and fd_regions(worker) == []
     with worker.http() as h:
         assert metric(h, "framewire_streams_open") == 0
 
 
 class Counting:
-    """Wraps ``Segment`` to count the staging segments a writer makes."""
+    """Wraps the writer's staging (``Segment``, ``RegisteredMemfd``) to count what it makes."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
         self.made: list[int] = []
-        real = shm.Segment
+        for name in ("Segment", "RegisteredMemfd"):
+            real = getattr(stream_module, name)
 
-        def make(nbytes: int) -> shm.Segment:
-            self.made.append(nbytes)
-            return real(nbytes)
+            def make(nbytes: int, *args: Any, real: Any = real) -> Any:
+                self.made.append(nbytes)
+                return real(nbytes, *args)
 
-        monkeypatch.setattr("framewire.client._stream.Segment", make)
+            monkeypatch.setattr(stream_module, name, make)
 
 
-def test_a_written_video_is_the_bytes_of_save_video(worker, tmp_path, monkeypatch):
+def fd_regions(worker: Worker) -> list[str]:
+    with worker.http() as h:
+        status = h.get("/v2/systemsharedmemory/status").json()
+    return [r["key"] for r in status if r["key"].startswith("fd:")]
+
+
+@pytest.mark.parametrize("route", ["fd", "shm"])
+def test_a_written_video_is_the_bytes_of_save_video(worker, tmp_path, monkeypatch, route):
     clip = make_clip(frames=23, height=48, width=64, dtype=torch.float32)
     staging = Counting(monkeypatch)
-    with Client(worker.uds_url) as c:
+    named = {} if route == "fd" else {"fd_socket": tmp_path / "nobody.sock"}
+    with Client(worker.uds_url, **named) as c:
         with c.open_video("w.mp4", fps=23.976) as w:
             for part in chunks(clip, 3):
                 w.write(part)
-            assert our_segments() != set()  # the staging pair, alive between chunks
+            # The staging pair, alive between chunks: regions of the worker, or segments.
+            assert (len(fd_regions(worker)), len(our_segments())) == (
+                (2, 0) if route == "fd" else (0, 2)
+            )
+        assert c.host_route == route
         assert isinstance(w.result, OutputResult)
         saved = c.save_video(clip, "s.mp4", fps=23.976)
     expected = reference_mp4(clip, tmp_path / "ref.mp4", fps=23.976)
     assert w.result.sha256 == saved.sha256 == expected == sha256(worker.outputs / "w.mp4")
     assert w.result.route == "stream" and w.result.frames == 23 == w.frames_sent
-    # Eight chunks, two staging segments of one chunk each: O(chunk), not O(clip).
+    # Eight chunks, two staging buffers of one chunk each: O(chunk), not O(clip).
     assert staging.made == [clip[:, :3].nbytes] * 2
-    assert our_segments() == set()
+    assert our_segments() == set() and fd_regions(worker) == []
 
 
 def test_numpy_thwc_chunks_of_uneven_sizes(worker, tmp_path):

@@ -12,6 +12,7 @@ import re
 import socket
 import struct
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,11 @@ class RawConnection:
         self.sock.settimeout(30)
         self.sock.connect(str(path))
 
-    def send(self, raw: bytes) -> None:
+    def send(self, raw: bytes, fds: Sequence[int] = ()) -> None:
+        if fds:  # the whole line with the descriptors, as the client sends a register
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+            sent = self.sock.sendmsg([raw], rights)
+            raw = raw[sent:]
         self.sock.sendall(raw)
 
     def reply(self) -> tuple[dict[str, Any], list[int]]:
@@ -83,9 +88,9 @@ class RawConnection:
         body = self._exactly(struct.unpack(">I", head)[0], fds)
         return json.loads(body), fds
 
-    def call(self, message: Any) -> tuple[dict[str, Any], list[int]]:
+    def call(self, message: Any, fds: Sequence[int] = ()) -> tuple[dict[str, Any], list[int]]:
         raw = message if isinstance(message, bytes) else json.dumps(message).encode() + b"\n"
-        self.send(raw)
+        self.send(raw, fds)
         return self.reply()
 
     def _exactly(self, n: int, fds: list[int]) -> bytes:

@@ -150,17 +150,21 @@ def test_full_disk(workers, tmp_path, segments, request, sigxfsz):
 CLIENT = """
 import sys, numpy as np
 from framewire.client import Client
-with Client("unix://" + sys.argv[1]) as c:
+with Client("unix://" + sys.argv[1], **eval(sys.argv[3])) as c:
     c.save_video(np.load(sys.argv[2]), "orphan.mp4", fps=24, preset="veryslow")
 """
+# How a client's host frames travel: over the fd socket (what a client of this worker
+# does), or through a named segment (a client without the fd socket).
+ROUTES = {"fd": {}, "shm": {"fd_socket": "/nonexistent/fd.sock"}}
 
 
-def test_client_killed_mid_request(worker, baseline, segments, tmp_path, request):
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_client_killed_mid_request(worker, baseline, segments, tmp_path, request, route):
     """A client process calls save_video with a 120-frame clip and is SIGKILLed once ffmpeg
     runs."""
     np.save(tmp_path / "clip.npy", make_clip(frames=120, height=192, width=192).numpy())
     client = subprocess.Popen(
-        [sys.executable, "-c", CLIENT, str(worker.uds), tmp_path / "clip.npy"]
+        [sys.executable, "-c", CLIENT, str(worker.uds), tmp_path / "clip.npy", repr(ROUTES[route])]
     )
     try:
         ffmpeg = wait_for_ffmpeg(worker)
@@ -171,22 +175,28 @@ def test_client_killed_mid_request(worker, baseline, segments, tmp_path, request
     wait_gone(ffmpeg)
     stopped_s = time.monotonic() - started
     left = [f"/{n}" for n in os.listdir("/dev/shm") if n.startswith(f"framewire-{client.pid}-")]
-    assert len(left) == 1  # the killed client could not unlink its segment...
-    assert left[0] in remove_abandoned_segments()  # ...the next client's first share does
+    if route == "shm":
+        assert len(left) == 1  # the killed client could not unlink its segment...
+        assert left[0] in remove_abandoned_segments()  # ...the next client's first share does
+        released = (
+            "the killed client's shm segment is unlinked by the next client's first share"
+            " (or the worker's next start)"
+        )
+    else:
+        assert left == []  # no name was ever made; the region went with the connection
+        with worker.http() as h:
+            assert h.get("/v2/systemsharedmemory/status").json() == []
+        released = "the killed client's region went with its fd-socket connection"
     settle(worker, baseline, keep=frozenset(segments.keys))
     assert not (worker.outputs / "orphan.mp4").exists()
     still_serving(worker, segments, tmp_path)
     assert stopped_s < 5
     faultmatrix.record(
         request,
-        fault="client killed mid-request",
+        fault=f"client killed mid-request ({route} route)",
         observed="the encode is cancelled: ffmpeg killed within 5 s of the disconnect",
         output="nothing",
-        afterwards=(
-            "nothing leaked by the worker; the killed client's shm segment is unlinked by the"
-            " next client's first share (or the worker's next start); the next encode is"
-            " byte-exact"
-        ),
+        afterwards=f"nothing leaked by the worker; {released}; the next encode is byte-exact",
     )
 
 
@@ -295,8 +305,9 @@ def test_worker_killed_and_restarted(workers, tmp_path, segments, request):
         small = make_clip(frames=3, height=32, width=32).numpy()
         result = client.save_video(small, "again.mp4", fps=24)
         assert result.sha256 == reference_mp4(small, tmp_path / "again-ref.mp4")
-        settle(w2, baseline, keep=frozenset(segments.keys))
-        assert w2.stop() == 0
+        assert client.host_route == "fd"  # connected again, to the new worker
+    settle(w2, baseline, keep=frozenset(segments.keys))  # the client's connection closed
+    assert w2.stop() == 0
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"framewire-{os.getpid()}-")]
     faultmatrix.record(
         request,
@@ -308,8 +319,8 @@ def test_worker_killed_and_restarted(workers, tmp_path, segments, request):
         ),
         output="nothing; the killed worker's private temp directory is removed by the next start",
         afterwards=(
-            "the same clients use the restarted worker: encode byte-exact, decode from the worker;"
-            " the client's shm segments are released"
+            "the same clients use the restarted worker: encode byte-exact (the fd route"
+            " reconnected), decode from the worker; nothing left in /dev/shm"
         ),
     )
 
@@ -393,7 +404,7 @@ PRODUCER = """
 import sys, torch
 from framewire.client import Client
 clip = torch.rand(3, 96, 128, 128)
-with Client("unix://" + sys.argv[1]) as c:
+with Client("unix://" + sys.argv[1], **eval(sys.argv[2])) as c:
     w = c.open_video("orphan.mp4", fps=24, preset="veryslow")
     for t0 in range(0, 96, 8):
         w.write(clip[:, t0:t0 + 8])
@@ -402,12 +413,13 @@ with Client("unix://" + sys.argv[1]) as c:
 """
 
 
-def test_producer_killed_mid_stream(workers, segments, tmp_path, request):
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_producer_killed_mid_stream(workers, segments, tmp_path, request, route):
     """SIGKILL to a producer process that wrote 12 chunks through ``open_video`` and did
     not close; the worker's ``FRAMEWIRE_STREAM_IDLE_S`` is 1 s."""
     w = workers.start("--stream-idle-s", "1")
     baseline = Baseline.of(w)
-    producer = subprocess.Popen([sys.executable, "-c", PRODUCER, str(w.uds)],
+    producer = subprocess.Popen([sys.executable, "-c", PRODUCER, str(w.uds), repr(ROUTES[route])],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
     assert producer.stdout is not None and producer.stdout.readline() == b"written\n"
     producer.kill()
@@ -419,19 +431,24 @@ def test_producer_killed_mid_stream(workers, segments, tmp_path, request):
             time.sleep(0.1)
         aborted_after = time.monotonic() - killed_at
         idle_aborts = metric(h, 'framewire_stream_aborts_total{cause="idle"}')
+        regions = h.get("/v2/systemsharedmemory/status").json()
     assert idle_aborts == 1 and aborted_after < 5
     assert not (w.outputs / "orphan.mp4").exists()
-    # Its two staging segments outlived it; the next client's first share sweeps them.
     swept = [k for k in remove_abandoned_segments() if k.startswith(f"/framewire-{producer.pid}-")]
-    assert len(swept) == 2
+    if route == "shm":
+        # Its two staging segments outlived it; the next client's first share sweeps them.
+        assert len(swept) == 2
+        staging = "the producer's 2 staging segments are swept by the next client"
+    else:
+        assert swept == [] and regions == []
+        staging = "the producer's 2 staging regions went with its fd-socket connection"
     settle(w, baseline)
     still_serving(w, segments, tmp_path)
     faultmatrix.record(
         request,
-        fault="producer killed mid-stream",
+        fault=f"producer killed mid-stream ({route} route)",
         observed="the session aborted as idle within 5 s "
-        '(`framewire_stream_aborts_total{cause="idle"}`); the producer\'s 2 staging '
-        "segments are swept by the next client",
+        f'(`framewire_stream_aborts_total{{cause="idle"}}`); {staging}',
         output="nothing",
         afterwards=CLEAN,
     )

@@ -8,7 +8,6 @@ ask the worker to read what they may not, and the routes the token guards.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import secrets
 import shutil
@@ -18,10 +17,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from framewire.client._media.argv import AUDIO_FILE_GUARD, decode_argv
 
+from tests.support.identity import NOBODY, as_nobody, post_json
 from tests.support.media import FFMPEG, make_clip, reference_mp4, sha256
 from tests.support.refclips import RawConnection, make_video, oracle
 from tests.support.requests import encode_body
@@ -257,42 +256,6 @@ def test_the_start_up_sweep_keeps_every_answered_output(workers, segments):
 
 
 # --- the caller's own rights -------------------------------------------------------------
-
-NOBODY = 65534
-
-
-def as_nobody(target, *args) -> object:
-    """Run ``target(*args)`` in a forked child as uid/gid 65534; returns what it returned."""
-    ctx = multiprocessing.get_context("fork")
-    parent, child = ctx.Pipe()
-
-    def run() -> None:
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
-        try:
-            child.send(target(*args))
-        except BaseException as exc:
-            child.send(f"raised {exc!r}")
-
-    proc = ctx.Process(target=run)
-    proc.start()
-    try:
-        assert parent.poll(60), "the child did not answer"
-        return parent.recv()
-    finally:
-        proc.join(10)
-
-
-def post_json(url: str, path: str, body: dict) -> tuple[int, str]:
-    if url.startswith("unix://"):
-        transport = httpx.HTTPTransport(uds=url.removeprefix("unix://"))
-        client = httpx.Client(base_url="http://framewire", transport=transport, timeout=60)
-    else:
-        client = httpx.Client(base_url=url, timeout=60)
-    with client:
-        r = client.post(path, json=body)
-        return r.status_code, r.json().get("code", "")
 
 
 def make_segment(clip, owner: int) -> str:

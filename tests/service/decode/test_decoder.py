@@ -1,5 +1,5 @@
 """The reference decode in this process: byte-exact against plain ffmpeg, checks, the frames
-object, the worker's cache. The worker's side of it is in test_fdserver.py."""
+object, the worker's cache. The worker's side of it is in tests/service/fdsocket/test_decodes.py."""
 
 from __future__ import annotations
 

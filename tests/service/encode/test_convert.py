@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from framewire.client.wire import Layout
+from framewire.service._encode import kernels
 from framewire.service._encode.convert import chunk_frames, convert_into
 
 from tests.support.media import make_clip, reference_uint8
@@ -25,6 +26,14 @@ SPECIALS = [
     1e-8,
     3e38,
 ]
+
+
+@pytest.fixture(autouse=True, params=["compiled", "pure"])
+def kernel(request: pytest.FixtureRequest) -> object:
+    """Every conversion test runs on both routes: the compiled kernel and the pure one."""
+    kernels.use(request.param)
+    yield request.param
+    kernels.use("auto")
 
 
 def with_specials(clip: torch.Tensor) -> torch.Tensor:
@@ -88,3 +97,53 @@ def test_chunk_budget():
     assert chunk_frames(1, 768, 1344, 4) == 1
     assert chunk_frames(3 * 48 * 64 * 6 * 3, 48, 64, 4) == 3
     assert chunk_frames(3 * 48 * 64 * 3 * 3, 48, 64, 1) == 3
+
+
+def steps_around_every_byte() -> torch.Tensor:
+    """float32 values one and two ulps either side of every k / 255 and k / 255 + 1/510,
+    where a cast's truncation flips, with the special values."""
+    base = torch.arange(256, dtype=torch.float64)
+    centres = torch.cat([base / 255, (base + 0.5) / 255]).to(torch.float32)
+    values = [centres]
+    for direction in (float("inf"), -float("inf")):
+        step = centres
+        for _ in range(2):
+            step = torch.nextafter(step, torch.full_like(step, direction))
+            values.append(step)
+    values.append(torch.tensor(SPECIALS, dtype=torch.float32))
+    return torch.cat(values)
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+def test_every_truncation_boundary_matches_the_reference(layout):
+    values = steps_around_every_byte()
+    n = values.numel() // 3 * 3
+    thwc = values[:n].view(1, 1, -1, 3)  # (T, H, W, 3)
+    clip = {Layout.THWC: thwc, Layout.CTHW: thwc.permute(3, 0, 1, 2),
+            Layout.TCHW: thwc.permute(0, 3, 1, 2)}[layout].contiguous()  # fmt: skip
+    out = torch.empty(1, 1, n // 3, 3, dtype=torch.uint8)
+    convert_into(clip, layout, out)
+    assert np.array_equal(out.numpy(), reference_uint8(clip, layout))
+
+
+def test_strided_blocks_of_a_larger_clip(kernel):
+    """Row blocks of one frame and permuted planes: what the pump hands the converter."""
+    clip = with_specials(make_clip(frames=3, height=20, width=31))
+    expected = reference_uint8(clip, Layout.CTHW)
+    out = torch.empty(3, 20, 31, 3, dtype=torch.uint8)
+    for t in range(3):
+        for r0 in range(0, 20, 7):
+            convert_into(clip[:, t : t + 1, r0 : r0 + 7], Layout.CTHW, out[t : t + 1, r0 : r0 + 7])
+    assert np.array_equal(out.numpy(), expected)
+    tchw = clip.permute(1, 0, 2, 3).contiguous()
+    out.zero_()
+    convert_into(tchw[:, :, 3:11], Layout.TCHW, out[:, 3:11])
+    assert np.array_equal(out.numpy()[:, 3:11], expected[:, 3:11])
+
+
+def test_the_compiled_kernel_is_the_one_that_ran(kernel):
+    """Not a silent fallback: with numba here the compiled route is really taken."""
+    if kernel == "compiled":
+        assert kernels.kernels() is not None
+    else:
+        assert kernels.kernels() is None

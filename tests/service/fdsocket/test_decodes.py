@@ -117,7 +117,7 @@ def test_paths_outside_roots_and_missing_files(worker, fd_sock, tmp_path):
             for path in (outside, link, f"{worker.inputs}/../x.mp4"):
                 with pytest.raises(Forbidden) as err:
                     c.decode_reference(path, fps=5, width=8, height=8)
-                assert err.value.code == "forbidden"
+                assert err.value.code == "path_outside_roots", (path, err.value.code)
             with pytest.raises(NotFound) as missing:
                 c.decode_reference(worker.inputs / "nope.mp4", fps=5, width=8, height=8)
             assert missing.value.code == "not_found"
@@ -304,7 +304,7 @@ def test_decodes_past_the_bound_are_refused_and_leave_nothing(workers):
         # An answer of the worker, not an unreachable one: no local decode either.
         with pytest.raises(BadRequest) as err:
             c.decode_reference(video, fps=10, width=40, height=30)
-        assert err.value.code == "bad_request"
+        assert err.value.code == "decode_too_large"
         assert "FRAMEWIRE_MAX_DECODE_BYTES" in err.value.message
         with c.decode_reference(video, fps=10, width=40, height=30, max_frames=10) as ref:
             assert ref.source == "worker" and len(ref) == 10

@@ -1,16 +1,16 @@
-"""The fd socket (docs/api.md): reference decodes answered with a sealed memfd.
+"""The fd socket (docs/api.md): reference decodes out, ranks' frames in, as descriptors.
 
 A Unix stream socket served on the worker's event loop. A request is one JSON
-line; a reply is a 4-byte big-endian length, a JSON header and, for a decode,
-exactly one fd in SCM_RIGHTS. asyncio transports cannot carry ancillary data,
-so connections are plain non-blocking sockets driven with the loop's
-``sock_*`` calls and ``sendmsg``. Requests on one connection are answered in
-order; connections are served concurrently.
+line (with, for ``register``, exactly one descriptor beside it); a reply is a
+4-byte big-endian length, a JSON header and, for a decode, exactly one fd in
+SCM_RIGHTS. Requests on one connection are answered in order; connections are
+served concurrently. The regions a connection registered are its own: they go
+when it unregisters them or the connection closes (a rank that dies leaks
+nothing), after the requests using them end.
 """
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import json
@@ -21,128 +21,69 @@ from pathlib import Path
 from typing import Any
 
 from framewire.client import __version__
-from framewire.client._errors import (
-    FramewireError,
-)
-from framewire.client._fdsocket import LENGTH
-from framewire.client.wire import DecodeReply, DecodeRequest, refusal
+from framewire.client._errors import FramewireError, NotFound
+from framewire.client.wire import DecodeRequest, FdRegister, FdReply, FdUnregister, refusal
 from framewire.service._access.peers import Access, Peer, unix_peer
 from framewire.service._decode.decoder import ReferenceDecoder
+from framewire.service._fdsocket.lines import (
+    MAX_LINE,
+    ProtocolError,
+    Requests,
+    _TooLong,
+    send_reply,
+)
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
 from framewire.service._sockets import UnixListener
-from pydantic import ValidationError
+from framewire.service._sources.regions import FdRegion, RegionRegistry
+from pydantic import BaseModel, ValidationError
 
-log = logging.getLogger("framewire.fdserver")
+log = logging.getLogger("framewire.fdsocket")
 
-MAX_LINE = 64 << 10
-RECV_BYTES = 64 << 10
 ACCEPT_BACKOFF_S = (0.05, 1.0)  # after a failed accept (EMFILE): first and longest pause
+OPS: dict[str, type[BaseModel] | None] = {
+    "decode": DecodeRequest,
+    "register": FdRegister,
+    "unregister": FdUnregister,
+    "ping": None,
+}
 
 
-def failure(code: str, message: str, detail: str | None = None) -> DecodeReply:
-    return DecodeReply(ok=False, code=code, message=message, detail=detail)
+def failure(
+    code: str, message: str, detail: str | None = None, reason: str | None = None
+) -> FdReply:
+    return FdReply(ok=False, code=code, message=message, detail=detail, reason=reason)
 
 
-class _TooLong:
-    """What :class:`LineReader` returns for a line over the limit."""
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
-TOO_LONG = _TooLong()
+class _Connection:
+    """One peer: who it is, and the regions it registered."""
 
-
-class LineReader:
-    """Request lines from a non-blocking socket, each at most ``limit`` bytes.
-
-    A longer line is reported once, as soon as it passes the limit, and the rest
-    of it is dropped unread into memory, so one bad request cannot grow a buffer.
-    """
-
-    def __init__(self, conn: socket.socket, limit: int = MAX_LINE):
-        self.conn = conn
-        self.limit = limit
-        self._buf = bytearray()
-        self._skipping = False
-
-    async def next(self, timeout: float | None = None) -> bytes | _TooLong | None:
-        """The next line (without its newline), TOO_LONG, or None at the end.
-
-        The whole line must arrive within ``timeout`` seconds (None: no bound), so
-        a peer that sends nothing, or dribbles a line, cannot hold the connection.
-        """
-        try:
-            async with asyncio.timeout(timeout):
-                return await self._next()
-        except TimeoutError:
-            return None
-
-    async def _next(self) -> bytes | _TooLong | None:
-        loop = asyncio.get_running_loop()
-        while True:
-            newline = self._buf.find(b"\n")
-            if newline >= 0:
-                line = bytes(self._buf[:newline])
-                del self._buf[: newline + 1]
-                if self._skipping:
-                    self._skipping = False
-                    continue
-                if len(line) > self.limit:
-                    return TOO_LONG
-                return line
-            if not self._skipping and len(self._buf) > self.limit:
-                self._skipping = True
-                self._buf.clear()
-                return TOO_LONG
-            if self._skipping:
-                self._buf.clear()
-            data = await loop.sock_recv(self.conn, RECV_BYTES)
-            if not data:
-                # A last request without its newline is still a request.
-                if self._buf and not self._skipping:
-                    line, self._buf = bytes(self._buf), bytearray()
-                    return line
-                return None
-            self._buf += data
-
-
-async def send_reply(conn: socket.socket, reply: DecodeReply, fd: int | None = None) -> None:
-    """Length, header and (with the first bytes) the fd, on a non-blocking socket."""
-    body = reply.model_dump_json(exclude_none=True).encode()
-    view = memoryview(LENGTH.pack(len(body)) + body)
-    ancillary = []
-    if fd is not None:
-        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
-    loop = asyncio.get_running_loop()
-    while view:
-        try:
-            sent = conn.sendmsg([view], ancillary)
-        except (BlockingIOError, InterruptedError):
-            await _writable(loop, conn)
-            continue
-        view = view[sent:]
-        ancillary = []  # the fd travels with the first bytes only
-
-
-async def _writable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
-    ready: asyncio.Future[None] = loop.create_future()
-    fileno = conn.fileno()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    loop.add_writer(fileno, wake)
-    try:
-        await ready
-    finally:
-        loop.remove_writer(fileno)
+    def __init__(self, peer: Peer | None):
+        self.peer = peer
+        self.access = Access(peer, trusted=False)
+        self.regions: set[str] = set()
 
 
 class FdServer:
-    def __init__(self, settings: Settings, decoder: ReferenceDecoder, metrics: Metrics):
+    def __init__(
+        self,
+        settings: Settings,
+        decoder: ReferenceDecoder,
+        regions: RegionRegistry,
+        metrics: Metrics,
+        instance: str,
+    ):
         self.settings = settings
         self.decoder = decoder
+        self.regions = regions
         self.metrics = metrics
+        self.instance = instance
         self.path = Path(settings.fd_socket)
         self._listener: UnixListener | None = None
         self._owns_listener = False
@@ -201,31 +142,44 @@ class FdServer:
         )
 
     async def _serve(self, conn: socket.socket) -> None:
+        requests = Requests(conn)
+        state = _Connection(unix_peer(conn))
         try:
-            peer = unix_peer(conn)
-            allowed = self._allowed(peer)
-            access = Access(peer, trusted=False)
-            lines = LineReader(conn)
+            allowed = self._allowed(state.peer)
             idle = self.settings.idle_timeout_s
-            while (line := await lines.next(idle)) is not None:
-                reply, fd, op = await self._answer(line, allowed, access)
+            while (request := await requests.next(idle)) is not None:
+                line, fds = request
+                try:
+                    reply, fd, op = await self._answer(line, fds, state, allowed)
+                finally:
+                    _close(fds)  # whatever the answer did not take
                 self.metrics.fd_requests.labels(op, reply.code or "ok").inc()
                 try:
                     await send_reply(conn, reply, fd)
                 finally:
                     if fd is not None:
                         os.close(fd)
+        except ProtocolError as exc:
+            self.metrics.fd_requests.labels("invalid", "bad_request").inc()
+            with contextlib.suppress(OSError):
+                async with asyncio.timeout(1.0):
+                    await send_reply(conn, failure("bad_request", str(exc)))
         except OSError:
             pass  # the peer went away; nothing to answer
         except Exception:
             log.exception("fd socket connection failed")
         finally:
+            requests.close()
             conn.close()
+            # A region in use is released once the requests using it end.
+            for name in state.regions:
+                self.regions.unregister(name, kind=FdRegion)
 
     async def _answer(
-        self, line: bytes | _TooLong, allowed: bool, access: Access
-    ) -> tuple[DecodeReply, int | None, str]:
-        """(reply, fd to send or None, op label). Never raises for a bad request."""
+        self, line: bytes | _TooLong, fds: list[int], state: _Connection, allowed: bool
+    ) -> tuple[FdReply, int | None, str]:
+        """(reply, fd to send or None, op label). Never raises for a bad request; takes
+        from ``fds`` (by emptying it) only what it keeps."""
         if not allowed:
             return failure("forbidden", "this user may not use the fd socket"), None, "denied"
         if isinstance(line, _TooLong):
@@ -236,22 +190,59 @@ class FdServer:
             # RecursionError: nesting deeper than the parser's stack, well within MAX_LINE
             return failure("bad_request", f"request is not JSON: {exc}"), None, "invalid"
         op = message.get("op") if isinstance(message, dict) else None
-        if op not in ("decode", "ping"):
-            return failure("bad_request", 'request needs "op": "decode" or "ping"'), None, "invalid"
+        if op not in OPS:
+            names = ", ".join(f'"{o}"' for o in OPS)
+            return failure("bad_request", f'request needs "op": one of {names}'), None, "invalid"
+        wants = 1 if op == "register" else 0
+        if len(fds) != wants:
+            what = "exactly one descriptor" if wants else "no descriptor"
+            return failure("bad_request", f"{op} takes {what}; got {len(fds)}"), None, op
         if op == "ping":
-            return DecodeReply(ok=True, pong=True, message=f"framewire {__version__}"), None, op
+            pong = FdReply(ok=True, pong=True, message=f"framewire {__version__}")
+            return pong.model_copy(update={"instance": self.instance}), None, op
+        model = OPS[op]
+        assert model is not None
         try:
-            request = DecodeRequest.model_validate(message)
+            request = model.model_validate(message)
         except ValidationError as exc:
             return failure("bad_request", refusal(exc).message), None, op
         try:
-            answer = await self.decoder.decode(request, access)
+            if isinstance(request, FdRegister):
+                return self._register(request, fds, state), None, op
+            if isinstance(request, FdUnregister):
+                return self._unregister(request, state), None, op
+            assert isinstance(request, DecodeRequest)
+            return await self._decode(request, state.access)
         except FramewireError as exc:
-            return failure(exc.fd_code, exc.message, exc.detail), None, op
+            return failure(exc.fd_code, exc.message, exc.detail, exc.code), None, op
         except Exception as exc:
-            log.exception("reference decode of %s failed", request.path)
-            return failure("decode_failed", f"internal error: {exc!r}"), None, op
-        reply = DecodeReply(
+            log.exception("fd socket %s failed", op)
+            code = "decode_failed" if op == "decode" else "overloaded"
+            return failure(code, f"internal error: {exc!r}", reason="internal"), None, op
+
+    def _register(self, request: FdRegister, fds: list[int], state: _Connection) -> FdReply:
+        fd = fds.pop()  # the registry's now (closed by it on failure too)
+        region = self.regions.register_fd(
+            request.name, fd, request.offset, request.byte_size, state.peer
+        )
+        state.regions.add(region.name)
+        return FdReply(ok=True, name=region.name, sealed=region.sealed)
+
+    def _unregister(self, request: FdUnregister, state: _Connection) -> FdReply:
+        if request.name not in state.regions:
+            raise NotFound(
+                f"this connection registered no region '{request.name}'",
+                code="region_not_found",
+            )
+        state.regions.discard(request.name)
+        self.regions.unregister(request.name, kind=FdRegion)
+        return FdReply(ok=True, name=request.name)
+
+    async def _decode(
+        self, request: DecodeRequest, access: Access
+    ) -> tuple[FdReply, int | None, str]:
+        answer = await self.decoder.decode(request, access)
+        reply = FdReply(
             ok=True,
             frames=answer.frames,
             height=request.height,
@@ -260,7 +251,7 @@ class FdServer:
             cached=answer.cached,
             decode_ms=round(answer.decode_ms, 3),
         )
-        return reply, answer.fd, op
+        return reply, answer.fd, "decode"
 
     async def stop_accepting(self) -> None:
         """Refuse new connections (a shutdown began); open ones are still answered.

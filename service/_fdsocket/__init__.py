@@ -1,0 +1,1 @@
+"""The fd socket: reference decodes out, ranks' frames in, as descriptors."""

@@ -1,0 +1,44 @@
+"""Acting as another local user: what a hostile neighbour on the host can ask of the worker."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import httpx
+
+NOBODY = 65534
+
+
+def as_nobody(target, *args) -> object:
+    """Run ``target(*args)`` in a forked child as uid/gid 65534; returns what it returned."""
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+
+    def run() -> None:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        try:
+            child.send(target(*args))
+        except BaseException as exc:
+            child.send(f"raised {exc!r}")
+
+    proc = ctx.Process(target=run)
+    proc.start()
+    try:
+        assert parent.poll(60), "the child did not answer"
+        return parent.recv()
+    finally:
+        proc.join(10)
+
+
+def post_json(url: str, path: str, body: dict) -> tuple[int, str]:
+    if url.startswith("unix://"):
+        transport = httpx.HTTPTransport(uds=url.removeprefix("unix://"))
+        client = httpx.Client(base_url="http://framewire", transport=transport, timeout=60)
+    else:
+        client = httpx.Client(base_url=url, timeout=60)
+    with client:
+        r = client.post(path, json=body)
+        return r.status_code, r.json().get("code", "")
