@@ -4,8 +4,11 @@
 
 1. A 16x16, 4-frame float32 clip: the same encode in-process (Encoder over a
    TensorSource) and through a worker over its Unix socket with the Python
-   client (frames copied into shm, HTTP, encode, validation). The overhead is
-   the difference of the medians. Goal: <= 5 ms (benchmarks/README.md).
+   client: on the fd route (frames copied into a sealed memfd, registered over
+   the fd socket, HTTP, encode, validation, unregistered), without validation,
+   and on the named-segment route. The paths take turns, round after round, so
+   drift hits them alike; the overhead is the difference of the medians.
+   Goal: <= 5 ms (benchmarks/README.md).
 2. A 1344x768 float32 clip of --frames frames already in a POSIX shm segment:
    bare ffmpeg reading the converted rgb24 from /dev/shm, against one
    `POST /v1/videos:encode` of the segment (the worker reads it with pread,
@@ -23,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -55,22 +59,31 @@ def tiny(worker, work: Path, repeat: int) -> list[tuple[str, float, float]]:  # 
     encoder = Encoder()
     local_dir = work / "local"
     local_dir.mkdir()
-    with Client(worker.uds_url) as client:
-        for i in range(5):  # warm both paths
+    nowhere = work / "no-fd.sock"  # a named fd socket nobody serves: named segments
+    with Client(worker.uds_url) as client, Client(worker.uds_url, fd_socket=nowhere) as shm:
+        for i in range(5):  # warm every path
             encoder.encode(TensorSource(clip), local_dir / f"w{i}.mp4", EncodeParams(fps=24))
             client.save_video(clip, f"w{i}.mp4", fps=24)
-        rows = []
+            shm.save_video(clip, f"ws{i}.mp4", fps=24)
+        assert (client.host_route, shm.host_route) == ("fd", "shm")
+        rows: list[tuple[str, Any]] = []
         for name, fn in [
             ("in-process Encoder.encode", lambda i: encoder.encode(
                 TensorSource(clip), local_dir / f"{i}.mp4", EncodeParams(fps=24))),
-            ("worker, unix socket, validate", lambda i: client.save_video(
+            ("worker, fd route, validate", lambda i: client.save_video(
                 clip, f"v{i}.mp4", fps=24)),
-            ("worker, unix socket, no validate", lambda i: client.save_video(
+            ("worker, fd route, no validate", lambda i: client.save_video(
                 clip, f"n{i}.mp4", fps=24, validate=False)),
+            ("worker, named segment, validate", lambda i: shm.save_video(
+                clip, f"s{i}.mp4", fps=24)),
         ]:  # fmt: skip
-            xs = harness.timed_ms(fn, repeat)
-            rows.append((name, statistics.median(xs), p90(xs)))
-    return rows
+            rows.append((name, fn))
+        # Interleaved: each round times every path once, so drift hits them alike.
+        times: dict[str, list[float]] = {name: [] for name, _ in rows}
+        for i in range(repeat):
+            for name, fn in rows:
+                times[name] += harness.timed_ms(lambda _, i=i, fn=fn: fn(i), 1)
+    return [(name, statistics.median(xs), p90(xs)) for name, xs in times.items()]
 
 
 def big(worker, work: Path, frames: int, repeat: int) -> list[tuple[str, float, str]]:  # type: ignore[no-untyped-def]

@@ -120,7 +120,7 @@ def bare(rgb: Path, out: Path, width: int, height: int, threads: int) -> dict[st
                        threads=threads, stdin_name=str(rgb), guard=False)  # fmt: skip
     started = time.perf_counter()
     before = os.times()
-    subprocess.run(argv, stdin=subprocess.DEVNULL, check=True)
+    subprocess.run(argv, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
     after = os.times()
     wall = time.perf_counter() - started
     kids = (
@@ -215,9 +215,19 @@ def main() -> int:
                 line += (f"{statistics.median(cpu):.2f} s | {statistics.median(frac):.3f} "
                          f"{spread(frac)} | {statistics.median(extra):.0f} MiB |")  # fmt: skip
             print(line)
-    fd_frac = [r["worker_cpu_s"] / r["ffmpeg_cpu_s"] for r in rows if r["variant"] == VARIANTS[2]]
-    print(f"fd route worker CPU / ffmpeg CPU, median over all lengths: "
-          f"{statistics.median(fd_frac):.3f} (goal <= {GOAL_CPU})")  # fmt: skip
+    for frames in args.frames:
+        mine = [r for r in rows if r["frames"] == frames]
+        base = statistics.median(r["wall_s"] for r in mine if r["variant"] == VARIANTS[0])
+        fd = [r for r in mine if r["variant"] == VARIANTS[2]]
+        frac = statistics.median(r["worker_cpu_s"] / r["ffmpeg_cpu_s"] for r in fd)
+        wall = statistics.median(r["wall_s"] for r in fd) / base
+        print(f"{frames} frames, fd route: worker CPU {frac:.3f} of ffmpeg's (goal <= {GOAL_CPU}) "
+              f"-> {'PASS' if frac <= GOAL_CPU else 'MISS'}; wall {wall:.2f}x bare ffmpeg "
+              f"(goal <= {GOAL_WALL}) -> {'PASS' if wall <= GOAL_WALL else 'MISS'}")  # fmt: skip
+    extra = [r["extra_mib"] for r in rows if r["variant"] != VARIANTS[0]]
+    verdict = "PASS" if max(extra) <= GOAL_EXTRA_MIB else "MISS"
+    print(f"worker extra memory, every run: {min(extra):.0f} to {max(extra):.0f} MiB "
+          f"(goal <= {GOAL_EXTRA_MIB}, flat) -> {verdict}")  # fmt: skip
     print(f"same bytes for every route and run: {same}")
     return 0 if same else 1
 

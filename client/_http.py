@@ -77,9 +77,10 @@ class _BaseClient:
         return self._route.name
 
     def _fetch(self, request: DecodeRequest, local_fallback: bool) -> ReferenceFrames:
-        return fetch(
-            request, self.fd_socket, local_fallback=local_fallback, timeout=self.fd_timeout
-        )
+        # The fd route's socket once it is known (the one /v1/info named), else as configured.
+        regions = self._route.regions
+        path = self.fd_socket or (regions.path if regions is not None else None)
+        return fetch(request, path, local_fallback=local_fallback, timeout=self.fd_timeout)
 
 
 def _twin(original: Callable[..., Any]) -> Callable[[F], F]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from framewire.client._errors import FramewireError
+from framewire.client._errors import FramewireError, Unavailable
 from framewire.client._fdsocket import default_fd_socket
 from framewire.client._sharing.fd import FdRegions
 
@@ -45,8 +45,11 @@ class HostRoute:
             path = info.get("sockets", {}).get("fd_socket") or path
         try:
             fresh = FdRegions(path, self.timeout)
-        except FramewireError:  # no worker there (yet), or not an allowed user
-            self._refused = info is not None  # a named socket is tried again
+        except Unavailable:  # no worker there (yet): a named socket is tried again
+            self._refused = info is not None
+            return
+        except FramewireError:  # refused (not an allowed user): it will stay so
+            self._refused = True
             return
         if info is not None and fresh.instance != info.get("instance"):
             fresh.close()  # another worker answers there: not the HTTP one

@@ -192,3 +192,19 @@ def test_every_module_the_docs_name_exists():
         )
     missing = sorted(p for p in named if not (REPO / p.split("::")[0]).exists())
     assert missing == []
+
+
+def test_every_package_is_installed():
+    # The image installs the wheel, not the tree: a package missing from pyproject's
+    # list is missing there (and only there).
+    import tomllib
+
+    listed = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join([name, *init.parent.relative_to(root).parts])
+        for name, root in PACKAGES.items()
+        for init in root.rglob("__init__.py")
+    }
+    assert found == listed

@@ -180,6 +180,29 @@ def cpu_ticks(pid: int) -> int | None:
         return None
 
 
+class _ExitWatch:
+    """A pidfd in a poll set: readable once the process has exited."""
+
+    def __init__(self, pidfd: int):
+        self.fd = pidfd
+        self._poll = select.poll()
+        self._poll.register(pidfd, select.POLLIN)
+
+    def poll(self, timeout_ms: float) -> bool:
+        return bool(self._poll.poll(timeout_ms))
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _exit_watch(pid: int) -> _ExitWatch | None:
+    """A watch on ``pid``'s exit, or None where pidfds are not to be had (Linux < 5.3)."""
+    try:
+        return _ExitWatch(os.pidfd_open(pid))
+    except (AttributeError, OSError):
+        return None
+
+
 class FfmpegProcess(Closing):
     """One ffmpeg child. ``stdin=True``: frames are fed through :attr:`input`.
 
@@ -267,11 +290,21 @@ class FfmpegProcess(Closing):
         """
         self.close_stdin()
         self._progressed()  # the flush begins now
-        while True:
-            try:
-                return self.proc.wait(timeout=POLL_S)
-            except subprocess.TimeoutExpired:
+        exited = _exit_watch(self.proc.pid)
+        try:
+            while True:
+                if exited is not None:
+                    # Woken the moment it exits. Popen.wait(timeout=) polls with sleeps
+                    # that grow to 50 ms: that much latency on every short encode.
+                    if exited.poll(POLL_S * 1e3):
+                        return self.proc.wait()
+                else:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        return self.proc.wait(timeout=POLL_S)
                 self._watch(check)
+        finally:
+            if exited is not None:
+                exited.close()
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -1,7 +1,8 @@
 """``framewire demo``: what an inference process does with a worker, end to end, timed.
 
 It saves two synthetic diffusion-like clips through the worker in one request
-(the frames go through shared memory, never over the socket), streams the
+(the frames are handed over as memfds on the fd socket, never copied into a
+request), streams the
 first again chunk by chunk as a VAE would decode it (the file must be the same
 bytes), writes a
 reference video where the worker reads references, and has several processes
@@ -295,6 +296,9 @@ def run_demo(opts: DemoOptions) -> int:
                 result.timings.encode_ms,
             )
         table.add("save_videos: 2 outputs", f"under {Path(results[0].path).parent}", wall)
+        routes = {"fd": "as sealed memfds over the fd socket (no /dev/shm name)",
+               "shm": "as named /dev/shm segments (no fd socket reachable)"}  # fmt: skip
+        table.add("  frames handed over", routes[client.host_route])
         streamed = stream_clip(client, clips[0], f"framewire-demo/{stamp}-a-streamed.mp4", opts)
         same = streamed.sha256 == results[0].sha256
         table.add(

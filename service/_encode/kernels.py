@@ -23,6 +23,7 @@ the narrow type after the multiply, which the kernels do not model.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import threading
 from typing import Any, Literal
@@ -44,6 +45,13 @@ def use(mode: Mode) -> None:
     first use; ``pure``: never (the worker's FRAMEWIRE_KERNEL)."""
     global _mode, _failed
     _mode, _failed = mode, False
+
+
+def route() -> str:
+    """Which route float32 takes: ``compiled`` or ``pure`` (for /v1/info; compiles nothing)."""
+    if _mode == "pure" or _failed:
+        return "pure"
+    return "compiled" if importlib.util.find_spec("numba") is not None else "pure"
 
 
 def kernels() -> tuple[Any, Any] | None:

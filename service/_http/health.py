@@ -6,6 +6,7 @@ import anyio
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse
 from framewire.client import __version__
+from framewire.service._encode import kernels
 from framewire.service._http.deps import WorkerParts
 from framewire.service._ops.limits import cgroup_cpu_limit
 from framewire.service._ops.versions import ffmpeg_runs, ffmpeg_version
@@ -44,6 +45,7 @@ def info(parts: WorkerParts) -> dict[str, object]:
             "max_decode_bytes": settings.max_decode_bytes,
             "cgroup_cpu_quota": cgroup_cpu_limit(),
         },
+        "conversion": kernels.route(),  # float32 -> rgb24: "compiled" or "pure"
         "sockets": {"uds": str(settings.uds), "fd_socket": str(settings.fd_socket)},
         "output_roots": settings.output_roots,
         "input_roots": settings.input_roots,

@@ -176,16 +176,20 @@ class FileSource(FrameSource):
         return out.view(shape), True
 
     def zero_copy(self) -> tuple[int, int] | None:
-        g = self.geometry
-        if g.dtype is DType.uint8 and g.layout is Layout.THWC:
-            return self.fd, self.offset
-        return None
+        return rgb24_span(self.geometry, self.fd, self.offset)
 
     def close(self) -> None:
         self._buffer = None
         if self.owns_fd and self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def rgb24_span(g: Geometry, fd: int, offset: int) -> tuple[int, int] | None:
+    """Where frames that are rgb24 already lie in ``fd``: sent to ffmpeg as they are."""
+    if g.dtype is DType.uint8 and g.layout is Layout.THWC:
+        return fd, offset
+    return None
 
 
 FAULT_AROUND = 64 << 10  # Linux's fault_around_bytes default (and its usual setting)
@@ -237,10 +241,7 @@ class MappedSource(FrameSource):
         self._touched, self._touched_bytes = [], 0
 
     def zero_copy(self) -> tuple[int, int] | None:
-        g = self.geometry
-        if g.dtype is DType.uint8 and g.layout is Layout.THWC:
-            return self.fd, self.offset
-        return None
+        return rgb24_span(self.geometry, self.fd, self.offset)
 
     def close(self) -> None:
         if self._frames is not None:

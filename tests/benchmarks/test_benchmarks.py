@@ -93,3 +93,15 @@ def test_stream_benchmark(tmp_path: Path) -> None:
     assert "same bytes (a), (b) and (c), every run: True" in r.stdout
     # The stream's extra memory is its two staging segments of 3 frames (a few KiB).
     assert all(row["extra_mib"] < 8 for row in rows if row["mode"] == "b"), rows
+
+
+def test_routes_benchmark(tmp_path: Path) -> None:
+    out = tmp_path / "routes.json"
+    r = bench("routes.py", "--frames", "4", "--width", "64", "--height", "48", "--repeat", "1",
+              "--json", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())
+    assert {row["variant"] for row in rows} == {"bare ffmpeg", "named segment", "fd (sealed memfd)"}
+    assert len({row["sha256"] for row in rows}) == 1
+    assert all(row["worker_cpu_s"] >= 0 for row in rows if row["variant"] != "bare ffmpeg")
+    assert "same bytes for every route and run: True" in r.stdout

@@ -81,3 +81,29 @@ def reference_mp4(
         **kwargs,
     )
     return sha256(path)
+
+
+# Values whose bytes the conversion must get right: NaN, infinities, signed zero, out of
+# range, and a rounding step either side of the truncation points.
+SPECIALS = [
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+    -0.5,
+    -0.0,
+    1.0,
+    1.5,
+    0.999999,
+    0.5 / 255,
+    254.5 / 255,
+    1e-8,
+    3e38,
+]
+
+
+def with_specials(clip: torch.Tensor) -> torch.Tensor:
+    flat = clip.clone().view(-1)
+    specials = torch.tensor(SPECIALS, dtype=torch.float32).to(clip.dtype)
+    flat[: len(specials)] = specials
+    flat[-len(specials) :] = specials
+    return flat.view(clip.shape)

@@ -18,6 +18,7 @@ def test_demo_against_a_running_worker(workers):
     assert "1 for 4 requests" in out  # one ffmpeg decode, shared by every process
     assert "open_video: 6 chunks of 8 frames" in out
     assert "the same bytes as save_video" in out
+    assert "as sealed memfds over the fd socket" in out
     saved = sorted(p.name for p in (w.outputs / "framewire-demo").iterdir())
     assert len(saved) == 3 and all(name.endswith(".mp4") for name in saved)
     [streamed] = (w.outputs / "framewire-demo").glob("*-a-streamed.mp4")

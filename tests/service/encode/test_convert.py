@@ -9,23 +9,9 @@ from framewire.client.wire import Layout
 from framewire.service._encode import kernels
 from framewire.service._encode.convert import chunk_frames, convert_into
 
-from tests.support.media import make_clip, reference_uint8
+from tests.support.media import SPECIALS, make_clip, reference_uint8, with_specials
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
-SPECIALS = [
-    float("nan"),
-    float("inf"),
-    -float("inf"),
-    -0.5,
-    -0.0,
-    1.0,
-    1.5,
-    0.999999,
-    0.5 / 255,
-    254.5 / 255,
-    1e-8,
-    3e38,
-]
 
 
 @pytest.fixture(autouse=True, params=["compiled", "pure"])
@@ -34,14 +20,6 @@ def kernel(request: pytest.FixtureRequest) -> object:
     kernels.use(request.param)
     yield request.param
     kernels.use("auto")
-
-
-def with_specials(clip: torch.Tensor) -> torch.Tensor:
-    flat = clip.clone().view(-1)
-    specials = torch.tensor(SPECIALS, dtype=torch.float32).to(clip.dtype)
-    flat[: len(specials)] = specials
-    flat[-len(specials) :] = specials
-    return flat.view(clip.shape)
 
 
 @pytest.mark.parametrize("dtype", [*FLOATS, torch.uint8])

@@ -1,0 +1,120 @@
+"""How the client hands host frames over: the fd route when it reaches the worker's fd socket,
+named segments otherwise, and never the wrong worker's socket."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from framewire.client import AsyncClient, Client
+from framewire.client._route import HostRoute
+from framewire.client._sharing import fd as fd_module
+
+from tests.support.media import make_clip, reference_mp4, sha256
+from tests.support.worker import Worker
+
+WORKER_ARGS = ()
+
+
+def our_segments() -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"framewire-{os.getpid()}-")]
+
+
+def regions(worker: Worker) -> list[dict[str, Any]]:
+    with worker.http() as h:
+        return h.get("/v2/systemsharedmemory/status").json()
+
+
+class Watch:
+    """Counts the memfds the client makes, and looks at /dev/shm while a call is in flight."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.memfds = 0
+        self.segments_seen: list[str] = []
+        real = fd_module.Memfd.__init__
+
+        def init(memfd: Any, nbytes: int) -> None:
+            self.memfds += 1
+            real(memfd, nbytes)
+            self.segments_seen += our_segments()
+
+        monkeypatch.setattr(fd_module.Memfd, "__init__", init)
+
+
+def test_a_client_of_a_worker_takes_the_fd_route(worker, tmp_path, monkeypatch):
+    """No fd socket named: the one /v1/info names, once it proves to be this worker's."""
+    watch = Watch(monkeypatch)
+    clip = make_clip(frames=5, height=32, width=48)
+    with Client(worker.uds_url) as c:
+        assert c.host_route == "shm"  # not tried before the first call
+        result = c.save_video(clip, "fd.mp4", fps=24)
+        assert c.host_route == "fd"
+    assert result.sha256 == reference_mp4(clip, tmp_path / "ref.mp4")
+    assert sha256(worker.outputs / "fd.mp4") == result.sha256
+    assert watch.memfds == 1 and watch.segments_seen == []  # one copy, no /dev/shm name
+    assert regions(worker) == [] and our_segments() == []
+
+
+def test_the_async_client_takes_it_too(worker, tmp_path):
+    video = np.random.default_rng(1).integers(0, 256, (4, 32, 48, 3), np.uint8)
+
+    async def go() -> tuple[str, str]:
+        async with AsyncClient(worker.uds_url) as c:
+            result = await c.save_video(video, "afd.mp4", fps=24)
+            return c.host_route, result.sha256 or ""
+
+    route, digest = asyncio.run(go())
+    assert route == "fd"
+    assert digest == reference_mp4(torch.from_numpy(video), tmp_path / "r.mp4", layout="THWC")
+    assert regions(worker) == []
+
+
+def test_a_torch_shared_tensor_goes_without_a_copy(worker, tmp_path, monkeypatch):
+    watch = Watch(monkeypatch)
+    clip = make_clip(frames=4, height=32, width=48).share_memory_()
+    with Client(worker.uds_url, fd_socket=worker.fd_socket) as c:
+        result = c.save_video(clip, "shared.mp4", fps=24)
+    assert watch.memfds == 0  # its own descriptor was handed over
+    assert result.sha256 == reference_mp4(clip, tmp_path / "ref.mp4")
+
+
+def test_another_workers_socket_is_not_used(workers, tmp_path):
+    """/v1/info of worker A naming B's socket (a shared path, a stale config): A's instance
+    does not answer there, so frames go as named segments."""
+    a, b = workers.start(), workers.start()
+    with a.http() as h:
+        info = h.get("/v1/info").json()
+    route = HostRoute(None, 60)
+    route.connect(info | {"sockets": {"fd_socket": str(b.fd_socket)}})
+    assert route.name == "shm" and route.settled()  # so callers do not try it again
+    fresh = HostRoute(None, 60)
+    fresh.connect(info)
+    assert fresh.name == "fd"
+    fresh.close()
+
+
+def test_a_named_socket_is_tried_until_a_worker_answers_there(workers, tmp_path):
+    root = tmp_path / "later"
+    clip = make_clip(frames=3, height=16, width=16)
+    with Client(f"unix://{root}/api.sock", fd_socket=root / "fd.sock") as c:
+        assert not c._route.settled()
+        c._update_route()  # nobody there yet: named segments, and try again later
+        assert c.host_route == "shm" and not c._route.settled()
+        w = workers.start(root=root)
+        result = c.save_video(clip, "late.mp4", fps=24)
+        assert c.host_route == "fd"
+    assert result.sha256 == reference_mp4(clip, tmp_path / "ref.mp4")
+    assert regions(w) == []
+
+
+def test_a_user_the_fd_socket_refuses_uses_named_segments(workers, tmp_path):
+    w = workers.start("--allowed-uids", "12345")
+    clip = make_clip(frames=3, height=16, width=16)
+    with Client(w.uds_url, fd_socket=w.fd_socket) as c:
+        result = c.save_video(clip, "refused.mp4", fps=24)
+        assert c.host_route == "shm" and c._route.settled()  # refused once, not asked again
+    assert result.sha256 == reference_mp4(clip, tmp_path / "ref.mp4")
