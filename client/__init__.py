@@ -11,6 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from framewire.client._base import DEFAULT_URL
 from framewire.client._errors import (
     BadRequest,
     Cancelled,
@@ -25,7 +26,7 @@ from framewire.client._errors import (
     Unauthorized,
     Unavailable,
 )
-from framewire.client._http import DEFAULT_URL, AsyncClient, Client
+from framewire.client._http import AsyncClient, Client
 from framewire.client._reference import ReferenceFrames, decode_reference
 from framewire.client._stream import AsyncVideoWriter, VideoWriter
 from framewire.client._version import __version__

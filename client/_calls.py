@@ -95,29 +95,19 @@ def probe_call(paths: Sequence[str | os.PathLike[str]]) -> Call[list[MediaInfo]]
 
 def encode_call(
     sources: list[Any],
+    audios: Sequence[Any],
     paths: Sequence[str | os.PathLike[str]],
     *,
     fps: float,
-    quality: int,
-    preset: str,
-    threads: int | None,
-    audio: Any,
     validate: bool,
+    **options: Any,
 ) -> Call[list[OutputResult]]:
-    """``POST /v1/videos:encode`` of ``sources`` (shared already) to ``paths``; a request the
-    worker would refuse is refused here, with the worker's code."""
-    audios = _per_output(audio, len(paths), "audio")
+    """``POST /v1/videos:encode`` of ``sources`` (shared already, and their ``audios``) to
+    ``paths``, each with ``options`` (quality, preset, threads, profile, value_range); a
+    request the worker would refuse is refused here, with the worker's code."""
     try:
         outputs = [
-            OutputSpec(
-                source=src,
-                path=os.fspath(p),
-                fps=fps,
-                quality=quality,
-                preset=preset,  # type: ignore[arg-type]  # checked by the model
-                threads=threads,
-                audio=None if a is None else os.fspath(a),
-            )
+            OutputSpec(source=src, path=os.fspath(p), fps=fps, audio=a, **options)
             for src, p, a in zip(sources, paths, audios, strict=True)
         ]
         request = EncodeRequest(outputs=outputs, validate=validate)
@@ -127,7 +117,7 @@ def encode_call(
     return Call("POST", "/v1/videos:encode", body, output_list)
 
 
-def _per_output(value: Any, n: int, name: str) -> list[Any]:
+def per_output(value: Any, n: int, name: str) -> list[Any]:
     if isinstance(value, (list, tuple)):
         if len(value) != n:
             raise ValueError(f"{name} has {len(value)} entries for {n} videos")

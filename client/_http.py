@@ -1,6 +1,6 @@
 """Client and AsyncClient: the worker's HTTP API as Python calls.
 
-Every request is built, and every answer read, by :class:`_BaseClient`; the two
+Every request is built, and every answer read, by :class:`BaseClient`; the two
 twins differ only in how the bytes move (``httpx.Client`` or ``httpx.AsyncClient``)
 and in where blocking work runs (the async twin copies frames into shared memory
 and waits on CUDA streams off the event loop). Their public methods have the
@@ -12,88 +12,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import httpx
-from framewire.client._calls import Call, encode_call, info_call, probe_call, unreachable
+from framewire.client._base import DEFAULT_TIMEOUT, DEFAULT_URL, BaseClient, twin
+from framewire.client._calls import (
+    Call,
+    encode_call,
+    info_call,
+    probe_call,
+    unreachable,
+)
 from framewire.client._closing import Closing
-from framewire.client._reference import ReferenceFrames, fetch, make_request
-from framewire.client._route import HostRoute
+from framewire.client._reference import ReferenceFrames, make_request
 from framewire.client._sharing import share
 from framewire.client._sharing.fd import FdRegions
 from framewire.client._stream import AsyncVideoWriter, VideoWriter
 from framewire.client.wire import (
-    DecodeRequest,
     Layout,
     MediaInfo,
     OutputResult,
 )
 
-DEFAULT_URL = "http://127.0.0.1:7700"
-DEFAULT_TIMEOUT = httpx.Timeout(3600.0, connect=10.0)
-
 T = TypeVar("T")
-F = TypeVar("F", bound=Callable[..., Any])
 
 
-class _BaseClient:
-    """Settings, request building and answer reading: all of a client but its I/O."""
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        fd_socket: str | os.PathLike[str] | None,
-        token: str | None,
-        timeout: float | httpx.Timeout,
-    ):
-        self.url = url
-        self.fd_socket = fd_socket  # None: FRAMEWIRE_FD_SOCKET, else the worker's default
-        # One knob for both sockets: an fd-socket request may wait as long as an HTTP read.
-        self.fd_timeout = timeout.read if isinstance(timeout, httpx.Timeout) else timeout
-        self._route = HostRoute(fd_socket, self.fd_timeout)
-        self._uds: str | None = None
-        if url.startswith("unix://"):
-            self._base_url, self._uds = "http://framewire", url.removeprefix("unix://")
-        else:
-            self._base_url = url.rstrip("/")
-        self._client_args: dict[str, Any] = {
-            "base_url": self._base_url,
-            "headers": {"authorization": f"Bearer {token}"} if token else {},
-            "timeout": timeout,
-        }
-
-    @staticmethod
-    def _check_pairs(videos: Sequence[Any], paths: Sequence[Any]) -> None:
-        if len(videos) != len(paths):
-            raise ValueError(f"{len(videos)} videos for {len(paths)} paths")
-
-    @property
-    def host_route(self) -> str:
-        """How host frames reach the worker now: ``"fd"`` (descriptors over the fd socket)
-        or ``"shm"`` (named POSIX shm segments, before the fd route was tried or when it
-        is not to be had)."""
-        return self._route.name
-
-    def _fetch(self, request: DecodeRequest, local_fallback: bool) -> ReferenceFrames:
-        # The fd route's socket once it is known (the one /v1/info named), else as configured.
-        regions = self._route.regions
-        path = self.fd_socket or (regions.path if regions is not None else None)
-        return fetch(request, path, local_fallback=local_fallback, timeout=self.fd_timeout)
-
-
-def _twin(original: Callable[..., Any]) -> Callable[[F], F]:
-    """Give an AsyncClient method the docstring of its Client twin."""
-
-    def apply(method: F) -> F:
-        method.__doc__ = original.__doc__
-        return method
-
-    return apply
-
-
-class Client(_BaseClient, Closing):
+class Client(BaseClient, Closing):
     """Synchronous client. ``url`` is ``http://host:port`` or ``unix:///path/api.sock``."""
 
     def __init__(
@@ -137,10 +82,13 @@ class Client(_BaseClient, Closing):
         paths: Sequence[str | os.PathLike[str]],
         *,
         fps: float,
-        quality: int = 5,
-        preset: str = "fast",
+        quality: float | None = None,
+        preset: str | None = None,
         threads: int | None = None,
         audio: Any = None,
+        audio_sample_rate: int | None = None,
+        profile: str = "imageio",
+        value_range: tuple[float, float] | None = None,
         validate: bool = True,
         layout: Layout | str | None = None,
     ) -> list[OutputResult]:
@@ -158,15 +106,18 @@ class Client(_BaseClient, Closing):
                 stack.enter_context(share(v, layout=layout, regions=self._route.regions))
                 for v in videos
             ]
+            audios = self._share_audio(stack, audio, audio_sample_rate, len(paths))
             call = encode_call(
                 sources,
+                audios,
                 paths,
                 fps=fps,
+                validate=validate,
                 quality=quality,
                 preset=preset,
                 threads=threads,
-                audio=audio,
-                validate=validate,
+                profile=profile,
+                value_range=value_range,
             )
             return self._send(call)
 
@@ -179,10 +130,13 @@ class Client(_BaseClient, Closing):
         path: str | os.PathLike[str],
         *,
         fps: float,
-        quality: int = 5,
-        preset: str = "fast",
+        quality: float | None = None,
+        preset: str | None = None,
         threads: int | None = None,
         audio: Any = None,
+        audio_sample_rate: int | None = None,
+        profile: str = "imageio",
+        value_range: tuple[float, float] | None = None,
         validate: bool = True,
         layout: Layout | str | None = None,
     ) -> VideoWriter:
@@ -199,6 +153,9 @@ class Client(_BaseClient, Closing):
             preset=preset,
             threads=threads,
             audio=audio,
+            audio_sample_rate=audio_sample_rate,
+            profile=profile,
+            value_range=value_range,
             validate=validate,
             layout=layout,
         )
@@ -234,7 +191,7 @@ class Client(_BaseClient, Closing):
         self._http.close()
 
 
-class AsyncClient(_BaseClient):
+class AsyncClient(BaseClient):
     """The same calls as coroutines."""
 
     def __init__(
@@ -265,25 +222,28 @@ class AsyncClient(_BaseClient):
         await self._update_route()
         return self._route.regions
 
-    @_twin(Client.info)
+    @twin(Client.info)
     async def info(self) -> dict[str, Any]:
         return await self._send(info_call())
 
-    @_twin(Client.probe)
+    @twin(Client.probe)
     async def probe(self, paths: Sequence[str | os.PathLike[str]]) -> list[MediaInfo]:
         return await self._send(probe_call(paths))
 
-    @_twin(Client.save_videos)
+    @twin(Client.save_videos)
     async def save_videos(
         self,
         videos: Sequence[Any],
         paths: Sequence[str | os.PathLike[str]],
         *,
         fps: float,
-        quality: int = 5,
-        preset: str = "fast",
+        quality: float | None = None,
+        preset: str | None = None,
         threads: int | None = None,
         audio: Any = None,
+        audio_sample_rate: int | None = None,
+        profile: str = "imageio",
+        value_range: tuple[float, float] | None = None,
         validate: bool = True,
         layout: Layout | str | None = None,
     ) -> list[OutputResult]:
@@ -298,32 +258,40 @@ class AsyncClient(_BaseClient):
                 )
                 for v in videos
             ]
+            audios = await asyncio.to_thread(
+                self._share_audio, stack, audio, audio_sample_rate, len(paths)
+            )
             call = encode_call(
                 sources,
+                audios,
                 paths,
                 fps=fps,
+                validate=validate,
                 quality=quality,
                 preset=preset,
                 threads=threads,
-                audio=audio,
-                validate=validate,
+                profile=profile,
+                value_range=value_range,
             )
             return await self._send(call)
 
-    @_twin(Client.save_video)
+    @twin(Client.save_video)
     async def save_video(self, video: Any, path: str | os.PathLike[str], **kw: Any) -> OutputResult:
         return (await self.save_videos([video], [path], **kw))[0]
 
-    @_twin(Client.open_video)
+    @twin(Client.open_video)
     def open_video(
         self,
         path: str | os.PathLike[str],
         *,
         fps: float,
-        quality: int = 5,
-        preset: str = "fast",
+        quality: float | None = None,
+        preset: str | None = None,
         threads: int | None = None,
         audio: Any = None,
+        audio_sample_rate: int | None = None,
+        profile: str = "imageio",
+        value_range: tuple[float, float] | None = None,
         validate: bool = True,
         layout: Layout | str | None = None,
     ) -> AsyncVideoWriter:
@@ -336,11 +304,14 @@ class AsyncClient(_BaseClient):
             preset=preset,
             threads=threads,
             audio=audio,
+            audio_sample_rate=audio_sample_rate,
+            profile=profile,
+            value_range=value_range,
             validate=validate,
             layout=layout,
         )
 
-    @_twin(Client.decode_reference)
+    @twin(Client.decode_reference)
     async def decode_reference(
         self,
         path: str | os.PathLike[str],

@@ -75,13 +75,21 @@ class _WriterBase:
         path: str | os.PathLike[str],
         *,
         fps: float,
-        quality: int,
-        preset: str,
+        quality: float | None,
+        preset: str | None,
         threads: int | None,
         audio: Any,
+        audio_sample_rate: int | None,
+        profile: str,
+        value_range: tuple[float, float] | None,
         validate: bool,
         layout: Layout | str | None,
     ):
+        if audio is not None and not isinstance(audio, (str, os.PathLike)):
+            # Samples are judged when the session opens, before any chunk: hand them to
+            # save_video, or write them to a file under the worker's input roots.
+            raise ValueError("a stream's audio is a file path; audio samples go to save_video")
+        del audio_sample_rate  # the same keywords as save_video: a path has its own rate
         self._options: dict[str, Any] = {
             "path": os.fspath(path),
             "fps": fps,
@@ -89,6 +97,8 @@ class _WriterBase:
             "preset": preset,
             "threads": threads,
             "audio": None if audio is None else os.fspath(audio),
+            "profile": profile,
+            "value_range": value_range,
             "validate": validate,
         }
         self._layout = layout

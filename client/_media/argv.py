@@ -85,6 +85,39 @@ def x264_auto_threads(height: int, cpus: int | None = None) -> int:
     return min(cpus * 3 // 2, max(1, ((height + 15) // 16) // 2), 128)
 
 
+# The engine save paths an output may reproduce byte for byte (docs/engines.md).
+PROFILES = ("imageio", "sglang", "diffusers", "vllm-omni")
+DEFAULT_QUALITY = 5
+VLLM_OMNI_CRF = 18  # vLLM-omni's encoders' default
+DEFAULT_PRESETS: dict[str, str | None] = {
+    "imageio": "fast",
+    "sglang": "fast",
+    "diffusers": None,  # export_to_video passes none: x264's own (medium)
+    "vllm-omni": "ultrafast",  # its serving default
+}
+
+
+def profile_rate(profile: str, fps: float) -> Fraction:
+    """The frame rate each engine writes: SGLang rounds to 2 decimals, PyAV (vLLM-omni)
+    takes a rational within 1/10000, imageio-ffmpeg an exact one."""
+    if profile == "sglang":
+        return Fraction(f"{fps:.02f}")
+    if profile == "vllm-omni":
+        return Fraction(fps).limit_denominator(10000)
+    return Fraction(fps_arg(fps))
+
+
+def output_size(profile: str, width: int, height: int) -> tuple[int, int]:
+    """The size of the encoded picture: the ffmpeg writers scale up to multiples of 16."""
+    return (width, height) if profile == "vllm-omni" else padded_size(width, height)
+
+
+def crf_for(profile: str, quality: float | None) -> int:
+    if quality is None:
+        return VLLM_OMNI_CRF if profile == "vllm-omni" else crf_for_quality(DEFAULT_QUALITY)
+    return crf_for_quality(quality)
+
+
 def encode_argv(
     ffmpeg: str,
     *,
@@ -92,21 +125,32 @@ def encode_argv(
     height: int,
     fps: float | Fraction,
     output: str | os.PathLike[str],
-    quality: float = 5,
-    preset: str = "fast",
+    quality: float | None = DEFAULT_QUALITY,
+    preset: str | None = "fast",
     threads: int | None = None,
     audio: str | os.PathLike[str] | None = None,
     stdin_name: str = "pipe:0",
     guard: bool = True,
+    profile: str = "imageio",
 ) -> list[str]:
-    """The encode command of docs/byte-exactness.md.
+    """The encode command of docs/byte-exactness.md (``profile="imageio"``) or of an
+    engine's own save path (``sglang``, ``diffusers``; docs/engines.md).
 
     ``stdin_name="-"`` with ``threads=None`` and ``guard=False`` is exactly
     imageio-ffmpeg's ``write_frames`` command for ``mimsave(..., codec="libx264",
     output_params=["-preset", preset])``; ``threads`` goes after the preset, as
-    ``output_params=["-preset", preset, "-threads", n]`` would put it. ``guard``
-    adds each input's protocol and demuxer whitelist (the worker always does).
+    ``output_params=["-preset", preset, "-threads", n]`` would put it. ``preset=None``
+    passes none (diffusers' ``export_to_video``). ``guard`` adds each input's protocol
+    and demuxer whitelist (the worker always does).
     """
+    if profile == "sglang":
+        return _sglang_argv(
+            ffmpeg, width=width, height=height, fps=float(fps), output=output,
+            quality=quality, preset=preset, threads=threads, audio=audio,
+            stdin_name=stdin_name, guard=guard,
+        )  # fmt: skip
+    if profile not in ("imageio", "diffusers"):
+        raise ValueError(f"profile {profile!r} is not encoded by an ffmpeg command")
     argv = [ffmpeg, "-y", *(PIPE_GUARD if guard else ())]
     argv += ["-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}"]
     argv += ["-pix_fmt", "rgb24", "-r", fps_arg(fps), "-i", stdin_name]
@@ -114,14 +158,85 @@ def encode_argv(
         argv += ["-an"]
     else:
         argv += [*(AUDIO_FILE_GUARD if guard else ()), "-i", os.fspath(audio)]
-    argv += ["-vcodec", "libx264", "-pix_fmt", "yuv420p", "-crf", str(crf_for_quality(quality))]
+    argv += ["-vcodec", "libx264", "-pix_fmt", "yuv420p", "-crf", str(crf_for(profile, quality))]
     if (width, height) != padded_size(width, height):
         argv += ["-vf", "scale={}:{}".format(*padded_size(width, height))]
-    argv += ["-v", "warning", "-preset", preset]
+    argv += ["-v", "warning"]
+    if preset is not None:
+        argv += ["-preset", preset]
     if threads is not None:
         argv += ["-threads", str(threads)]
     if audio is not None:
         argv += ["-acodec", "aac", "-map", "0:v:0", "-map", "1:a:0"]
+    argv.append(os.fspath(output))
+    return argv
+
+
+def _sglang_argv(
+    ffmpeg: str,
+    *,
+    width: int,
+    height: int,
+    fps: float,
+    output: str | os.PathLike[str],
+    quality: float | None,
+    preset: str | None,
+    threads: int | None,
+    audio: str | os.PathLike[str] | None,
+    stdin_name: str,
+    guard: bool,
+) -> list[str]:
+    """SGLang 0.5.23's ``_cuda_video_ffmpeg_command`` (its CPU path's
+    ``_save_video_ffmpeg`` differs only in options that change no byte: no
+    ``-threads`` when x264 picks the same count, no ``-map`` with one stream of each
+    kind, no ``-v``)."""
+    argv = [ffmpeg, "-y", *(PIPE_GUARD if guard else ())]
+    argv += ["-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}"]
+    argv += ["-pix_fmt", "rgb24", "-r", f"{fps:.02f}", "-i", stdin_name]
+    if audio is None:
+        argv += ["-an"]
+    else:
+        argv += [*(AUDIO_FILE_GUARD if guard else ()), "-i", os.fspath(audio)]
+    argv += ["-vcodec", "libx264", "-preset", preset or "fast", "-pix_fmt", "yuv420p"]
+    argv += ["-crf", str(crf_for("sglang", quality))]
+    if (width, height) != padded_size(width, height):
+        argv += ["-vf", "scale={}:{}".format(*padded_size(width, height))]
+    if threads is not None:
+        argv += ["-threads", str(threads)]
+    if audio is not None:
+        argv += ["-acodec", "aac", "-map", "0:v:0", "-map", "1:a:0"]
+    argv += ["-v", "warning", os.fspath(output)]
+    return argv
+
+
+def pyav_argv(
+    python: str,
+    *,
+    width: int,
+    height: int,
+    fps: float,
+    output: str | os.PathLike[str],
+    quality: float | None = None,
+    preset: str | None = "ultrafast",
+    threads: int | None = None,
+    audio: tuple[int, int, int, int, int] | None = None,
+) -> list[str]:
+    """The child that encodes as vLLM-omni 0.30's PyAV writers do (``vllm-omni``
+    profile): rgb24 frames on stdin, ``output`` written by PyAV's mp4 muxer.
+
+    ``threads=None`` is vLLM-omni's ``"0"``: x264's own count, in slices, so the
+    bytes follow the machine's CPU count; pin it for the same bytes everywhere.
+    ``audio``: (fd, data offset, samples, channels, sample_rate) of float32 samples.
+    """
+    argv = [python, "-m", "framewire.service._encode.pyav_writer"]
+    rate = profile_rate("vllm-omni", fps)
+    argv += ["--size", f"{width}x{height}", "--rate", f"{rate.numerator}/{rate.denominator}"]
+    argv += ["--crf", str(crf_for("vllm-omni", quality))]
+    if preset is not None:
+        argv += ["--preset", preset]
+    argv += ["--threads", str(0 if threads is None else threads)]
+    if audio is not None:
+        argv += ["--audio", ",".join(str(n) for n in audio)]
     argv.append(os.fspath(output))
     return argv
 

@@ -95,6 +95,12 @@ class Memfd(Closing):
         assert self._map is not None
         copy_into(self._map, frames)
 
+    def write_bytes(self, raw: memoryview | bytes | Any) -> None:
+        """Copy raw bytes (a uint8 array, say) to the start."""
+        assert self._map is not None
+        view = memoryview(raw).cast("B")
+        self._map[: len(view)] = view
+
     def close(self) -> None:
         if self._map is not None:
             self._map.close()

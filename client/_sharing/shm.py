@@ -76,6 +76,12 @@ class Segment(Closing):
         assert self._map is not None
         copy_into(self._map, frames)
 
+    def write_bytes(self, raw: memoryview | bytes | Any) -> None:
+        """Copy raw bytes (a uint8 array, say) to the start."""
+        assert self._map is not None
+        view = memoryview(raw).cast("B")
+        self._map[: len(view)] = view
+
     def source(self, frames: Frames) -> ShmSource:
         """The descriptor of ``frames`` written at the start of the segment."""
         return shm_source(self.key, 0, frames)

@@ -5,6 +5,15 @@ the two sides cannot drift. Nothing here imports torch or the service. The
 formats themselves are described in docs/api.md.
 """
 
+from framewire.client.wire._audio import (
+    MAX_CHANNELS,
+    MAX_SAMPLE_RATE,
+    MIN_SAMPLE_RATE,
+    AudioDType,
+    AudioSource,
+    RegionAudio,
+    ShmAudio,
+)
 from framewire.client.wire._fdsocket import (
     REGION_NAME,
     DecodeRequest,
@@ -23,6 +32,7 @@ from framewire.client.wire._messages import (
     OutputSpec,
     ProbeRequest,
     ProbeResponse,
+    Profile,
     RawHandle,
     RegisterCudaRegion,
     RegisterSystemRegion,
@@ -60,13 +70,18 @@ from framewire.client.wire._streams import (
 
 __all__ = [
     "IPC_HANDLE_BYTES",
+    "MAX_CHANNELS",
     "MAX_FPS",
     "MAX_FRAMES",
     "MAX_HANDLE_BYTES",
+    "MAX_SAMPLE_RATE",
     "MAX_SIDE",
     "MIN_FPS",
+    "MIN_SAMPLE_RATE",
     "REGION_NAME",
+    "AudioDType",
     "AudioInfo",
+    "AudioSource",
     "CudaIpcSource",
     "DType",
     "DecodeRequest",
@@ -86,10 +101,13 @@ __all__ = [
     "OutputSpec",
     "ProbeRequest",
     "ProbeResponse",
+    "Profile",
     "RawHandle",
+    "RegionAudio",
     "RegionSource",
     "RegisterCudaRegion",
     "RegisterSystemRegion",
+    "ShmAudio",
     "ShmSource",
     "Source",
     "StreamChunk",

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from framewire.client._errors import BadRequest
+from framewire.client.wire._audio import Audio
 from framewire.client.wire._sources import (
     MAX_FPS,
     MIN_FPS,
@@ -16,7 +17,14 @@ from framewire.client.wire._sources import (
     Source,
     WireModel,
 )
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 Preset = Literal[
@@ -33,29 +41,71 @@ Preset = Literal[
 ]
 
 
+# The engine save path an output reproduces byte for byte (docs/engines.md).
+Profile = Literal["imageio", "sglang", "diffusers", "vllm-omni"]
+
+
 class EncodeOptions(WireModel):
-    """Where an output goes and how it is encoded: an encode's output, a stream session."""
+    """Where an output goes and how it is encoded: an encode's output, a stream session.
+
+    ``quality`` and ``preset`` left out take the profile's defaults: quality 5
+    (vLLM-omni: crf 18), preset ``fast`` (diffusers: none, x264's medium;
+    vLLM-omni: ``ultrafast``).
+    """
 
     path: str = Field(min_length=1, max_length=4096)
     fps: Number = Field(ge=MIN_FPS, le=MAX_FPS)
-    quality: Int = Field(default=5, ge=1, le=10)
-    preset: Preset = "fast"
+    quality: Number | None = Field(default=None, ge=0, le=10)
+    preset: Preset | None = None
     threads: Int | None = Field(default=None, ge=1, le=128)
-    audio: str | None = Field(default=None, min_length=1, max_length=4096)
+    audio: Audio | None = None
+    profile: Profile = "imageio"
+    value_range: tuple[Number, Number] | None = None  # vllm-omni: (0, 1) or (-1, 1)
 
-    @field_validator("fps")
+    @field_validator("fps", "quality")
     @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise PydanticCustomError("bad_fps", "fps must be finite")
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise PydanticCustomError("not_finite", "must be finite")
         return v
 
     @field_validator("path", "audio")
     @classmethod
-    def _no_nul(cls, v: str | None) -> str | None:
-        if v is not None and "\x00" in v:
+    def _no_nul(cls, v: object) -> object:
+        if isinstance(v, str) and "\x00" in v:
             raise PydanticCustomError("bad_path", "paths may not contain NUL")
         return v
+
+    @model_validator(mode="after")
+    def _profile_fits(self) -> EncodeOptions:
+        if self.value_range is not None:
+            lo, hi = self.value_range
+            if self.profile != "vllm-omni":
+                raise PydanticCustomError(
+                    "bad_value_range", "value_range is the vllm-omni profile's alone"
+                )
+            if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+                raise PydanticCustomError(
+                    "bad_value_range", f"value_range {[lo, hi]} is not a finite low < high"
+                )
+        memory = self.audio is not None and not isinstance(self.audio, str)
+        if self.audio is not None and self.profile == "diffusers":
+            raise PydanticCustomError(
+                "audio_unsupported", "diffusers' export_to_video writes no audio"
+            )
+        if self.profile == "vllm-omni" and self.audio is not None:
+            if not memory:
+                raise PydanticCustomError(
+                    "audio_unsupported",
+                    "the vllm-omni profile muxes audio samples in memory, not files",
+                )
+            assert not isinstance(self.audio, str)
+            if self.audio.dtype != "float32" or self.audio.channels > 2:
+                raise PydanticCustomError(
+                    "audio_unsupported",
+                    "vLLM-omni muxes float32 mono or stereo audio only",
+                )
+        return self
 
 
 class OutputSpec(EncodeOptions):
@@ -168,6 +218,9 @@ FIELD_CODES = {
     "path": "bad_path",
     "kind": "bad_source_kind",
     "quality": "bad_quality",
+    "profile": "bad_profile",
+    "value_range": "bad_value_range",
+    "sample_rate": "bad_sample_rate",
     "preset": "bad_preset",
     "threads": "bad_threads",
     "stride": "bad_stride",
@@ -179,6 +232,7 @@ FIELD_CODES = {
     "event_handle": "bad_cuda_handle",
     "ref_counter_handle": "bad_cuda_handle",
 }
+AUDIO_CODES = {"dtype": "bad_audio_dtype", "shape": "bad_audio_shape", "path": "bad_path"}
 OUR_CODES = {
     "bad_shape",
     "byte_size_mismatch",
@@ -187,6 +241,12 @@ OUR_CODES = {
     "bad_cuda_handle",
     "bad_device_uuid",
     "cuda_tensor_out_of_bounds",
+    "bad_value_range",
+    "bad_sample_rate",
+    "bad_audio_channels",
+    "bad_audio_shape",
+    "audio_too_large",
+    "audio_unsupported",
 }
 
 
@@ -208,7 +268,10 @@ def error_code(errors: Sequence[Any]) -> str:
         return str(first["type"])
     if first.get("type") in ("union_tag_invalid", "union_tag_not_found"):
         return "bad_source_kind"
-    for part in reversed(first.get("loc", ())):
+    loc = first.get("loc", ())
+    for part in reversed(loc):
         if isinstance(part, str) and part in FIELD_CODES:
+            if "audio" in loc and part in AUDIO_CODES:
+                return AUDIO_CODES[part]
             return FIELD_CODES[part]
     return "bad_request"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from framewire.client import FramewireError, __version__
+from framewire.client._media.argv import PROFILES
 from framewire.service._settings import Settings
 
 
@@ -110,6 +111,8 @@ def cmd_encode(args: argparse.Namespace) -> int:
         "quality": args.quality,
         "preset": args.preset,
         "threads": args.threads,
+        "profile": args.profile,
+        "value_range": None if args.value_range is None else tuple(args.value_range),
     }
     if not args.local:
         import numpy as np
@@ -224,8 +227,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     enc.add_argument("output", type=Path)
     enc.add_argument("--fps", type=float, required=True)
-    enc.add_argument("--quality", type=int, default=5)
-    enc.add_argument("--preset", default="fast")
+    enc.add_argument(
+        "--quality", type=float, default=None, help="0..10, imageio's scale (default: 5)"
+    )
+    enc.add_argument("--preset", default=None, help="x264 preset (default: the profile's)")
+    enc.add_argument(
+        "--profile",
+        default="imageio",
+        choices=list(PROFILES),
+        help="the engine save path whose bytes to reproduce (docs/engines.md)",
+    )
+    enc.add_argument(
+        "--value-range",
+        dest="value_range",
+        type=float,
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+        default=None,
+        help="the vllm-omni profile's: the VAE's output range (default: -1 1)",
+    )
     enc.add_argument("--threads", type=int, default=None)
     enc.add_argument("--audio", type=Path, default=None)
     enc.add_argument("--layout", default="CTHW", choices=["CTHW", "TCHW", "THWC"])

@@ -13,6 +13,7 @@ import functools
 import os
 import signal
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,31 +30,27 @@ from framewire.client._errors import (
     MediaError,
     NotFound,
 )
-from framewire.client._media.argv import encode_argv, refused_input, x264_auto_threads
+from framewire.client._media.argv import (
+    encode_argv,
+    pyav_argv,
+    refused_input,
+    x264_auto_threads,
+)
 from framewire.client._media.inputs import InputFile
 from framewire.client._media.process import FfmpegExited, FfmpegProcess, resolve_ffmpeg
-from framewire.client.wire import MAX_FPS, MIN_FPS
 from framewire.service._encode.convert import chunk_frames, convert_into
 from framewire.service._encode.outputs import Staged, atomic_output, open_directory, sha256_of
+from framewire.service._encode.params import EncodeParams, check_geometry, check_params
+from framewire.service._encode.profiles import profile_writer
 from framewire.service._encode.pump import Pump, chunk_spans
-from framewire.service._encode.staging import slot_frames
+from framewire.service._encode.staging import ChunkWriter, slot_frames
+from framewire.service._sources.audio import MemoryAudio
 from framewire.service._sources.frames import FrameSource, Geometry
 
 if TYPE_CHECKING:
     from framewire.service._settings import Settings
 
 Route = Literal["stream", "fallback"]
-
-
-@dataclass(frozen=True)
-class EncodeParams:
-    fps: float
-    quality: float = 5
-    preset: str = "fast"
-    threads: int | None = None  # None: x264's automatic count, passed explicitly
-    # A file to mux: a path (opened here, a regular file only) or an open input (the
-    # worker's, judged under its input roots), which stays the caller's.
-    audio: Path | InputFile | None = None
 
 
 @dataclass
@@ -73,17 +70,6 @@ class Encoded:
 def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
         return sha256_of(f)[1]
-
-
-def check_params(params: EncodeParams) -> None:
-    if not (MIN_FPS <= params.fps <= MAX_FPS):  # NaN fails both
-        raise BadRequest(
-            f"fps must be within {MIN_FPS:g}..{MAX_FPS:g}, got {params.fps}", code="bad_fps"
-        )
-    if not 1 <= params.quality <= 10:
-        raise BadRequest(f"quality must be within 1..10, got {params.quality}", code="bad_quality")
-    if params.threads is not None and params.threads < 1:
-        raise BadRequest(f"threads must be >= 1, got {params.threads}", code="bad_threads")
 
 
 class Encoder:
@@ -144,6 +130,7 @@ class Encoder:
         renamed into place, and may raise to refuse it.
         """
         check_params(params)
+        check_geometry(params, source.geometry.width, source.geometry.height)
         path = Path(path)
         if isinstance(params.audio, Path):
             try:
@@ -232,16 +219,30 @@ class Encoder:
     def argv(
         self, staged: Staged, width: int, height: int, params: EncodeParams, **kw: object
     ) -> list[str]:
-        """The encode command writing ``staged`` (``threads=``, ``stdin_name=`` pass on)."""
+        """The encode command writing ``staged`` (``threads=``, ``stdin_name=`` pass on):
+        ffmpeg's, or the PyAV child's for the ``vllm-omni`` profile."""
+        audio = None if params.audio is None else _audio(params)
+        common = {
+            "width": width,
+            "height": height,
+            "fps": params.fps,
+            "output": staged.path,
+            "quality": params.quality,
+            "preset": params.resolved_preset,
+        }
+        if params.profile == "vllm-omni":
+            threads = kw.get("threads")
+            return pyav_argv(
+                sys.executable,
+                **common,  # type: ignore[arg-type]
+                threads=threads if isinstance(threads, int) else None,
+                audio=audio.pyav_spec() if isinstance(audio, MemoryAudio) else None,
+            )
         return encode_argv(
             self.ffmpeg,
-            width=width,
-            height=height,
-            fps=params.fps,
-            output=staged.path,
-            quality=params.quality,
-            preset=params.preset,
-            audio=None if params.audio is None else _audio(params).ffmpeg_path,
+            **common,  # type: ignore[arg-type]
+            audio=None if audio is None else audio.ffmpeg_path,
+            profile=params.profile,
             **kw,  # type: ignore[arg-type]
         )
 
@@ -264,7 +265,7 @@ class Encoder:
                     ff.input.send_file(span[0], span[1], nbytes, check)
                 else:
                     with Pump(ff.input, g.height, g.width, self.frames_per_chunk(g)) as pump:
-                        pump.send(source, check)
+                        pump.send(source, check, self.writer(source, params))
             except FfmpegExited as exc:
                 raise cut_short(ff, check) from exc
             wait_for(ff, check)
@@ -283,7 +284,7 @@ class Encoder:
         """
         g = source.geometry
         frames = torch.empty((g.frames, g.height, g.width, 3), dtype=torch.uint8)
-        writer = source.chunk_writer()
+        writer = self.writer(source, params) or source.chunk_writer()
         if writer is not None:
             # The source's own converter (on its GPU), at the streaming route's chunk size:
             # the GPU memory admitted for this encode was counted at that size.
@@ -309,6 +310,10 @@ class Encoder:
             except FfmpegExited:
                 pass  # wait_for reports ffmpeg's exit status and stderr
             wait_for(ff, check)
+
+    def writer(self, source: FrameSource, params: EncodeParams) -> ChunkWriter | None:
+        """The profile's converter for ``source``; None: the reference conversion."""
+        return profile_writer(source, params.profile, params.value_range)
 
     def start(self, argv: list[str], staged: Staged, params: EncodeParams) -> FfmpegProcess:
         """ffmpeg running ``argv``, frames to be fed on its stdin."""

@@ -77,7 +77,11 @@ class EncodeJobs:
         started = time.time()
         g = job.source.geometry
         audio = job.params.audio is not None
-        check = Check(g.frames, g.width, g.height, job.params.fps, audio) if validate else None
+        check = (
+            Check(g.frames, g.width, g.height, job.params.fps, audio, job.params.profile)
+            if validate
+            else None
+        )
         encoded = self.encoder.encode(
             job.source,
             job.path,

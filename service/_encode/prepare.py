@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING
 from framewire.client._errors import BadRequest, Conflict
 from framewire.client._media.inputs import InputFile
 from framewire.client.wire import (
+    AudioSource,
     CudaIpcSource,
     EncodeOptions,
     OutputSpec,
     RegionSource,
+    ShmAudio,
     ShmSource,
     Source,
 )
@@ -33,8 +35,9 @@ from framewire.service._access.paths import (
     resolve_output,
 )
 from framewire.service._access.peers import READ, SEARCH, WRITE, Access
-from framewire.service._encode.encoder import EncodeParams, check_params
+from framewire.service._encode.params import EncodeParams, check_geometry, check_params
 from framewire.service._settings import Settings
+from framewire.service._sources.audio import MemoryAudio, read_exactly, samples_of
 from framewire.service._sources.frames import FileSource, FrameSource, Geometry, MappedSource
 from framewire.service._sources.regions import CudaRegion, FdRegion, RegionRegistry, SystemRegion
 from framewire.service._sources.shm import open_shm
@@ -95,6 +98,7 @@ class Preparer:
     ) -> Prepared:
         """Everything about one output that can be refused, before anything is made."""
         path, params = await self.judge_options(spec, access, stack)
+        check_geometry(params, spec.source.width, spec.source.height)
         source = await self.open_source(spec.source, access, stack)
         return Prepared(spec, path, source, params)
 
@@ -106,8 +110,11 @@ class Preparer:
         # Off the event loop: judging paths is the filesystem's time.
         path = await asyncio.to_thread(self._judge_path, options.path, access)
         audio: InputFile | None = None
-        if options.audio is not None:
+        if isinstance(options.audio, str):
             audio = await asyncio.to_thread(self._open_input, options.audio, access)
+        elif options.audio is not None:
+            audio = await self._memory_audio(options.audio, options.profile, access, stack)
+        if audio is not None:
             stack.callback(audio.close)
         params = EncodeParams(
             fps=options.fps,
@@ -115,9 +122,38 @@ class Preparer:
             preset=options.preset,
             threads=options.threads,
             audio=audio,
+            profile=options.profile,
+            value_range=options.value_range,
         )
         check_params(params)
         return path, params
+
+    async def _memory_audio(
+        self, src: AudioSource, profile: str, access: Access, stack: contextlib.AsyncExitStack
+    ) -> MemoryAudio:
+        """The samples ``src`` names, read now (the caller's memory is free again once the
+        request is judged) into a WAV of the worker's own."""
+        clamp = profile != "vllm-omni"  # SGLang clamps before its WAV; vLLM-omni never does
+        if isinstance(src, ShmAudio):
+            return await asyncio.to_thread(self._shm_audio, src, access, clamp)
+        async with self.regions.lease(src.region, src.offset, src.byte_size, access) as region:
+            if not isinstance(region, SystemRegion):
+                raise BadRequest(
+                    f"region {src.region!r} is GPU memory; audio is read from host memory",
+                    code="bad_audio_source",
+                )
+            at = region.offset + src.offset
+            raw = await asyncio.to_thread(read_exactly, region.fd, at, src.byte_size)
+        return await asyncio.to_thread(lambda: MemoryAudio(src, samples_of(raw, src, clamp=clamp)))
+
+    def _shm_audio(self, src: ShmAudio, access: Access, clamp: bool) -> MemoryAudio:
+        fd = open_shm(src.key, self.settings.shm_prefixes)
+        try:
+            access.check(os.fstat(fd), READ, f"shm segment {src.key!r}")
+            raw = read_exactly(fd, src.offset, src.byte_size)
+        finally:
+            os.close(fd)
+        return MemoryAudio(src, samples_of(raw, src, clamp=clamp))
 
     def _judge_path(self, raw: str, access: Access) -> Path:
         roots = self.settings.output_roots

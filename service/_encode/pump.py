@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from framewire.client._closing import Closing
 from framewire.client._media.process import FfmpegExited, PipeWriter
-from framewire.client.wire import DType
+from framewire.client.wire import DType, Layout
 from framewire.service._encode import kernels
 from framewire.service._encode.convert import convert_into
 from framewire.service._encode.staging import ChunkWriter, Staging
@@ -79,10 +79,19 @@ def chunk_spans(frames: int, per_chunk: int) -> list[tuple[int, int]]:
 
 
 class HostWriter(ChunkWriter):
-    """The CPU converter: cache-sized blocks of what the source's ``read`` returns."""
+    """The CPU converter: cache-sized blocks of what the source's ``read`` returns.
 
-    def __init__(self, source: FrameSource):
+    ``convert`` (block, layout, out) replaces the reference conversion: an engine
+    profile's own (profiles.py).
+    """
+
+    def __init__(
+        self,
+        source: FrameSource,
+        convert: Callable[[torch.Tensor, Layout, torch.Tensor], None] | None = None,
+    ):
         self.source = source
+        self.convert = convert
         self.scratch: torch.Tensor | None = None  # float scaling space, for frames not ours
         self.planes = torch.empty(BLOCK_BYTES, dtype=torch.uint8)  # the cast, pre-interleave
 
@@ -90,18 +99,18 @@ class HostWriter(ChunkWriter):
         g = self.source.geometry
         out = take().view(t1 - t0, g.height, g.width, 3)
         compiled = g.dtype is DType.float32 and kernels.kernels() is not None
+        size = KERNEL_BLOCK_BYTES if compiled and self.convert is None else BLOCK_BYTES
         try:
-            for a, b, r0, r1 in blocks(g, t0, t1, KERNEL_BLOCK_BYTES if compiled else BLOCK_BYTES):
+            for a, b, r0, r1 in blocks(g, t0, t1, size):
                 block, owned = self.source.read(a, b, r0, r1)
+                target = out[a - t0 : b - t0, r0:r1]
+                if self.convert is not None:
+                    self.convert(block, g.layout, target)
+                    continue
                 if not owned and block.dtype != torch.uint8 and self.scratch is None:
                     self.scratch = torch.empty(BLOCK_BYTES, dtype=block.dtype)
                 convert_into(
-                    block,
-                    g.layout,
-                    out[a - t0 : b - t0, r0:r1],
-                    scratch=self.scratch,
-                    planes=self.planes,
-                    inplace=owned,
+                    block, g.layout, target, scratch=self.scratch, planes=self.planes, inplace=owned
                 )
         finally:
             del out  # no view of the mapping may outlive the call

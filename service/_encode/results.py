@@ -28,6 +28,7 @@ class Check:
     height: int
     fps: float
     audio: bool
+    profile: str = "imageio"
     info: MediaInfo | None = field(default=None, init=False)
     ms: float = field(default=0.0, init=False)
 
@@ -41,6 +42,7 @@ class Check:
                 height=self.height,
                 fps=self.fps,
                 audio=self.audio,
+                profile=self.profile,
             )
         finally:
             self.ms = (time.perf_counter() - t0) * 1e3

@@ -6,7 +6,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from framewire.client._errors import MediaError
-from framewire.client._media.argv import fps_arg, padded_size
+from framewire.client._media.argv import output_size, profile_rate
 from framewire.client.wire import MediaInfo
 from framewire.service._probe import probe
 
@@ -14,17 +14,24 @@ MAX_DURATION_DRIFT = 0.25  # seconds
 
 
 def validate_output(
-    path: Path, *, frames: int, width: int, height: int, fps: float, audio: bool
+    path: Path,
+    *,
+    frames: int,
+    width: int,
+    height: int,
+    fps: float,
+    audio: bool,
+    profile: str = "imageio",
 ) -> MediaInfo:
     """Probe ``path`` and raise MediaError(code="validation_failed") listing every mismatch."""
     info = probe(path, pixel_format=False)  # nothing checked here needs decoding
     problems: list[str] = []
     if info.frames != frames:
         problems.append(f"{info.frames} frames, expected {frames}")
-    want_w, want_h = padded_size(width, height)
+    want_w, want_h = output_size(profile, width, height)
     if (info.width, info.height) != (want_w, want_h):
         problems.append(f"size {info.width}x{info.height}, expected {want_w}x{want_h}")
-    want_fps = Fraction(fps_arg(fps))
+    want_fps = profile_rate(profile, fps)
     if abs(Fraction(info.fps_exact) - want_fps) > Fraction(1, 1000):
         problems.append(f"fps {info.fps_exact}, expected {want_fps}")
     if (info.audio is not None) != audio:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import anyio
+import av
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse
 from framewire.client import __version__
+from framewire.client._media.argv import PROFILES
 from framewire.service._encode import kernels
 from framewire.service._http.deps import WorkerParts
 from framewire.service._ops.limits import cgroup_cpu_limit
@@ -46,11 +48,20 @@ def info(parts: WorkerParts) -> dict[str, object]:
             "cgroup_cpu_quota": cgroup_cpu_limit(),
         },
         "conversion": kernels.route(),  # float32 -> rgb24: "compiled" or "pure"
+        # The engine profiles, and the PyAV build the vllm-omni one encodes with (its
+        # bytes equal the engine's only on the same build).
+        "profiles": list(PROFILES),
+        "pyav": {"version": av.__version__, "libavcodec": _libavcodec()},
         "sockets": {"uds": str(settings.uds), "fd_socket": str(settings.fd_socket)},
         "output_roots": settings.output_roots,
         "input_roots": settings.input_roots,
         "shm_prefixes": settings.shm_prefixes,
     }
+
+
+def _libavcodec() -> str:
+    major, minor, micro = av.library_versions["libavcodec"]
+    return f"{major}.{minor}.{micro}"
 
 
 @router.get("/metrics")

@@ -52,6 +52,7 @@ class StreamOutput(Closing):
         self.geometry = geometry
         self.frames = 0
         self.threads = encoder.threads_for(geometry.height, params)
+        self._encoder, self._params = encoder, params
         self._started = time.perf_counter()
         self._stack = contextlib.ExitStack()
         try:
@@ -71,7 +72,7 @@ class StreamOutput(Closing):
     def feed(self, source: FrameSource, check: Callable[[], None]) -> None:
         """Send all of ``source``'s frames; when this returns, ``source`` is not read any more."""
         try:
-            self._pump.send(source, check)
+            self._pump.send(source, check, self._encoder.writer(source, self._params))
         except FfmpegExited as exc:
             raise cut_short(self._ff, check) from exc
         self.frames += source.geometry.frames

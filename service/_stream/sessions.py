@@ -40,8 +40,8 @@ from framewire.client.wire import OutputResult, StreamChunk, StreamOpen, StreamS
 from framewire.client.wire._streams import StreamStateName
 from framewire.service._access.paths import remove_made
 from framewire.service._access.peers import Access
-from framewire.service._encode.encoder import EncodeParams
 from framewire.service._encode.jobs import EncodeJobs
+from framewire.service._encode.params import EncodeParams, check_geometry
 from framewire.service._encode.results import Check, failed, written
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
@@ -119,6 +119,7 @@ class Sessions:
         try:
             prepare = self.jobs.prepare
             path, params = await prepare.judge_options(spec, access, stack)
+            check_geometry(params, spec.width, spec.height)
             directory = await prepare.place_at(path, made, stack)
         except BaseException:
             await stack.aclose()
@@ -283,7 +284,9 @@ class Sessions:
             check = None
             if session.spec.validate_:
                 audio = session.params.audio is not None
-                check = Check(session.received, g.width, g.height, fps, audio)
+                check = Check(
+                    session.received, g.width, g.height, fps, audio, session.params.profile
+                )
             try:
                 encoded = await self.jobs.in_pool(
                     session.cancel, session.output.finish, session.check, check

@@ -188,3 +188,19 @@ def test_decode_argv():
     assert "fps=23.976,scale=9:7:flags=lanczos,setsar=1" in argv
     assert argv[-7:-5] == ["-frames:v", "4"]
     assert argv[-1] == "pipe:3"
+
+
+def test_engine_profiles_spell_the_rate_and_preset_as_their_engines_do():
+    from framewire.client._media.argv import encode_argv, pyav_argv
+
+    kw = {"width": 34, "height": 30, "fps": 23.976, "output": "o.mp4", "guard": False}
+    sglang = encode_argv("ffmpeg", profile="sglang", quality=5.5, preset=None, **kw)
+    assert sglang[sglang.index("-r") + 1] == "23.98"
+    assert sglang[sglang.index("-crf") + 1] == "22"
+    assert sglang[sglang.index("-preset") + 1] == "fast"
+    diffusers = encode_argv("ffmpeg", profile="diffusers", quality=None, preset=None, **kw)
+    assert "-preset" not in diffusers and diffusers[diffusers.index("-r") + 1] == "2997/125"
+    assert diffusers[diffusers.index("-vf") + 1] == "scale=48:32"
+    child = pyav_argv("python", width=34, height=30, fps=23.976, output="o.mp4")
+    assert child[child.index("--rate") + 1] == "2997/125"
+    assert child[child.index("--crf") + 1] == "18" and child[child.index("--threads") + 1] == "0"

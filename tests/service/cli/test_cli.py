@@ -148,6 +148,21 @@ def test_encode_local_with_audio(tmp_path, wav):
     assert sha256(out) == reference_mp4(clip, tmp_path / "ref.mp4", audio=wav)
 
 
+@pytest.mark.parametrize("local", [True, False])
+def test_encode_takes_a_fractional_quality_and_a_profile(tmp_path, local, worker):
+    from tests.support.engines import sglang_save
+
+    clip = make_clip(frames=6, height=30, width=34)
+    np.save(tmp_path / "clip.npy", clip.numpy())
+    out = tmp_path / "out.mp4" if local else worker.outputs / "cli-sglang.mp4"
+    where = ["--local"] if local else ["--url", worker.uds_url]
+    proc = run("encode", str(tmp_path / "clip.npy"), str(out), "--fps", "23.976",
+               "--quality", "5.5", "--profile", "sglang", *where)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    want = sglang_save(clip, tmp_path / "ref.mp4", fps=23.976, output_compression=55)
+    assert sha256(out) == want
+
+
 def test_encode_local_errors_are_one_line_and_exit_1(tmp_path):
     np.save(tmp_path / "clip.npy", make_clip(frames=2).numpy())
     out = str(tmp_path / "no" / "o.mp4")

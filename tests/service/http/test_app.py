@@ -188,7 +188,7 @@ def test_bad_inputs_get_their_4xx(worker, baseline, segments, tmp_path):
     bad(worker, one(ok, path="link.mp4"), 403, "path_outside_roots")
     bad(worker, one(ok, audio="/etc/passwd"), 403, "path_outside_roots")
     bad(worker, one(ok, audio="missing.wav"), 404, "not_found")
-    bad(worker, one(ok, quality=0), 400, "bad_quality")
+    bad(worker, one(ok, quality=10.01), 400, "bad_quality")
     bad(worker, {"outputs": []}, 400, "bad_request")
     assert not (tmp_path / "evil.mp4").exists() and not (tmp_path / "target.mp4").exists()
     with worker.http() as h:

@@ -1,0 +1,70 @@
+"""A caller's waveform handed over like frames: a sealed memfd on the fd route, else a
+named shm segment. Audio is small next to video, so it is always copied once."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from framewire.client._sharing.fd import FdRegions, Memfd
+from framewire.client._sharing.shm import Segment
+from framewire.client._sharing.video import is_torch
+from framewire.client.wire import AudioDType, RegionAudio, ShmAudio
+
+
+def waveform(audio: Any) -> np.ndarray:
+    """``audio`` (a tensor or array, ``[samples]`` or ``[samples, channels]``) as a C-ordered
+    float32 or int16 array of two dimensions. Other float dtypes become float32, as
+    SGLang's ``.float()`` makes them."""
+    if is_torch(audio):
+        audio = audio.detach()
+        if audio.is_floating_point():
+            audio = audio.float()
+        audio = audio.cpu().numpy()
+    samples = np.asarray(audio)
+    if samples.ndim == 1:
+        samples = samples[:, None]
+    if samples.ndim != 2:
+        raise ValueError(f"audio is [samples] or [samples, channels], got {list(samples.shape)}")
+    if samples.dtype.kind == "f":
+        samples = samples.astype(np.float32, copy=False)
+    elif samples.dtype != np.int16:
+        raise ValueError(f"audio samples are float or int16, got {samples.dtype}")
+    return np.ascontiguousarray(samples)
+
+
+@contextlib.contextmanager
+def shared_audio(
+    audio: Any, sample_rate: int | None, regions: FdRegions | None
+) -> Iterator[str | ShmAudio | RegionAudio | None]:
+    """What an output's ``audio`` is on the wire: a path as it is, samples shared for the
+    time of the request (released on exit)."""
+    if audio is None or isinstance(audio, (str, os.PathLike)):
+        yield None if audio is None else os.fspath(audio)
+        return
+    if sample_rate is None:
+        raise ValueError("audio samples need audio_sample_rate=")
+    samples = waveform(audio)
+    fields: dict[str, Any] = {
+        "dtype": AudioDType(samples.dtype.name),
+        "shape": list(samples.shape),
+        "sample_rate": int(sample_rate),
+        "byte_size": samples.nbytes,
+    }
+    raw = samples.reshape(-1).view(np.uint8)
+    if regions is not None:
+        with Memfd(samples.nbytes) as memfd:
+            memfd.write_bytes(raw)
+            name = regions.register(memfd.fd, 0, samples.nbytes)
+            try:
+                yield RegionAudio(region=name, **fields)
+            finally:
+                with contextlib.suppress(Exception):  # gone with the connection already
+                    regions.unregister(name)
+        return
+    with Segment(samples.nbytes) as segment:
+        segment.write_bytes(raw)
+        yield ShmAudio(key=segment.key, **fields)

@@ -1,0 +1,61 @@
+"""What an encode is asked for, and what of it can be refused before anything runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from framewire.client._errors import BadRequest
+from framewire.client._media.argv import DEFAULT_PRESETS, PROFILES
+from framewire.client._media.inputs import InputFile
+from framewire.client.wire import MAX_FPS, MIN_FPS
+
+
+@dataclass(frozen=True)
+class EncodeParams:
+    fps: float
+    quality: float | None = None  # None: the profile's default (imageio's 5)
+    preset: str | None = None  # None: the profile's default (imageio's "fast")
+    threads: int | None = None  # None: x264's automatic count, passed explicitly
+    # A file to mux: a path (opened here, a regular file only) or an open input (the
+    # worker's, judged under its input roots, or samples from memory), the caller's.
+    audio: Path | InputFile | None = None
+    profile: str = "imageio"  # the engine save path reproduced (docs/engines.md)
+    value_range: tuple[float, float] | None = None  # the vllm-omni profile's
+
+    @property
+    def resolved_preset(self) -> str | None:
+        return self.preset if self.preset is not None else DEFAULT_PRESETS[self.profile]
+
+
+def check_params(params: EncodeParams) -> None:
+    if not (MIN_FPS <= params.fps <= MAX_FPS):  # NaN fails both
+        raise BadRequest(
+            f"fps must be within {MIN_FPS:g}..{MAX_FPS:g}, got {params.fps}", code="bad_fps"
+        )
+    if params.quality is not None and not 0 <= params.quality <= 10:  # NaN fails too
+        raise BadRequest(f"quality must be within 0..10, got {params.quality}", code="bad_quality")
+    if params.profile not in PROFILES:
+        raise BadRequest(f"unknown profile {params.profile!r}", code="bad_profile")
+    if params.value_range is not None:
+        low, high = params.value_range
+        if params.profile != "vllm-omni" or not low < high:  # NaN fails too
+            raise BadRequest(
+                f"value_range {list(params.value_range)} needs the vllm-omni profile and "
+                "low < high",
+                code="bad_value_range",
+            )
+    if params.threads is not None and params.threads < 1:
+        raise BadRequest(f"threads must be >= 1, got {params.threads}", code="bad_threads")
+
+
+def check_geometry(params: EncodeParams, width: int, height: int) -> None:
+    """What a profile's encoder cannot take, refused before anything is made."""
+    if params.profile == "vllm-omni" and (width % 2 or height % 2):
+        # PyAV hands libx264 the exact size, and 4:2:0 needs even sides (the engine
+        # fails the same way); the ffmpeg profiles scale up to multiples of 16.
+        raise BadRequest(
+            f"the vllm-omni profile encodes {width}x{height} as it is, and H.264 4:2:0 "
+            "needs even sides",
+            code="odd_size",
+        )

@@ -1,0 +1,76 @@
+"""Each engine profile's float-to-rgb24 conversion, one small function apiece.
+
+``imageio`` and ``sglang`` convert as section 3 of the contract says
+(``convert.convert_into``, its compiled kernel and the GPU writer). The other
+two differ, and are followed exactly as their engines write them (docs/engines.md):
+
+- ``diffusers`` (``export_to_video``): ``(frame * 255).astype(np.uint8)`` with
+  numpy in float32 and without a clamp, so out-of-range values wrap as numpy's
+  cast makes them. float16 and bfloat16 are widened to float32 first, as a
+  pipeline's ``output_type="np"`` (``.float().numpy()``) hands them over. uint8
+  frames are its PIL route: taken as they are.
+- ``vllm-omni`` (``chunked_video.quantize_chunk``): ``clamp(lo, hi).sub(lo)
+  .mul(255 / (hi - lo)).round()`` in the tensor's dtype (round half to even),
+  then the cast. uint8 frames are taken as they are.
+
+Both are elementwise, so any block or chunk split gives the same bytes; they
+run on the host for every source (a CUDA source's blocks are copied over
+first), where the reference conversion may use the GPU or the compiled kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from framewire.client.wire import Layout
+from framewire.service._encode.convert import interleave_into
+from framewire.service._encode.pump import HostWriter
+from framewire.service._encode.staging import ChunkWriter
+from framewire.service._sources.frames import FrameSource
+
+Convert = Callable[[torch.Tensor, Layout, torch.Tensor], None]
+DEFAULT_VALUE_RANGE = (-1.0, 1.0)  # vLLM-omni's Wan VAEs, and its serving path's guess
+
+
+def diffusers_convert(chunk: torch.Tensor, layout: Layout, out: torch.Tensor) -> None:
+    """diffusers' ``export_to_video``: ``(frame * 255).astype(np.uint8)``."""
+    if chunk.dtype == torch.uint8:
+        interleave_into(chunk, layout, out)
+        return
+    x = chunk.float()  # a pipeline's output_type="np" is float32 whatever its dtype
+    with np.errstate(invalid="ignore", over="ignore"):  # wrapping is the point
+        cast = (x.numpy() * 255).astype(np.uint8)
+    interleave_into(torch.from_numpy(cast), layout, out)
+
+
+def vllm_omni_convert(value_range: tuple[float, float]) -> Convert:
+    """vLLM-omni's ``quantize_chunk`` for a VAE whose output spans ``value_range``."""
+    low, high = float(value_range[0]), float(value_range[1])
+    scale = 255.0 / (high - low)
+
+    def convert(chunk: torch.Tensor, layout: Layout, out: torch.Tensor) -> None:
+        if chunk.dtype != torch.uint8:
+            chunk = chunk.clamp(low, high).sub(low).mul(scale).round().to(torch.uint8)
+        interleave_into(chunk, layout, out)
+
+    return convert
+
+
+def conversion(profile: str, value_range: tuple[float, float] | None = None) -> Convert | None:
+    """The profile's own conversion; None for section 3's (``convert_into``)."""
+    if profile == "diffusers":
+        return diffusers_convert
+    if profile == "vllm-omni":
+        return vllm_omni_convert(value_range or DEFAULT_VALUE_RANGE)
+    return None
+
+
+def profile_writer(
+    source: FrameSource, profile: str, value_range: tuple[float, float] | None = None
+) -> ChunkWriter | None:
+    """The converter ``profile`` needs for ``source``; None: the source's own or the
+    host's reference conversion."""
+    convert = conversion(profile, value_range)
+    return None if convert is None else HostWriter(source, convert)

@@ -1,0 +1,110 @@
+"""The ``vllm-omni`` profile's encoder: a child process that writes an MP4 as vLLM-omni does.
+
+    python -m framewire.service._encode.pyav_writer --size WxH --rate N/D --crf C
+        [--preset P] --threads T [--audio FD,OFFSET,SAMPLES,CHANNELS,RATE] OUTPUT
+
+vLLM-omni 0.30 encodes with PyAV, not the ffmpeg command line
+(``media_utils.mux_video_audio_bytes`` and ``ChunkedMP4Encoder``): an mp4
+container with no options, an ``h264`` stream at the given rational rate,
+``yuv420p``, its options ``crf`` then ``preset`` and ``threads``, each frame
+from an rgb24 array, the encoder flushed, then the audio (if any) as one
+float32 planar frame at pts 0, encoded after the video. The worker runs this
+like ffmpeg: rgb24 frames on stdin (fed from staging by ``sendfile``), stderr
+kept, every wait bounded, killed on cancel. The argv is built in
+``framewire.client._media.argv.pyav_argv``; the bytes equal the engine's when
+this PyAV build is the engine's (the MP4 carries libavformat's version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from fractions import Fraction
+
+import av
+import numpy as np
+
+
+def _read_exactly(stream: int, buffer: memoryview) -> bool:
+    """Fill ``buffer`` from ``stream``; False at a clean end of input before the first byte."""
+    got = 0
+    while got < len(buffer):
+        n = os.readv(stream, [buffer[got:]])
+        if n == 0:
+            if got == 0:
+                return False
+            raise SystemExit(f"input ended inside a frame ({got} of {len(buffer)} bytes)")
+        got += n
+    return True
+
+
+def _samples(spec: str) -> tuple[np.ndarray, int]:
+    """The (channels, samples) float32 waveform and its rate, from an inherited memfd."""
+    fd, offset, samples, channels, rate = (int(v) for v in spec.split(","))
+    nbytes = samples * channels * 4
+    raw = bytearray()
+    while len(raw) < nbytes:
+        got = os.pread(fd, nbytes - len(raw), offset + len(raw))
+        if not got:
+            raise SystemExit("the audio input is shorter than its header says")
+        raw += got
+    os.close(fd)
+    flat = np.frombuffer(raw, np.float32)
+    return np.ascontiguousarray(flat.reshape(samples, channels).T), rate
+
+
+def encode(args: argparse.Namespace) -> None:
+    width, height = (int(v) for v in args.size.split("x"))
+    container = av.open(args.output, mode="w", format="mp4")
+    stream = container.add_stream("h264", rate=Fraction(args.rate))
+    stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+    options: dict[str, str] = {"crf": str(args.crf)}
+    if args.preset is not None:
+        options["preset"] = args.preset
+    options["threads"] = str(args.threads)
+    stream.options = dict(options)
+    audio_stream = None
+    if args.audio is not None:
+        waveform, rate = _samples(args.audio)
+        # Added before any video is encoded, as the engine does: stream order is part of
+        # the file.
+        audio_stream = container.add_stream("aac", rate=rate)
+        audio_stream.layout = "stereo" if waveform.shape[0] >= 2 else "mono"
+    frame_bytes = bytearray(width * height * 3)
+    pixels = np.frombuffer(frame_bytes, np.uint8).reshape(height, width, 3)
+    while _read_exactly(0, memoryview(frame_bytes)):
+        for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+            container.mux(packet)
+    for packet in stream.encode():
+        container.mux(packet)
+    if audio_stream is not None:
+        frame = av.AudioFrame.from_ndarray(waveform, format="fltp", layout=audio_stream.layout)
+        frame.sample_rate, frame.pts, frame.time_base = rate, 0, Fraction(1, rate)
+        for packet in audio_stream.encode(frame):
+            container.mux(packet)
+        for packet in audio_stream.encode():
+            container.mux(packet)
+    container.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pyav_writer")
+    parser.add_argument("--size", required=True)
+    parser.add_argument("--rate", required=True)
+    parser.add_argument("--crf", type=int, required=True)
+    parser.add_argument("--preset", default=None)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--audio", default=None)
+    parser.add_argument("output")
+    args = parser.parse_args(argv)
+    try:
+        encode(args)
+    except av.FFmpegError as exc:
+        print(f"pyav: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

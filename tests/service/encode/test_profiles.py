@@ -1,0 +1,225 @@
+"""Each engine profile byte-exact with that engine's own save path (tests/support/engines.py).
+
+Frames go through the worker's encoder with small chunks (several per clip), on
+the streaming route and on the fallback, against each engine's steps on the
+same frames: every dtype the engine takes, odd sizes, 23.976 fps, values out of
+range, fractional qualities, and audio from memory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from framewire.client._errors import BadRequest
+from framewire.client.wire import AudioDType, Layout, ShmAudio
+from framewire.service._encode.encoder import EncodeParams, Encoder
+from framewire.service._sources.audio import MemoryAudio, samples_of, wav_header
+from framewire.service._sources.frames import TensorSource
+from PIL import Image
+
+from tests.support.engines import (
+    diffusers_save,
+    sglang_save,
+    vllm_omni_quantize,
+    vllm_omni_save,
+)
+from tests.support.media import make_clip, with_specials
+
+CHUNK = 3 * 30 * 34 * 6  # a few frames a chunk: every clip spans several
+
+
+class _NoStream(Encoder):
+    """The streaming route fails at once: every output is redone on the fallback."""
+
+    def _stream(self, *args: object, **kw: object) -> None:
+        raise OSError("injected: the fast path is unavailable")
+
+
+ENCODERS = {"stream": Encoder(chunk_bytes=CHUNK), "fallback": _NoStream(chunk_bytes=CHUNK)}
+
+
+def encode(route: str, clip: torch.Tensor, path: Path, **params: object) -> str:
+    layout = params.pop("layout", Layout.CTHW)
+    result = ENCODERS[route].encode(
+        TensorSource(clip, layout),  # type: ignore[arg-type]
+        path,
+        EncodeParams(**params),  # type: ignore[arg-type]
+    )
+    assert result.route == route
+    return result.sha256
+
+
+def waveform(samples: int = 9000, channels: int = 2, seed: int = 0) -> np.ndarray:
+    """(samples, channels) float32 with some samples beyond [-1, 1] (SGLang clamps them)."""
+    t = np.arange(samples, dtype=np.float32)[:, None] / 24000
+    tone = 0.8 * np.sin(2 * np.pi * (220 + 110 * np.arange(channels)) * t)
+    noise = np.random.default_rng(seed).normal(0, 0.2, (samples, channels))
+    return (tone + noise).astype(np.float32) * 1.3
+
+
+def memory_audio(samples: np.ndarray, rate: int, *, clamp: bool) -> MemoryAudio:
+    dtype = AudioDType(samples.dtype.name)
+    src = ShmAudio(
+        key="/unused",
+        dtype=dtype,
+        shape=list(samples.shape),
+        sample_rate=rate,
+        byte_size=samples.nbytes,
+    )
+    return MemoryAudio(src, samples_of(samples.tobytes(), src, clamp=clamp))
+
+
+# --- SGLang ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["stream", "fallback"])
+@pytest.mark.parametrize(
+    ("dtype", "fps", "compression", "size"),
+    [
+        (torch.float32, 24, None, (34, 30)),  # default quality, a size scaled up to 48x32
+        (torch.bfloat16, 23.976, 55, (32, 32)),  # "medium": quality 5.5, -r 23.98
+        (torch.float16, 30, 35, (34, 30)),  # "low"
+        (torch.float32, 12.5, 90, (32, 48)),  # "high"
+    ],
+)
+def test_sglang_profile(tmp_path, route, dtype, fps, compression, size):
+    width, height = size
+    clip = with_specials(make_clip(7, height, width, dtype=dtype))
+    want = sglang_save(clip, tmp_path / "sglang.mp4", fps=fps, output_compression=compression)
+    quality = None if compression is None else compression / 10
+    got = encode(route, clip, tmp_path / "fw.mp4", fps=fps, quality=quality, profile="sglang")
+    assert got == want
+
+
+def test_sglang_cuda_command_gives_the_cpu_paths_bytes(tmp_path):
+    clip = make_clip(5, 30, 34)
+    cpu = sglang_save(clip, tmp_path / "cpu.mp4", fps=24, output_compression=55)
+    cuda = sglang_save(
+        clip, tmp_path / "cuda.mp4", fps=24, output_compression=55, cuda_command=True
+    )
+    assert cpu == cuda == encode("stream", clip, tmp_path / "fw.mp4", fps=24, quality=5.5,
+                                 profile="sglang")  # fmt: skip
+
+
+@pytest.mark.parametrize("route", ["stream", "fallback"])
+@pytest.mark.parametrize(("channels", "rate"), [(2, 24000), (1, 48000)])
+def test_sglang_audio_from_memory(tmp_path, route, channels, rate):
+    clip = make_clip(12, 32, 32)
+    audio = waveform(rate // 2, channels)
+    want = sglang_save(clip, tmp_path / "sglang.mp4", fps=24, audio=audio, sample_rate=rate)
+    with memory_audio(audio, rate, clamp=True) as wav:
+        got = encode(route, clip, tmp_path / "fw.mp4", fps=24, profile="sglang", audio=wav)
+    assert got == want
+
+
+def test_the_wav_is_scipys(tmp_path):
+    import scipy.io.wavfile
+
+    for samples in (waveform(1001, 3), (waveform(500, 2) * 20000).astype(np.int16)):
+        path = tmp_path / "scipy.wav"
+        scipy.io.wavfile.write(path, 32000, samples)
+        with memory_audio(samples, 32000, clamp=False) as wav:
+            ours = os.pread(wav.fd, 1 << 20, 0)
+        assert ours == path.read_bytes()
+        assert ours.startswith(wav_header(AudioDType(samples.dtype.name), samples.shape[1],
+                                          32000, samples.shape[0]))  # fmt: skip
+
+
+def test_nan_samples_are_refused():
+    samples = waveform(100, 1)
+    samples[50, 0] = np.nan
+    with pytest.raises(BadRequest) as err:
+        memory_audio(samples, 24000, clamp=True)
+    assert err.value.code == "audio_not_finite"
+
+
+# --- diffusers ------------------------------------------------------------------------------
+
+
+def diffusers_frames(clip: torch.Tensor) -> list[np.ndarray]:
+    """A pipeline's ``output_type="np"`` frames: float32 (T, H, W, 3) whatever the dtype
+    (diffusers' ``VaeImageProcessor.pt_to_numpy`` calls ``.float()``)."""
+    return list(clip.float().permute(1, 2, 3, 0).contiguous().numpy())
+
+
+@pytest.mark.parametrize("route", ["stream", "fallback"])
+@pytest.mark.parametrize(
+    ("dtype", "fps", "size"),
+    [
+        (torch.float32, 16, (34, 30)),
+        (torch.float16, 24, (32, 32)),
+        (torch.bfloat16, 23.976, (34, 30)),
+    ],
+)
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # diffusers' own, on the wrapped values
+def test_diffusers_profile_wraps_out_of_range_values_as_diffusers_does(
+    tmp_path, route, dtype, fps, size
+):
+    width, height = size
+    clip = with_specials(make_clip(7, height, width, dtype=dtype))
+    clip[0, 1:3] = clip[0, 1:3] * 1.6 - 0.3  # whole frames out of [0, 1]: they wrap
+    want = diffusers_save(diffusers_frames(clip), tmp_path / "diffusers.mp4", fps=fps)
+    got = encode(route, clip, tmp_path / "fw.mp4", fps=fps, profile="diffusers")
+    assert got == want
+
+
+def test_diffusers_profile_uint8_is_its_pil_route(tmp_path):
+    clip = make_clip(6, 30, 34, dtype=torch.uint8, layout=Layout.THWC)
+    want = diffusers_save([Image.fromarray(f) for f in clip.numpy()], tmp_path / "d.mp4", fps=8)
+    got = encode("stream", clip, tmp_path / "fw.mp4", fps=8, profile="diffusers",
+                 layout=Layout.THWC)  # fmt: skip
+    assert got == want
+
+
+# --- vLLM-omni ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["stream", "fallback"])
+@pytest.mark.parametrize(
+    ("dtype", "value_range", "fps"),
+    [
+        (torch.float32, (-1.0, 1.0), 16),  # Wan
+        (torch.bfloat16, (-1.0, 1.0), 23.976),
+        (torch.float16, (0.0, 1.0), 24),  # MiniMax-H3
+    ],
+)
+def test_vllm_omni_profile(tmp_path, route, dtype, value_range, fps):
+    clip = make_clip(9, 32, 48, dtype=torch.float32)
+    if value_range == (-1.0, 1.0):
+        clip = clip * 2 - 1
+    clip = with_specials(clip * 1.1).to(dtype)  # some values beyond the range: clamped
+    want = vllm_omni_save(vllm_omni_quantize(clip, value_range), tmp_path / "v.mp4", fps=fps)
+    got = encode(route, clip, tmp_path / "fw.mp4", fps=fps, profile="vllm-omni",
+                 value_range=value_range)  # fmt: skip
+    assert got == want
+
+
+def test_vllm_omni_audio_is_muxed_unclamped(tmp_path):
+    clip = make_clip(12, 32, 32) * 2 - 1
+    audio = waveform(16000, 2)
+    frames = vllm_omni_quantize(clip, (-1.0, 1.0))
+    want = vllm_omni_save(frames, tmp_path / "v.mp4", fps=24, audio=audio, sample_rate=32000)
+    with memory_audio(audio, 32000, clamp=False) as wav:
+        got = encode("stream", clip, tmp_path / "fw.mp4", fps=24, profile="vllm-omni", audio=wav)
+    assert got == want
+
+
+def test_vllm_omni_pinned_threads_and_quality(tmp_path):
+    clip = make_clip(6, 32, 32) * 2 - 1
+    frames = vllm_omni_quantize(clip, (-1.0, 1.0))
+    want = vllm_omni_save(frames, tmp_path / "v.mp4", fps=24, crf="25",
+                          options={"preset": "fast", "threads": "2"})  # fmt: skip
+    got = encode("stream", clip, tmp_path / "fw.mp4", fps=24, profile="vllm-omni",
+                 quality=5, preset="fast", threads=2)  # fmt: skip
+    assert got == want
+
+
+def test_vllm_omni_odd_sizes_are_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(BadRequest) as err:
+        encode("stream", make_clip(3, 31, 32), tmp_path / "odd.mp4", fps=24, profile="vllm-omni")
+    assert err.value.code == "odd_size"
+    assert list(tmp_path.iterdir()) == []
