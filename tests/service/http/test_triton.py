@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing.resource_tracker
 import os
 import secrets
 import signal
@@ -39,13 +38,6 @@ from tests.support.worker import Worker
 PREFIX = "/tritontest-"
 WORKER_ARGS = ("--shm-prefixes", f"/framewire,{PREFIX}")
 EXTENSIONS = ["system_shared_memory", "cuda_shared_memory"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def resource_tracker() -> None:
-    """tritonclient's regions are multiprocessing.shared_memory segments, which start
-    Python's resource tracker process once: started here, before the leak checks."""
-    multiprocessing.resource_tracker.ensure_running()
 
 
 class Triton:
