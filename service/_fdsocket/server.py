@@ -67,7 +67,9 @@ class _Connection:
     def __init__(self, peer: Peer | None):
         self.peer = peer
         self.access = Access(peer, trusted=False)
-        self.regions: set[str] = set()
+        # By name, but each the region object itself: the HTTP routes may unregister one,
+        # and its name then be taken by another connection's region.
+        self.regions: dict[str, FdRegion] = {}
 
 
 class FdServer:
@@ -172,8 +174,8 @@ class FdServer:
             requests.close()
             conn.close()
             # A region in use is released once the requests using it end.
-            for name in state.regions:
-                self.regions.unregister(name, kind=FdRegion)
+            for region in state.regions.values():
+                self.regions.drop(region)
 
     async def _answer(
         self, line: bytes | _TooLong, fds: list[int], state: _Connection, allowed: bool
@@ -225,17 +227,17 @@ class FdServer:
         region = self.regions.register_fd(
             request.name, fd, request.offset, request.byte_size, state.peer
         )
-        state.regions.add(region.name)
+        state.regions[region.name] = region
         return FdReply(ok=True, name=region.name, sealed=region.sealed)
 
     def _unregister(self, request: FdUnregister, state: _Connection) -> FdReply:
-        if request.name not in state.regions:
+        region = state.regions.pop(request.name, None)
+        if region is None:
             raise NotFound(
                 f"this connection registered no region '{request.name}'",
                 code="region_not_found",
             )
-        state.regions.discard(request.name)
-        self.regions.unregister(request.name, kind=FdRegion)
+        self.regions.drop(region)  # at once; released when the requests using it end
         return FdReply(ok=True, name=request.name)
 
     async def _decode(

@@ -12,6 +12,7 @@ from framewire.service._encode import kernels
 from framewire.service._http.deps import WorkerParts
 from framewire.service._ops.limits import cgroup_cpu_limit
 from framewire.service._ops.versions import ffmpeg_runs, ffmpeg_version
+from framewire.service._parts import Parts
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 router = APIRouter()
@@ -23,9 +24,15 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+async def is_ready(parts: Parts) -> bool:
+    """Whether the worker can encode now: its ffmpeg runs (asked on a thread, not cached).
+    ``/readyz`` and Triton's ``/v2/health/ready`` both answer this."""
+    return await anyio.to_thread.run_sync(ffmpeg_runs, parts.encoder.ffmpeg)
+
+
 @router.get("/readyz")
 async def readyz(parts: WorkerParts) -> JSONResponse:
-    ok = await anyio.to_thread.run_sync(ffmpeg_runs, parts.encoder.ffmpeg)
+    ok = await is_ready(parts)
     return JSONResponse({"ready": ok}, 200 if ok else 503)
 
 

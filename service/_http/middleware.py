@@ -16,8 +16,9 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-# Routes that answer without the bearer token: probes by orchestrators.
-OPEN_ROUTES = frozenset({"/healthz", "/readyz"})
+# Routes that answer without the bearer token: probes by orchestrators (Kubernetes's
+# kubelet; Triton's health routes, which KServe deployments probe).
+OPEN_ROUTES = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 
 
 class RequestCounter:

@@ -257,8 +257,20 @@ class RegionRegistry:
             for n in names:
                 region = self._regions.get(n)
                 if region is not None and isinstance(region, kind):
-                    del self._regions[n]
-                    region.retire()
+                    self._remove(region)
+
+    def drop(self, region: Region) -> None:
+        """Remove ``region`` itself, as :meth:`unregister` does, if it is still registered.
+
+        Its registrant holds the object, not the name: once the HTTP routes have
+        unregistered it, the name may already be another registrant's region."""
+        with self._lock:
+            if self._regions.get(region.name) is region:
+                self._remove(region)
+
+    def _remove(self, region: Region) -> None:
+        del self._regions[region.name]
+        region.retire()
 
     def close(self) -> None:
         self.unregister(kind=Region)

@@ -7,12 +7,9 @@ from __future__ import annotations
 import importlib.resources
 import json
 import os
-import shlex
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +20,10 @@ from framewire.client import Client
 from framewire.client._fdsocket import ping
 
 from tests.support import REPO
+from tests.support.image import DOCKERFILE, dockerfile, entrypoint, moved
 from tests.support.media import make_clip
 from tests.support.worker import free_port
 
-DOCKERFILE = REPO / "docker" / "Dockerfile"
 COMPOSE = REPO / "compose.yaml"
 
 
@@ -38,63 +35,6 @@ def compose_schema() -> dict[str, Any]:
 
 def compose() -> dict[str, Any]:
     return yaml.safe_load(COMPOSE.read_text())
-
-
-@dataclass
-class Dockerfile:
-    """The instructions of the final stage that these tests care about."""
-
-    stages: list[str] = field(default_factory=list)  # each FROM's image
-    args: dict[str, str] = field(default_factory=dict)
-    env: dict[str, str] = field(default_factory=dict)
-    user: str | None = None
-    healthcheck: list[str] | None = None
-    entrypoint: list[str] | None = None
-    cmd: list[str] | None = None
-    copies: list[list[str]] = field(default_factory=list)
-
-
-def parse_dockerfile(text: str) -> Dockerfile:
-    logical: list[str] = []
-    pending = ""
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not pending and (not line or line.startswith("#")):
-            continue
-        if line.startswith("#"):
-            continue  # a comment inside a continued instruction
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        logical.append(pending + line)
-        pending = ""
-    df = Dockerfile()
-    for line in logical:
-        word, _, rest = line.partition(" ")
-        word, rest = word.upper(), rest.strip()
-        if word == "ARG" and not df.stages:
-            name, _, default = rest.partition("=")
-            df.args[name] = default
-        elif word == "FROM":
-            df.stages.append(rest.split()[0])
-            df.env, df.user, df.healthcheck, df.entrypoint, df.cmd = {}, None, None, None, None
-        elif word == "ENV":
-            df.env.update(dict(item.split("=", 1) for item in shlex.split(rest)))
-        elif word == "USER":
-            df.user = rest
-        elif word == "HEALTHCHECK":
-            df.healthcheck = json.loads(rest[rest.index("CMD ") + 4 :])
-        elif word == "ENTRYPOINT":
-            df.entrypoint = json.loads(rest)
-        elif word == "CMD":
-            df.cmd = json.loads(rest)
-        elif word == "COPY" and "--from" not in rest:
-            df.copies.append(rest.split())
-    return df
-
-
-def dockerfile() -> Dockerfile:
-    return parse_dockerfile(DOCKERFILE.read_text())
 
 
 def test_compose_file_is_valid_against_the_compose_specification():
@@ -191,9 +131,7 @@ def _container_env(tmp_path: Path) -> dict[str, str]:
     df, worker = dockerfile(), compose()["services"]["worker"]
     env = {k: v for k, v in df.env.items() if k.startswith("FRAMEWIRE_")}
     env |= {k: str(v) for k, v in worker["environment"].items()}
-    for target, (volume, _) in _mounts(worker).items():
-        (tmp_path / volume).mkdir(exist_ok=True)
-        env = {k: v.replace(target, str(tmp_path / volume)) for k, v in env.items()}
+    env = moved(env, {target: tmp_path / volume for target, (volume, _) in _mounts(worker).items()})
     # The container has its loopback to itself; here 7700 may be taken.
     env["FRAMEWIRE_PORT"] = str(free_port())
     return env
@@ -201,19 +139,13 @@ def _container_env(tmp_path: Path) -> dict[str, str]:
 
 def test_image_entrypoint_serves_and_stops_cleanly(tmp_path):
     df = dockerfile()
-    assert df.entrypoint is not None and df.cmd is not None
-    argv = df.entrypoint + df.cmd
-    exe = Path(sys.executable).parent / argv[0]  # the console script pip installed
-    assert exe.exists(), f"{exe}: install framewire into this environment"
-    env = os.environ | _container_env(tmp_path)
+    env = _container_env(tmp_path)
     log = tmp_path / "worker.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(exe), *argv[1:]], env=env, stdout=out, stderr=out)
-    try:
+    with entrypoint(df.argv, env, log) as proc:
         assert df.healthcheck is not None
         check = [sys.executable, *df.healthcheck[1:]]
         deadline = time.monotonic() + 60
-        while subprocess.run(check, env=env, capture_output=True).returncode != 0:
+        while subprocess.run(check, env=os.environ | env, capture_output=True).returncode != 0:
             assert proc.poll() is None, log.read_text()
             assert time.monotonic() < deadline, "the image's health check never passed"
             time.sleep(0.2)
@@ -222,10 +154,6 @@ def test_image_entrypoint_serves_and_stops_cleanly(tmp_path):
             result = client.save_video(make_clip(frames=2), "entry/a.mp4", fps=24)
         assert Path(result.path) == tmp_path / "outputs" / "entry" / "a.mp4"
         assert ping(env["FRAMEWIRE_FD_SOCKET"]).ok
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=30)
-    assert code == 0, log.read_text()
     assert not Path(env["FRAMEWIRE_UDS"]).exists()
     assert not Path(env["FRAMEWIRE_FD_SOCKET"]).exists()
 

@@ -7,21 +7,25 @@ from pathlib import Path
 
 
 def child_pids(pid: int | str = "self") -> set[int]:
-    """Children of ``pid``, less torch's shm manager daemon (it lives as long as torch)."""
+    """Children of ``pid``, less the daemons that live as long as their interpreter:
+    torch's shm manager, and Python's multiprocessing resource tracker (which
+    multiprocessing.shared_memory, so tritonclient's regions, starts)."""
     pids: set[int] = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             pids.update(int(p) for p in (task / "children").read_text().split())
         except OSError:
             pass
-    return {p for p in pids if not _comm(p).startswith("torch_shm_manag")}
+    return {p for p in pids if not _daemon(p)}
 
 
-def _comm(pid: int) -> str:
+def _daemon(pid: int) -> bool:
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return ""
+        return False
+    return comm.startswith("torch_shm_manag") or b"multiprocessing.resource_tracker" in cmdline
 
 
 def framewire_temps(root: Path) -> list[Path]:

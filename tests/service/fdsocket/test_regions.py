@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import socket
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,7 @@ from framewire.client.wire import Layout
 from tests.support.identity import NOBODY, as_nobody, post_json
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.refclips import RawConnection
-from tests.support.requests import Baseline, settle, wait_for_ffmpeg
+from tests.support.requests import Baseline, Request, encode_body, settle, wait_for_ffmpeg
 from tests.support.segments import raw_bytes
 from tests.support.worker import Worker
 
@@ -179,36 +182,76 @@ def test_names_and_ownership(worker, tmp_path):
     assert statuses(worker) == []  # both connections closed: gone
 
 
-def test_a_region_in_use_outlives_its_connection_until_the_encode_ends(worker, tmp_path):
-    """The rank's connection closes (it died) while an encode reads its region: the encode
-    completes byte-exact; the region leaves the status at once and is released after."""
+@pytest.mark.parametrize("how", ["unregister", "connection closed"])
+def test_a_region_in_use_outlives_its_connection_until_the_encode_ends(worker, tmp_path, how):
+    """The rank unregisters its region, or its connection closes (it died), while an encode
+    reads it: that returns at once and the region leaves the status; the worker keeps the
+    descriptor and its mapping until the encode ends, byte-exact. The encode's ffmpeg is
+    held stopped meanwhile, so the encode is surely still running."""
     baseline = Baseline.of(worker)
-    clip = make_clip(frames=60, height=128, width=128)
+    clip = make_clip(frames=24, height=64, width=64)
     data = raw_bytes(clip)
-    answer: list[tuple[int, dict]] = []
     conn = RawConnection(worker.fd_socket)
     fd = memfd(data)
     assert register(conn, "dies", fd, len(data))["ok"]
     os.close(fd)
-    source = region_source("dies", clip)
-    t = threading.Thread(target=lambda: answer.append(encode_slow(worker, source)))
-    t.start()
-    wait_for_ffmpeg(worker)
-    conn.close()
-    t.join(120)
-    [(status, body)] = answer
-    assert status == 200, body
-    assert body["outputs"][0]["sha256"] == reference_mp4(clip, tmp_path / "ref.mp4", preset="slow")
-    assert statuses(worker) == []
+    request = Request(worker, "POST", "/v1/videos:encode",
+                      json=encode_body(region_source("dies", clip), "dies.mp4"))  # fmt: skip
+    ffmpegs = wait_for_ffmpeg(worker)
+    for pid in ffmpegs:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        if how == "unregister":
+            assert conn.call({"op": "unregister", "name": "dies"})[0]["ok"]
+        conn.close()
+        assert time.monotonic() - started < 1.0
+        wait_for(lambda: statuses(worker) == [])  # a closing connection is seen soon after
+        assert request.is_alive() and held_memfds(worker) == 1  # still the encode's
+    finally:
+        for pid in ffmpegs:
+            os.kill(pid, signal.SIGCONT)
+    response = request.result(timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"][0]["sha256"] == reference_mp4(clip, tmp_path / "ref.mp4")
     (worker.outputs / "dies.mp4").unlink()
     settle(worker, baseline)  # the region's descriptor and mapping are gone too
+    assert held_memfds(worker) == 0
 
 
-def encode_slow(worker: Worker, source: dict) -> tuple[int, dict]:
-    with worker.http() as h:
-        body = {"outputs": [{"source": source, "path": "dies.mp4", "fps": 24, "preset": "slow"}]}
-        r = h.post("/v1/videos:encode", json=body)
-    return r.status_code, r.json()
+def held_memfds(worker: Worker) -> int:
+    """Whether the worker holds this module's memfds: 1 for a descriptor or a mapping."""
+    maps = Path(f"/proc/{worker.pid}/maps").read_text()
+    fds = any(f.startswith("/memfd:test-frames") for f in worker.open_fds())
+    return int(fds or "/memfd:test-frames" in maps)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.02)
+
+
+def test_a_name_freed_over_http_is_not_taken_back_from_its_next_owner(worker):
+    """The HTTP routes may unregister a connection's region; another connection may then
+    register that name. The first connection's unregister, or its closing, removes only
+    what it registered itself."""
+    data = raw_bytes(make_clip(frames=2, height=16, width=16))
+    first, second = RawConnection(worker.fd_socket), RawConnection(worker.fd_socket)
+    with second:
+        for conn in (first, second):
+            fd = memfd(data)
+            assert register(conn, "frames", fd, len(data))["ok"]
+            os.close(fd)
+            if conn is first:
+                with worker.http() as h:
+                    assert h.post("/v2/systemsharedmemory/unregister").status_code == 200
+        assert first.call({"op": "unregister", "name": "frames"})[0]["ok"]
+        first.close()
+        time.sleep(0.2)  # the first connection's end is handled
+        assert [r["name"] for r in statuses(worker)] == ["frames"]  # the second's, still
+    wait_for(lambda: statuses(worker) == [])
 
 
 def test_an_unsealed_memfd_truncated_mid_encode_is_a_400(worker):
