@@ -189,7 +189,9 @@ def test_a_region_in_use_outlives_its_connection_until_the_encode_ends(worker, t
     descriptor and its mapping until the encode ends, byte-exact. The encode's ffmpeg is
     held stopped meanwhile, so the encode is surely still running."""
     baseline = Baseline.of(worker)
-    clip = make_clip(frames=24, height=64, width=64)
+    # Several times the pipe's capacity of rgb24, and an encode of a good fraction of a
+    # second: ffmpeg is surely seen (and stopped) before it is done, on a loaded machine too.
+    clip = make_clip(frames=48, height=256, width=256)
     data = raw_bytes(clip)
     conn = RawConnection(worker.fd_socket)
     fd = memfd(data)

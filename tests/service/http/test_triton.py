@@ -251,7 +251,7 @@ def test_unregister_returns_at_once_and_the_segment_goes_with_its_last_user(
     region is gone from the status; the worker lets go of the segment when that encode
     ends, and the encode's output is byte-exact all the same. The encode's ffmpeg is
     held stopped meanwhile, so the encode is surely still running."""
-    clip = make_clip(frames=24, height=64, width=64)
+    clip = make_clip(frames=48, height=256, width=256)  # long enough to be caught running
     frames = clip.numpy()
     handle = regions("busy", frames.nbytes)
     shm.set_shared_memory_region(handle, [frames])
