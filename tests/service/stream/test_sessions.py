@@ -126,6 +126,23 @@ def test_with_audio(worker, segments, tmp_path, wav):
     (worker.outputs / "s.mp4").unlink()
 
 
+def test_a_profile_and_audio_from_memory(worker, segments, tmp_path):
+    from tests.service.encode.test_profiles import waveform
+    from tests.support.engines import sglang_save
+
+    clip = make_clip(frames=12, height=30, width=34)
+    audio = waveform(6000, 2)
+    key = segments.write(audio.tobytes())
+    memory = {"kind": "shm", "key": key, "dtype": "float32", "shape": list(audio.shape),
+              "sample_rate": 24000, "byte_size": audio.nbytes}  # fmt: skip
+    result = stream(worker, segments, clip, [5, 7], fps=23.976, quality=5.5, profile="sglang",
+                    audio=memory)  # fmt: skip
+    want = sglang_save(clip, tmp_path / "ref.mp4", fps=23.976, output_compression=55,
+                       audio=audio, sample_rate=24000)  # fmt: skip
+    assert result["sha256"] == want
+    (worker.outputs / "s.mp4").unlink()
+
+
 def test_a_registered_region_reused_for_every_chunk(worker, segments, tmp_path):
     """What a producer does with one buffer: rewrite it between chunks, once each is answered."""
     clip = make_clip(frames=9, height=48, width=64)
