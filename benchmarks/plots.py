@@ -33,13 +33,33 @@ def add_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# How busy the host was as the run began (the scripts import this module first): wall
+# times on a host shared with other work are longer than on an idle one.
+LOAD_AT_START = os.getloadavg()[0]
+WHERE_OUTPUT_GOES = ("--json", "--figures")  # options that change nothing measured
+
+
 def command() -> str:
-    """The command line that made the figure, as one would type it from the repository."""
-    return shlex.join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+    """The command line that made the figure, as one would type it from the repository
+    (without the options that only say where to write)."""
+    args, shown = sys.argv[1:], []
+    while args:
+        arg = args.pop(0)
+        if arg in WHERE_OUTPUT_GOES:
+            args = args[1:]
+        elif not arg.startswith(tuple(f"{o}=" for o in WHERE_OUTPUT_GOES)):
+            shown.append(arg)
+    return shlex.join([f"benchmarks/{Path(sys.argv[0]).name}", *shown])
 
 
 def host() -> str:
-    return f"{len(os.sched_getaffinity(0))} CPUs"
+    cpus = len(os.sched_getaffinity(0))
+    return f"{cpus} CPUs, load average {LOAD_AT_START:.1f} as the run began"
+
+
+def value(v: float) -> str:
+    """A bar's or a point's label: three significant digits, no exponent."""
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
 def color(name: str, i: int) -> str:
@@ -87,14 +107,15 @@ def lines(
     for i, (name, (x, y)) in enumerate(series.items()):
         ax.plot(x, y, marker="o", label=name, color=color(name, i))
         if len(y):
-            ax.annotate(f"{y[-1]:.3g}", (x[-1], y[-1]), textcoords="offset points",
+            ax.annotate(value(y[-1]), (x[-1], y[-1]), textcoords="offset points",
                         xytext=(4, 4), fontsize=8, color=color(name, i))  # fmt: skip
+    ax.margins(x=0.1)  # room for the last point's label
     xs = sorted({v for x, _ in series.values() for v in x})
     if log_x and len(xs) > 1 and xs[0] > 0:
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [f"{v:g}" for v in xs])
     if log_y and all(v > 0 for _, y in series.values() for v in y):
-        ax.set_yscale("log")
+        _log_y(ax)
     _finish(ax, xlabel, ylabel)
 
 
@@ -113,10 +134,10 @@ def bars(
         offsets = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
         label = name if len(series) > 1 else "_nolegend_"  # one series: the y label says it
         drawn = ax.bar(offsets, values, width, label=label, color=color(name, i))
-        ax.bar_label(drawn, fmt="%.3g", fontsize=7, padding=2)
+        ax.bar_label(drawn, labels=[value(v) for v in values], fontsize=7, padding=2)
     ax.set_xticks(range(len(groups)), groups, fontsize=8)
     if log_y and all(v > 0 for values in series.values() for v in values):
-        ax.set_yscale("log")
+        _log_y(ax)
     else:
         # Room above the tallest bar for its label and the legend (series and a goal).
         ax.margins(y=0.15 + 0.12 * (len(series) + 1))
@@ -126,6 +147,17 @@ def bars(
 def reference(ax: Any, value: float, label: str) -> None:
     """A dashed horizontal line, named in the legend: a goal or a yardstick."""
     ax.axhline(value, linestyle="--", linewidth=1, color="#555555", label=label)
+
+
+def _log_y(ax: Any) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    def plain(v: float, _: object) -> str:  # 200, not 2 x 10^2; only 1, 2 and 5 of a decade
+        return f"{v:g}" if f"{v:e}"[0] in "125" else ""
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(plain))
+    ax.yaxis.set_minor_formatter(FuncFormatter(plain))
 
 
 def _finish(ax: Any, xlabel: str, ylabel: str) -> None:

@@ -193,7 +193,7 @@ def plot(
         plots.reference(
             ax,
             GOAL_TAIL_RATIO * encode_wall,
-            f"goal: {GOAL_TAIL_RATIO}x the whole-clip encode ({encode_wall:.2f} s)",
+            f"goal: {GOAL_TAIL_RATIO}x the whole-clip encode of {encode_wall:.2f} s",
         )
 
 
