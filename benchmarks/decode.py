@@ -1,6 +1,6 @@
 """Reference-decode benchmark: N ranks through one worker against N independent ffmpeg decodes.
 
-    .venv/bin/python benchmarks/decode.py [--ranks 8] [--seconds 5] [--json OUT]
+    .venv/bin/python benchmarks/decode.py [--ranks 8] [--seconds 5] [--json OUT] [--figures DIR]
 
 A 1920x1080 30 fps source (testsrc2 with temporal noise, libx264) is made once in
 a temp dir. Every rank decodes it to 1344x768 at 24 fps with the reference-decode argv
@@ -20,7 +20,8 @@ with every page touched. Memory is the sum over ranks of the growth of their
 proportional set size (Pss, /proc/PID/smaps_rollup), measured while all of them
 still hold their frames: shared pages count once in total, not once per rank.
 Every rank's frames are hashed; all variants must give the same bytes.
-The goals are in benchmarks/README.md.
+The goals are in benchmarks/README.md. Beside the table it draws each variant's
+wall time and memory (decode.png).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any
 
 import harness
 import numpy as np
+import plots
 
 WIDTH, HEIGHT, FPS = 1344, 768, 24
 GOAL_WALL, GOAL_MEMORY = 1.2, 1.1
@@ -176,11 +178,27 @@ def start_worker(root: Path) -> subprocess.Popen[bytes]:
     return proc
 
 
+def plot(results: dict[str, dict[str, Any]], directory: Path, note: str) -> None:
+    one = results["one decode"]
+    names = list(results)
+    groups = [name.replace(", ", ",\n").replace(" x ", " x\n") for name in names]
+    walls = [results[n]["wall_s"] for n in names]
+    memory = [results[n]["memory_bytes"] / MIB for n in names]
+    copy_mib = one["bytes"] / MIB
+    title = "Reference decode: one rank against N ranks, with and without the worker"
+    with plots.figure(directory / "decode.png", title, panels=2, note=note) as (left, right):
+        plots.bars(left, groups, {"wall": walls}, ylabel="wall time (s)")
+        plots.reference(left, GOAL_WALL * one["wall_s"], f"goal: <= {GOAL_WALL}x one decode")
+        plots.bars(right, groups, {"memory": memory}, ylabel="memory of all ranks (MiB, Pss)")
+        plots.reference(right, copy_mib, f"one copy ({copy_mib:.0f} MiB)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=harness.count, default=8)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--json", type=Path, default=None)
+    plots.add_option(parser)
     parser.add_argument("--rank", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:
@@ -237,6 +255,9 @@ def main() -> int:
           f"{'met' if wall_ok else 'MISSED'}; memory <= {GOAL_MEMORY}x one copy: "
           f"{'met' if mem_ok else 'MISSED'}")  # fmt: skip
     harness.write_json(args.json, results)
+    note = (f"{args.seconds:g} s of 1920x1080 30 fps decoded to {WIDTH}x{HEIGHT} at {FPS} fps "
+            f"({copy // (WIDTH * HEIGHT * 3)} frames), {n} ranks")  # fmt: skip
+    plot(results, args.figures, note)
     return 0 if len(digests) == 1 else 1
 
 

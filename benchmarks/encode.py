@@ -1,7 +1,7 @@
 """Encode benchmark: bare ffmpeg, the in-process imageio path and framewire, side by side.
 
     .venv/bin/python benchmarks/encode.py [--frames 48 120 240] [--width 1344 --height 768]
-                                          [--repeat N] [--json OUT]
+                                          [--repeat N] [--json OUT] [--figures DIR]
 
 For each length a deterministic float32 CTHW clip (values in [0, 1]: moving
 gradients plus noise) is written chunk by chunk into a POSIX shm segment, and
@@ -16,7 +16,8 @@ All three pass the same x264 thread count, so their outputs must be byte-identic
 "Peak extra" is the worker's resident memory (RssAnon + RssFile + RssShmem),
 sampled every 5 ms during the encode, above a sample taken just before it; the
 imageio path's mapped input is touched before that sample, so it is not counted.
-The goals are in benchmarks/README.md.
+The goals are in benchmarks/README.md. Beside the table it draws the wall ratio
+(encode-wall.png) and the extra memory (encode-memory.png) against clip length.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any
 
 import harness
 import numpy as np
+import plots
 
 VARIANTS = ("bare ffmpeg", "imageio", "framewire")
 PREFIX = "/framewire-bench-"
@@ -322,6 +324,28 @@ def report(rows: list[dict[str, Any]]) -> None:
           f"{'PASS' if ok else 'MISS'}")  # fmt: skip
 
 
+def plot(rows: list[dict[str, Any]], directory: Path, note: str) -> None:
+    def series(key: str, variants: tuple[str, ...]) -> dict[str, tuple[list[float], list[float]]]:
+        return {
+            v: ([r["frames"] for r in rows if r["variant"] == v],
+                [r[key] for r in rows if r["variant"] == v])
+            for v in variants
+        }  # fmt: skip
+
+    length = "clip length (frames, log scale)"
+    title = "Encode wall time, as a multiple of bare ffmpeg's"
+    with plots.figure(directory / "encode-wall.png", title, note=note) as [ax]:
+        plots.lines(ax, series("x_bare", VARIANTS), xlabel=length, ylabel="wall / bare ffmpeg",
+                    log_x=True)  # fmt: skip
+        plots.reference(ax, GOAL_WALL_RATIO, f"goal: {GOAL_WALL_RATIO:.2f}x")
+    title = "Extra memory of the encoding process"
+    with plots.figure(directory / "encode-memory.png", title, note=note) as [ax]:
+        plots.lines(ax, series("peak_extra_mib", VARIANTS[1:]), xlabel=length,
+                    ylabel="peak extra resident memory (MiB, log scale)", log_x=True,
+                    log_y=True)  # fmt: skip
+        plots.reference(ax, GOAL_EXTRA_MIB, f"goal: <= {GOAL_EXTRA_MIB} MiB, flat")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=harness.count, nargs="+", default=[48, 120, 240])
@@ -334,6 +358,7 @@ def main() -> int:
         "--chunk-mib", type=harness.count, default=128, help="framewire's chunk_bytes"
     )
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    plots.add_option(parser)
     parser.add_argument("--_run", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._run:
@@ -347,13 +372,14 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     from framewire.client._media.argv import crf_for_quality
 
-    print(
+    setup = (
         f"{args.width}x{args.height} float32 CTHW clip in shm, {FPS} fps, x264 fast "
-        f"crf {crf_for_quality(5)}, "
-        f"-threads {rows[0]['threads']} for all, {os.cpu_count()} CPUs, median of {args.repeat}"
+        f"crf {crf_for_quality(5)}, -threads {rows[0]['threads']} for all"
     )
+    print(f"{setup}, {os.cpu_count()} CPUs, median of {args.repeat}")
     report(rows)
     harness.write_json(args.json, rows)
+    plot(rows, args.figures, f"{setup}; median of {args.repeat}")
     return 0 if all(r["same_bytes"] for r in rows) else 1
 
 

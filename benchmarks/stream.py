@@ -1,7 +1,7 @@
 """Streaming benchmark: save a clip after generating it all, or stream it while it is made.
 
     .venv/bin/python benchmarks/stream.py [--frames 120] [--chunk 8] [--width 1344 --height 768]
-                                          [--repeat 3] [--json OUT]
+                                          [--repeat 3] [--json OUT] [--figures DIR]
 
 A producer process generates a float32 CTHW clip chunk by chunk at a steady
 rate, as a VAE decoding in temporal chunks would, and hands it to one worker:
@@ -32,7 +32,8 @@ Per run, in a fresh producer process:
 Goals (DESIGN 8): (b)'s tail <= 0.25x (a)'s encode wall (the worker's
 ``encode_ms``: a little less than (a)'s tail, which adds the copy into shm and
 the request), and (b)'s
-extra <= 2 chunks + 32 MiB. (a) and (b) must give the same sha256.
+extra <= 2 chunks + 32 MiB. (a) and (b) must give the same sha256. Beside the
+table it draws each path's latency after the last chunk (stream-tail.png).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ sys.path.insert(0, str(HERE))
 
 import harness  # noqa: E402
 import numpy as np  # noqa: E402
+import plots  # noqa: E402
 from encode import clip_chunk  # noqa: E402  (the shared clip generator)
 
 MIB = 1 << 20
@@ -175,6 +177,26 @@ def spread(rows: list[dict[str, Any]], key: str) -> str:
     return f" ±{100 * (max(values) - min(values)) / 2 / m:.0f}%"
 
 
+def plot(
+    runs: list[dict[str, Any]], rates: list[float], encoder_fps: float, directory: Path, note: str
+) -> None:
+    groups = [f"{rate:.1f} fps\n({rate / encoder_fps:.1f}x the encoder)" for rate in rates]
+    tails = {
+        name: [med([r for r in runs if r["rate"] == rate and r["mode"] == mode], "tail_s")
+               for rate in rates]
+        for mode, name in MODES.items()
+    }  # fmt: skip
+    encode_wall = med([r for r in runs if r["mode"] == "a"], "encode_s")
+    title = "Last chunk produced -> file ready"
+    with plots.figure(directory / "stream-tail.png", title, note=note) as [ax]:
+        plots.bars(ax, groups, tails, ylabel="seconds (median)", xlabel="producer rate")
+        plots.reference(
+            ax,
+            GOAL_TAIL_RATIO * encode_wall,
+            f"goal: {GOAL_TAIL_RATIO}x the whole-clip encode of {encode_wall:.2f} s",
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -185,6 +207,7 @@ def main() -> int:
     parser.add_argument("--height", type=harness.count, default=768)
     parser.add_argument("--repeat", type=harness.count, default=3)
     parser.add_argument("--json", type=Path, default=None)
+    plots.add_option(parser)
     parser.add_argument("--producer", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.producer is not None:
@@ -249,6 +272,9 @@ def main() -> int:
         )
     print("\n".join(verdicts))
     print(f"same bytes (a), (b) and (c), every run: {same}")
+    note = (f"{args.frames} frames {args.width}x{args.height} float32 in chunks of {args.chunk}; "
+            f"median of {args.repeat}")  # fmt: skip
+    plot(runs, rates, encoder_fps, args.figures, note)
     return 0 if same else 1
 
 

@@ -12,13 +12,14 @@ import fcntl
 import logging
 import mmap
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from framewire.client._closing import Closing
 from framewire.client._errors import FramewireError, Unavailable
 from framewire.client._fdsocket import DEFAULT_TIMEOUT, FdSocket, default_fd_socket, error_from
-from framewire.client._media.decode import decode_to_memfd
+from framewire.client._media.decode import DecodeRun, decode_to_memfd
 from framewire.client._media.process import find_ffmpeg
 from framewire.client.wire import DecodeRequest, refusal
 from pydantic import ValidationError
@@ -176,9 +177,15 @@ def decode_from_worker(
     )
 
 
-def decode_locally(request: DecodeRequest, ffmpeg: str | None = None) -> ReferenceFrames:
-    """The same decode in this process, into a private sealed memfd."""
-    decoded = decode_to_memfd(ffmpeg or find_ffmpeg(), request.path, request)
+def decode_locally(
+    request: DecodeRequest,
+    ffmpeg: str | None = None,
+    *,
+    started: Callable[[DecodeRun], None] | None = None,
+) -> ReferenceFrames:
+    """The same decode in this process, into a private sealed memfd (``started``: as
+    :func:`~framewire.client._media.decode.decode_to_memfd` takes it)."""
+    decoded = decode_to_memfd(ffmpeg or find_ffmpeg(), request.path, request, started=started)
     return ReferenceFrames(
         decoded.fd,
         frames=decoded.frames,

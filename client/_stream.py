@@ -17,6 +17,8 @@ remains); as a context manager, an exception inside the block aborts. A chunk
 the worker refuses is raised by the next call, and every call after it raises
 the same error: the chunks after a refused one cannot be part of the file, so
 ``close`` then aborts the session rather than leave it to the idle timeout.
+``frames_received`` is the count of the latest answer: the worker's own word on
+how far it has read, for progress displays.
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ class _WriterBase:
         self.id: str | None = None
         self.result: OutputResult | None = None
         self.frames_sent = 0
+        # Frames the worker has answered for (read into its encoder): a progress count
+        # the worker reports, updated as each answer arrives (on the sender's thread).
+        self.frames_received = 0
         self._staging: list[Staging | None] = [None, None]
         self._regions: FdRegions | None = None  # the fd route, when the client has it
         self._turn = 0  # the staging segment the next host chunk goes into
@@ -147,6 +152,10 @@ class _WriterBase:
         self.frames_sent += frames.dims[1]
         body = chunk.model_dump(mode="json", exclude_none=True)
         return Call("POST", f"/v1/streams/{self.id}/frames", body, StreamChunkAck.model_validate)
+
+    def _received(self, ack: StreamChunkAck) -> StreamChunkAck:
+        self.frames_received = max(self.frames_received, ack.frames_received)
+        return ack
 
     def _finish_call(self) -> Call[OutputResult]:
         if self.id is None:
@@ -212,12 +221,16 @@ class VideoWriter(_WriterBase):
 
             self._settle(wait=True)  # the chunks before it go first, in order
             with CudaShare(chunk.video, layout=chunk.layout) as source:
-                self._send(self._chunk_call(source, chunk))
+                self._received(self._send(self._chunk_call(source, chunk)))
             return
         if len(self._in_flight) == 2:
             self._settle(wait=True, keep=1)  # the worker has read the segment's last chunk
         source = self._stage(chunk)
-        self._in_flight.append(self._sender.submit(self._send, self._chunk_call(source, chunk)))
+        call = self._chunk_call(source, chunk)
+        self._in_flight.append(self._sender.submit(self._send_chunk, call))
+
+    def _send_chunk(self, call: Call[StreamChunkAck]) -> StreamChunkAck:
+        return self._received(self._send(call))
 
     def close(self) -> OutputResult:
         """End of frames: returns the result once the file is complete (also ``result``)."""
@@ -308,7 +321,7 @@ class AsyncVideoWriter(_WriterBase):
             share = CudaShare(chunk.video, layout=chunk.layout)  # on the producer's stream
             source = await asyncio.to_thread(share.__enter__)
             try:
-                await self._send(self._chunk_call(source, chunk))
+                self._received(await self._send(self._chunk_call(source, chunk)))
             finally:
                 share.release()
             return
@@ -320,7 +333,7 @@ class AsyncVideoWriter(_WriterBase):
 
     async def _send_in_order(self, call: Call[StreamChunkAck]) -> StreamChunkAck:
         async with self._order:
-            return await self._send(call)
+            return self._received(await self._send(call))
 
     async def close(self) -> OutputResult:
         """End of frames: returns the result once the file is complete (also ``result``)."""

@@ -11,7 +11,9 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from framewire.client._errors import BadRequest, FramewireError, MediaError
@@ -44,7 +46,8 @@ class DecodeRun:
     the kernel stops a decode at the bound, whatever the file's length, without
     a word of the byte-exact argv changing. ``stall_s``: a decode that makes no
     progress this long is killed (:class:`Stalled`). :meth:`kill` may be called
-    from another thread (worker shutdown); the run then fails with ``decode_failed``.
+    from another thread (worker shutdown); the run then fails with ``decode_failed``,
+    and so may :meth:`frames_written` (a progress display).
     """
 
     def __init__(
@@ -61,6 +64,10 @@ class DecodeRun:
         self.max_bytes = max_bytes
         if max_bytes is not None and request.frame_bytes > max_bytes:
             raise self._too_large()
+        # The memfd's size, read by frames_written from another thread: the lock keeps
+        # it from reading a descriptor number that was closed (and perhaps reused).
+        self._out_lock = threading.Lock()
+        self._written = 0
         self._out = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             argv = decode_argv(
@@ -109,10 +116,19 @@ class DecodeRun:
                     f"{self.request.width}x{self.request.height} rgb24 frames"
                 )
             fcntl.fcntl(self._out, fcntl.F_ADD_SEALS, SEALS)
-            fd, self._out = self._out, -1
+            with self._out_lock:
+                fd, self._out, self._written = self._out, -1, size
             return Decoded(fd, size // frame_bytes, size, decode_ms)
         finally:
             self.close()
+
+    def frames_written(self) -> int:
+        """Whole frames ffmpeg has written into the memfd so far: the decode's progress,
+        as the kernel counts it (the memfd's size). Safe from any thread."""
+        with self._out_lock:
+            if self._out >= 0:
+                self._written = os.fstat(self._out).st_size
+            return self._written // self.request.frame_bytes
 
     def _too_large(self) -> BadRequest:
         r = self.request
@@ -148,12 +164,23 @@ class DecodeRun:
         self._close_out()
 
     def _close_out(self) -> None:
-        if self._out >= 0:
-            os.close(self._out)
-            self._out = -1
+        with self._out_lock:
+            if self._out >= 0:
+                os.close(self._out)
+                self._out = -1
 
 
-def decode_to_memfd(ffmpeg: str, path: str | os.PathLike[str], request: DecodeRequest) -> Decoded:
-    """Decode the regular file at ``path`` into a sealed memfd."""
+def decode_to_memfd(
+    ffmpeg: str,
+    path: str | os.PathLike[str],
+    request: DecodeRequest,
+    *,
+    started: Callable[[DecodeRun], None] | None = None,
+) -> Decoded:
+    """Decode the regular file at ``path`` into a sealed memfd; ``started`` is given the
+    run once ffmpeg runs (to watch :meth:`DecodeRun.frames_written`)."""
     with InputFile.open(os.path.abspath(path)) as source:
-        return DecodeRun(ffmpeg, source, request).wait()
+        run = DecodeRun(ffmpeg, source, request)
+        if started is not None:
+            started(run)
+        return run.wait()

@@ -3,44 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from framewire.client import FramewireError, __version__
 from framewire.client._media.argv import PROFILES
-from framewire.service._settings import Settings
-
-
-def _settings_flags(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per setting; unset flags leave the FRAMEWIRE_* value in force."""
-    for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = "FRAMEWIRE_" + name.upper()
-        if field.annotation is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=env)
-        else:
-            parser.add_argument(flag, dest=name, default=None, metavar="VALUE", help=env)
-
-
-def settings_from(args: argparse.Namespace) -> Settings:
-    """The settings the flags and FRAMEWIRE_* variables give; unusable ones end the command."""
-    from pydantic import ValidationError
-
-    given = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
-    try:
-        return Settings(**given)
-    except ValidationError as exc:
-        for error in exc.errors():
-            where = ".".join(str(p) for p in error["loc"])
-            print(f"framewire: setting {where}: {error['msg']}", file=sys.stderr)
-        raise SystemExit(2) from None
+from framewire.service._cli.decode import cmd_decode
+from framewire.service._cli.encode import cmd_encode
+from framewire.service._cli.progress import add_output_flags
+from framewire.service._cli.settings import settings_flags, settings_from
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -77,75 +51,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_result(
-    path: object, frames: object, size: object, sha256: object, route: object
-) -> None:
-    print(f"{path}: {frames} frames, {size} bytes, sha256 {sha256}, route {route}")
-
-
-@contextlib.contextmanager
-def _progress(label: str, enabled: bool) -> Iterator[None]:
-    """An elapsed-time line on stderr while a long call runs (only on a terminal)."""
-    done = threading.Event()
-
-    def tick() -> None:
-        started = time.monotonic()
-        while not done.wait(0.5):
-            print(f"\r{label}: {time.monotonic() - started:5.1f} s", end="", file=sys.stderr)
-        print(f"\r{label}: {time.monotonic() - started:5.1f} s, done", file=sys.stderr)
-
-    thread = threading.Thread(target=tick, daemon=True) if enabled else None
-    if thread:
-        thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        if thread:
-            thread.join()
-
-
-def cmd_encode(args: argparse.Namespace) -> int:
-    params = {
-        "fps": args.fps,
-        "quality": args.quality,
-        "preset": args.preset,
-        "threads": args.threads,
-        "profile": args.profile,
-        "value_range": None if args.value_range is None else tuple(args.value_range),
-    }
-    if not args.local:
-        import numpy as np
-        from framewire.client import Client
-
-        frames = np.load(args.input, mmap_mode="r")
-        audio = None if args.audio is None else str(args.audio.absolute())
-        long_clip = frames.size >= 50_000_000 and sys.stderr.isatty()
-        with Client(args.url, token=args.token) as client, _progress("encoding", long_clip):
-            result = client.save_video(
-                frames, str(args.output.absolute()), audio=audio, layout=args.layout, **params
-            )
-        _print_result(result.path, result.frames, result.bytes, result.sha256, result.route)
-        return 0
-
-    from framewire.service._encode import kernels
-    from framewire.service._encode.convert import single_threaded_conversion
-    from framewire.service._encode.encoder import EncodeParams, Encoder
-    from framewire.service._sources.frames import open_npy
-
-    single_threaded_conversion()
-    settings = settings_from(args)
-    kernels.use(settings.kernel)
-    encoder = Encoder.from_settings(settings)
-    source = open_npy(args.input, args.layout)
-    try:
-        encoded = encoder.encode(source, args.output, EncodeParams(audio=args.audio, **params))
-    finally:
-        source.close()
-    _print_result(encoded.path, encoded.frames, encoded.bytes, encoded.sha256, encoded.route)
-    return 0
-
-
 def cmd_probe(args: argparse.Namespace) -> int:
     from framewire.client import Client
 
@@ -160,34 +65,6 @@ def _size(text: str) -> tuple[int, int]:
     if len(parts) != 2 or not all(p.isdigit() for p in parts):
         raise argparse.ArgumentTypeError(f"size must be WIDTHxHEIGHT, got {text!r}")
     return int(parts[0]), int(parts[1])
-
-
-def cmd_decode(args: argparse.Namespace) -> int:
-    import hashlib
-
-    import numpy as np
-    from framewire.client._reference import decode_reference
-
-    width, height = args.size
-    with decode_reference(
-        args.input,
-        fps=args.fps,
-        width=width,
-        height=height,
-        start=args.start,
-        max_frames=args.max_frames,
-        fd_socket=args.fd_socket,
-        local_fallback=args.fallback,
-    ) as ref:
-        if args.output is not None:
-            np.save(args.output, ref.frames)
-        digest = hashlib.sha256(ref.frames.data).hexdigest()
-        print(
-            f"{args.input}: {ref.shape[0]} frames of {width}x{height}, {ref.nbytes} bytes, "
-            f"sha256 {digest}, from {ref.source}"
-            + (", cached" if ref.cached else f", decoded in {ref.decode_ms:.0f} ms")
-        )
-    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -214,11 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
 
     serve = sub.add_parser("serve", help="run the worker")
-    _settings_flags(serve)
+    settings_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
     info = sub.add_parser("info", help="print versions and the effective settings")
-    _settings_flags(info)
+    settings_flags(info)
     info.set_defaults(func=cmd_info)
 
     enc = sub.add_parser("encode", help="encode an .npy clip to MP4")
@@ -254,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--ffmpeg", default=None)
     enc.add_argument("--chunk-bytes", dest="chunk_bytes", type=int, default=None)
     enc.add_argument("--fallback", action=argparse.BooleanOptionalAction, default=None)
+    add_output_flags(enc)
     enc.set_defaults(func=cmd_encode)
 
     prb = sub.add_parser("probe", help="media facts of files, from the worker (JSON lines)")
@@ -282,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="decode here when no worker answers (default: yes)",
     )
+    add_output_flags(dec)
     dec.set_defaults(func=cmd_decode)
 
     demo = sub.add_parser(

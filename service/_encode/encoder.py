@@ -42,7 +42,7 @@ from framewire.service._encode.convert import chunk_frames, convert_into
 from framewire.service._encode.outputs import Staged, atomic_output, open_directory, sha256_of
 from framewire.service._encode.params import EncodeParams, check_geometry, check_params
 from framewire.service._encode.profiles import profile_writer
-from framewire.service._encode.pump import Pump, chunk_spans
+from framewire.service._encode.pump import Progress, Pump, chunk_spans, send_in_pieces
 from framewire.service._encode.staging import ChunkWriter, slot_frames
 from framewire.service._sources.audio import MemoryAudio
 from framewire.service._sources.frames import FrameSource, Geometry
@@ -121,13 +121,16 @@ class Encoder:
         cancel: threading.Event | None = None,
         directory: int | None = None,
         inspect: Callable[[str], None] | None = None,
+        progress: Progress | None = None,
     ) -> Encoded:
         """Encode ``source`` to ``path``.
 
         ``directory``: an open fd for ``path``'s directory (the worker's, opened
         without following links); by default the directory is opened here.
         ``inspect`` runs on the finished file (by its staged path) before it is
-        renamed into place, and may raise to refuse it.
+        renamed into place, and may raise to refuse it. ``progress`` is told the
+        frames fed to ffmpeg so far, piece by piece (from 0 again if the reference
+        route redoes the output).
         """
         check_params(params)
         check_geometry(params, source.geometry.width, source.geometry.height)
@@ -145,6 +148,7 @@ class Encoder:
                     cancel=cancel,
                     directory=directory,
                     inspect=inspect,
+                    progress=progress,
                 )
             finally:
                 audio.close()
@@ -157,7 +161,7 @@ class Encoder:
                     f"output directory {path.parent} does not exist", code="output_dir_missing"
                 ) from exc
         try:
-            return self._encode(source, path, params, cancel, directory, inspect)
+            return self._encode(source, path, params, cancel, directory, inspect, progress)
         finally:
             if own:
                 os.close(directory)
@@ -170,6 +174,7 @@ class Encoder:
         cancel: threading.Event | None,
         directory: int,
         inspect: Callable[[str], None] | None,
+        progress: Progress | None,
     ) -> Encoded:
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISDIR(os.stat(path.name, dir_fd=directory, follow_symlinks=False).st_mode):
@@ -186,7 +191,7 @@ class Encoder:
         fast_error: str | None = None
         with atomic_output(directory, path.name) as staged:
             try:
-                self._stream(source, staged, params, threads, check)
+                self._stream(source, staged, params, threads, check, progress)
             except (Cancelled, BadRequest):
                 raise  # the caller's fault or wish: the reference route would not help
             except (MediaError, OSError) as exc:
@@ -198,7 +203,7 @@ class Encoder:
                     raise
                 check()
                 route, fast_error = "fallback", str(exc)
-                self._reference(source, staged, params, check)
+                self._reference(source, staged, params, check, progress)
             encode_ms = (time.perf_counter() - started) * 1e3
             size, sha256 = staged.digest()
             if inspect is not None:
@@ -253,19 +258,27 @@ class Encoder:
         params: EncodeParams,
         threads: int,
         check: Callable[[], None],
+        progress: Progress | None = None,
     ) -> None:
         g = source.geometry
         argv = self.argv(staged, g.width, g.height, params, threads=threads)
+        per_chunk = self.frames_per_chunk(g)
         with self.start(argv, staged, params) as ff:
-            assert ff.input is not None
+            pipe = ff.input
+            assert pipe is not None
             try:
                 span = source.zero_copy()
                 if span is not None:
-                    nbytes = g.frames * g.height * g.width * 3
-                    ff.input.send_file(span[0], span[1], nbytes, check)
+                    fd, offset = span
+                    frame = g.height * g.width * 3
+
+                    def send(t0: int, t1: int) -> None:
+                        pipe.send_file(fd, offset + t0 * frame, (t1 - t0) * frame, check)
+
+                    send_in_pieces(g.frames, per_chunk, send, progress)
                 else:
-                    with Pump(ff.input, g.height, g.width, self.frames_per_chunk(g)) as pump:
-                        pump.send(source, check, self.writer(source, params))
+                    with Pump(pipe, g.height, g.width, per_chunk) as pump:
+                        pump.send(source, check, self.writer(source, params), progress=progress)
             except FfmpegExited as exc:
                 raise cut_short(ff, check) from exc
             wait_for(ff, check)
@@ -276,6 +289,7 @@ class Encoder:
         staged: Staged,
         params: EncodeParams,
         check: Callable[[], None] = lambda: None,
+        progress: Progress | None = None,
     ) -> None:
         """The in-process path: the whole clip as uint8, piped into imageio-ffmpeg's argv.
 
@@ -304,9 +318,16 @@ class Encoder:
         check()
         argv = self.argv(staged, g.width, g.height, params, threads=params.threads, stdin_name="-")
         with self.start(argv, staged, params) as ff:
-            assert ff.input is not None
+            pipe = ff.input
+            assert pipe is not None
+            data = frames.numpy().data.cast("B")
+            frame = g.height * g.width * 3
+
+            def send(t0: int, t1: int) -> None:
+                pipe.send(data[t0 * frame : t1 * frame], check)
+
             try:
-                ff.input.send(frames.numpy().data.cast("B"), check)
+                send_in_pieces(g.frames, self.frames_per_chunk(g), send, progress)
             except FfmpegExited:
                 pass  # wait_for reports ffmpeg's exit status and stderr
             wait_for(ff, check)

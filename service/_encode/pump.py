@@ -33,6 +33,10 @@ BLOCK_BYTES = 1 << 20  # source bytes converted at once: fits a core's L2
 KERNEL_BLOCK_BYTES = 4 << 20
 DRAIN_POLL_S = 0.001  # how often a writer waiting on a pinned slot looks at the pipe again
 
+# Told how many frames of the clip ffmpeg has been fed so far, after each piece (for a
+# progress display). Runs on the sending thread between sends: it must be quick.
+Progress = Callable[[int], None]
+
 
 def pipe_capacity(fd: int) -> int | None:
     """Bytes a pipe can hold; None if ``fd`` is not a pipe (then assume the worst)."""
@@ -76,6 +80,20 @@ def blocks(
 
 def chunk_spans(frames: int, per_chunk: int) -> list[tuple[int, int]]:
     return [(t0, min(t0 + per_chunk, frames)) for t0 in range(0, frames, per_chunk)]
+
+
+def send_in_pieces(
+    frames: int,
+    per_chunk: int,
+    send: Callable[[int, int], None],
+    progress: Progress | None = None,
+) -> None:
+    """``send(t0, t1)`` for each piece of ``per_chunk`` frames in order, ``progress`` told
+    after each: frames already in one buffer, fed with a progress count on the way."""
+    for t0, t1 in chunk_spans(frames, per_chunk):
+        send(t0, t1)
+        if progress is not None:
+            progress(t1)
 
 
 class HostWriter(ChunkWriter):
@@ -182,6 +200,7 @@ class Pump(Closing):
         source: FrameSource,
         check: Callable[[], None] = lambda: None,
         writer: ChunkWriter | None = None,
+        progress: Progress | None = None,
     ) -> int:
         """Convert all of ``source``'s frames and send them; returns the bytes sent.
 
@@ -190,7 +209,8 @@ class Pump(Closing):
         ``source`` is read any more: its buffer may be reused. ``check`` runs
         between pieces and while the pipe is full, and may raise to stop; after a
         failure the pump is spent. ``writer`` defaults to the source's own
-        converter, else the host one.
+        converter, else the host one. ``progress`` is told the frames of ``source``
+        sent so far, after each piece.
         """
         if self._broken:
             raise RuntimeError("the pump failed before: its ffmpeg's input is incomplete")
@@ -228,6 +248,8 @@ class Pump(Closing):
                 self.drain.sent(slot, nbytes)
                 sent += nbytes
                 slot = following
+                if progress is not None:
+                    progress(spans[i][1])
             done = True
         finally:
             if not done:

@@ -1,8 +1,8 @@
 """The benchmark scripts run, on clips small enough for CI, and their outputs agree.
 
 Wall times are printed, never asserted; what is asserted is that each script
-finishes, prints its table and finds framewire's bytes equal to its peers'
-(each exits 1 otherwise).
+finishes, prints its table, finds framewire's bytes equal to its peers' (each
+exits 1 otherwise) and draws its figures: PNG files that decode to an image.
 """
 
 from __future__ import annotations
@@ -29,10 +29,28 @@ def bench(script: str, *args: str, timeout: float = 240) -> subprocess.Completed
     )
 
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_figures(directory: Path, *names: str) -> None:
+    """Exactly these PNGs were written, and each decodes to a picture of some size."""
+    import matplotlib.image
+
+    assert sorted(p.name for p in directory.iterdir()) == sorted(names)
+    for name in names:
+        path = directory / name
+        assert path.read_bytes()[:8] == PNG_SIGNATURE, name
+        pixels = matplotlib.image.imread(path)
+        assert pixels.ndim == 3 and pixels.shape[0] > 200 and pixels.shape[1] > 300, pixels.shape
+        assert pixels.std() > 0, f"{name} is blank"
+
+
 def test_encode_benchmark(tmp_path: Path) -> None:
-    out = tmp_path / "rows.json"
-    r = bench("encode.py", "--frames", "4", "--width", "64", "--height", "48", "--json", str(out))
+    out, figures = tmp_path / "rows.json", tmp_path / "figures"
+    r = bench("encode.py", "--frames", "4", "--width", "64", "--height", "48",
+              "--json", str(out), "--figures", str(figures))  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
+    assert_figures(figures, "encode-memory.png", "encode-wall.png")
     rows = json.loads(out.read_text())
     assert {row["variant"] for row in rows} == {"bare ffmpeg", "imageio", "framewire"}
     assert all(row["same_bytes"] for row in rows), rows
@@ -52,9 +70,11 @@ def test_parallel_benchmark() -> None:
 
 
 def test_decode_benchmark(tmp_path: Path) -> None:
-    out = tmp_path / "results.json"
-    r = bench("decode.py", "--ranks", "2", "--seconds", "0.5", "--json", str(out))
+    out, figures = tmp_path / "results.json", tmp_path / "figures"
+    r = bench("decode.py", "--ranks", "2", "--seconds", "0.5", "--json", str(out),
+              "--figures", str(figures))  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
+    assert_figures(figures, "decode.png")
     results = json.loads(out.read_text())
     assert {"one decode", "2 x framewire", "2 x framewire, cached"} <= set(results)
     assert "bytes identical across all ranks and variants: True" in r.stdout
@@ -82,10 +102,11 @@ def test_gpu_benchmark_says_why_it_cannot_run() -> None:
 
 
 def test_stream_benchmark(tmp_path: Path) -> None:
-    out = tmp_path / "stream.json"
+    out, figures = tmp_path / "stream.json", tmp_path / "figures"
     r = bench("stream.py", "--frames", "8", "--chunk", "3", "--width", "64", "--height", "48",
-              "--repeat", "1", "--json", str(out))  # fmt: skip
+              "--repeat", "1", "--json", str(out), "--figures", str(figures))  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
+    assert_figures(figures, "stream-tail.png")
     rows = json.loads(out.read_text())["runs"]
     modes = sorted(row["mode"] for row in rows if row["rate"] > 0)
     assert modes == ["a", "a", "b", "b", "c", "c"]  # two rates, one run each

@@ -97,6 +97,21 @@ def test_a_written_video_is_the_bytes_of_save_video(worker, tmp_path, monkeypatc
     assert our_segments() == set() and fd_regions(worker) == []
 
 
+def test_frames_received_follows_the_workers_answers(worker):
+    """The count each chunk's answer carries: never ahead of what was sent, at least the
+    chunk two back once ``write`` returns (it waited for that answer), all at the end."""
+    clip = make_clip(frames=20, height=48, width=64)
+    seen = []
+    with Client(worker.uds_url) as c, c.open_video("counted.mp4", fps=24) as w:
+        assert w.frames_received == 0
+        for k, part in enumerate(chunks(clip, 2)):
+            w.write(part)
+            seen.append(w.frames_received)
+            assert 2 * (k - 1) <= w.frames_received <= w.frames_sent == 2 * (k + 1)
+    assert seen == sorted(seen)
+    assert w.frames_received == 20 == w.frames_sent
+
+
 def test_numpy_thwc_chunks_of_uneven_sizes(worker, tmp_path):
     video = np.random.default_rng(5).integers(0, 256, (9, 17, 30, 3), np.uint8)
     with Client(worker.uds_url) as c, c.open_video("n.mp4", fps=24) as w:
@@ -155,7 +170,7 @@ def test_the_async_writer_gives_the_same_bytes(worker, tmp_path):
             async with c.open_video("a.mp4", fps=24) as w:
                 for part in chunks(clip, 4):
                     await w.write(part)
-            assert w.result is not None
+            assert w.result is not None and w.frames_received == 10
             return w.result
 
     result = asyncio.run(go())

@@ -171,6 +171,16 @@ def test_encode_local_errors_are_one_line_and_exit_1(tmp_path):
     assert "[output_dir_missing]" in proc.stderr
 
 
+@pytest.mark.parametrize("where", [["--local"], ["--url", "unix:///nonexistent/api.sock"]])
+def test_encode_refuses_a_clip_without_frames_in_one_line(tmp_path, where):
+    np.save(tmp_path / "empty.npy", np.zeros((3, 0, 16, 16), np.float32))
+    proc = run(
+        "encode", str(tmp_path / "empty.npy"), str(tmp_path / "o.mp4"), "--fps", "24", *where
+    )
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip() == f"framewire: [bad_shape] {tmp_path / 'empty.npy'} holds no frames"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -45,6 +45,19 @@ def test_local_fallback_is_byte_exact(clips, no_worker, case):
             assert len(ref) == kw["max_frames"]
 
 
+def test_a_local_decode_reports_the_frames_it_wrote(clips):
+    """``started`` gets the run while ffmpeg writes; once the memfd is handed over the run
+    still answers (from the size it sealed), never from a descriptor it no longer owns."""
+    from framewire.client._reference import decode_locally, make_request
+
+    request = make_request(clips["c30.mp4"], fps=24, width=45, height=33)
+    runs = []
+    with decode_locally(request, started=runs.append) as ref:
+        [run] = runs
+        assert run.frames_written() == len(ref) == 48
+        assert ref.frames.tobytes() == oracle(clips["c30.mp4"], fps=24, width=45, height=33)
+
+
 def test_refused_connection_falls_back(clips, tmp_path):
     # A socket file nobody listens on: what a killed worker leaves behind.
     dead = tmp_path / "dead.sock"

@@ -217,3 +217,25 @@ def test_uint8_thwc_segment_is_sent_without_conversion(tmp_path, segments, monke
         check(tmp_path, clip, layout=Layout.THWC, source=source, fps=24)
     finally:
         source.close()
+
+
+@pytest.mark.parametrize("route", ["pump", "zero copy"])
+def test_progress_hears_each_piece_fed_to_ffmpeg(tmp_path, segments, route):
+    """``progress`` is told the frames sent after each piece, in order, up to the last; the
+    bytes are the same as without it."""
+    if route == "pump":
+        clip, layout = make_clip(frames=7), Layout.CTHW
+        source = TensorSource(clip, layout)
+    else:
+        clip, layout = make_clip(frames=7, dtype=torch.uint8, layout=Layout.THWC), Layout.THWC
+        source = file_source(segments, clip, layout)
+    seen: list[int] = []
+    out = tmp_path / "out.mp4"
+    try:
+        result = Encoder(chunk_bytes=1, fallback=False).encode(
+            source, out, EncodeParams(fps=24), progress=seen.append
+        )
+    finally:
+        source.close()
+    assert seen == [1, 2, 3, 4, 5, 6, 7]  # a budget of one byte: one frame a piece
+    assert result.sha256 == sha256(out) == reference_mp4(clip, tmp_path / "ref.mp4", layout=layout)

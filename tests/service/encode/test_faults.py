@@ -68,11 +68,16 @@ def test_ffmpeg_killed_mid_stream_falls_back_to_same_bytes(tmp_path):
     clip = make_clip(frames=30, height=75, width=100)
     source = KillFfmpegAt(clip, at=10)
     out = tmp_path / "a.mp4"
-    result = Encoder(chunk_bytes=1).encode(source, out, EncodeParams(fps=24))
+    fed: list[int] = []
+    result = Encoder(chunk_bytes=1).encode(source, out, EncodeParams(fps=24), progress=fed.append)
     assert source.kills == 1
     assert result.route == "fallback"
     assert result.fast_path_error
     assert sha256(out) == reference_mp4(clip, tmp_path / "ref.mp4")
+    # The progress heard the stream route's pieces, then the redone output's from 1 again.
+    restart = fed.index(1, 1)
+    assert fed[:restart] == list(range(1, restart + 1)) and restart < 30
+    assert fed[restart:] == list(range(1, 31))
 
 
 def test_ffmpeg_killed_mid_stream_without_fallback(tmp_path):
