@@ -205,9 +205,11 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
             )  # fmt: skip
             wall = time.perf_counter() - started
     else:
+        from framewire.service._encode import kernels
         from framewire.service._encode.convert import single_threaded_conversion
 
         single_threaded_conversion()  # as `framewire serve` configures its process
+        kernels.warm()  # as it does at start: the compiler's memory is not the encode's
         fd = open_shm(spec["key"], ["/framewire"])
         src = FileSource(fd, 0, Geometry(DType.float32, Layout.CTHW, frames, height, width))
         encoder = Encoder(ffmpeg, chunk_bytes=spec["chunk_bytes"])

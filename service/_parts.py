@@ -7,6 +7,7 @@ so the first request pays for neither).
 from __future__ import annotations
 
 import secrets
+import threading
 from dataclasses import dataclass
 
 from framewire.service._decode.decoder import ReferenceDecoder
@@ -38,6 +39,9 @@ class Parts:
     @classmethod
     def build(cls, settings: Settings) -> Parts:
         kernels.use(settings.kernel)
+        # Loaded beside the start-up, not in it: a first encode that comes sooner waits
+        # on the kernels' lock instead of loading them in its own window.
+        threading.Thread(target=kernels.warm, name="framewire-kernels", daemon=True).start()
         encoder = Encoder.from_settings(settings)
         metrics = Metrics()
         cuda = CudaRuntime.start()

@@ -21,3 +21,24 @@ def test_a_worker_on_the_pure_route_gives_the_same_bytes(workers, tmp_path):
 def test_a_default_worker_reports_the_compiled_route(worker):
     with worker.http() as h:
         assert h.get("/v1/info").json()["conversion"] == "compiled"
+
+
+def test_warming_compiles_the_signatures_an_encode_uses():
+    """kernels.warm() (run as a worker starts) leaves nothing for the first encode to
+    compile: converting a block adds no signature to either kernel."""
+    import torch
+    from framewire.client.wire import Layout
+    from framewire.service._encode import kernels
+    from framewire.service._encode.convert import convert_into
+
+    kernels.use("auto")
+    kernels.warm()
+    found = kernels.kernels()
+    assert found is not None
+    before = [list(k.signatures) for k in found]
+    assert all(before)
+    planar = make_clip(2, 8, 8)
+    interleaved = planar.permute(1, 2, 3, 0).contiguous()
+    for layout, clip in [(Layout.CTHW, planar), (Layout.THWC, interleaved)]:
+        convert_into(clip, layout, torch.empty(2, 8, 8, 3, dtype=torch.uint8))
+    assert [list(k.signatures) for k in found] == before
