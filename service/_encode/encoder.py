@@ -134,6 +134,8 @@ class Encoder:
         """
         check_params(params)
         check_geometry(params, source.geometry.width, source.geometry.height)
+        if source.geometry.frames < 1:  # the wire refuses these; a direct caller might not
+            raise BadRequest("the clip has no frames", code="no_frames")
         path = Path(path)
         if isinstance(params.audio, Path):
             try:

@@ -8,13 +8,14 @@ import shutil
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from framewire.client._errors import BadRequest, MediaError, NotFound, Unavailable
 from framewire.client._media.process import FfmpegProcess
 from framewire.client.wire import DType, Layout
 from framewire.service._encode.encoder import EncodeParams, Encoder
-from framewire.service._sources.frames import FileSource, Geometry, TensorSource
+from framewire.service._sources.frames import FileSource, Geometry, TensorSource, open_npy
 from framewire.service._sources.shm import open_shm
 
 from tests.support.media import FFMPEG, make_clip, reference_mp4, sha256
@@ -142,12 +143,28 @@ def test_audio_that_is_not_audio_fails_with_stderr_tail(tmp_path):
         (EncodeParams(fps=float("nan")), "bad_fps"),
         (EncodeParams(fps=24, quality=11), "bad_quality"),
         (EncodeParams(fps=24, threads=0), "bad_threads"),
+        (EncodeParams(fps=24, quality=float("nan")), "bad_quality"),
+        (EncodeParams(fps=24, profile="ffmpeg"), "bad_profile"),
+        (EncodeParams(fps=24, value_range=(0.0, 1.0)), "bad_value_range"),
+        (EncodeParams(fps=24, profile="vllm-omni", value_range=(1.0, 1.0)), "bad_value_range"),
     ],
 )
 def test_bad_parameters(tmp_path, params, code):
     with pytest.raises(BadRequest) as err:
         Encoder().encode(TensorSource(make_clip()), tmp_path / "a.mp4", params)
     assert err.value.code == code
+    assert_nothing_at(tmp_path / "a.mp4")
+
+
+def test_a_clip_without_frames_is_refused(tmp_path):
+    np.save(tmp_path / "empty.npy", make_clip()[:, :0].numpy())
+    source = open_npy(tmp_path / "empty.npy")
+    try:
+        with pytest.raises(BadRequest) as err:
+            Encoder().encode(source, tmp_path / "a.mp4", EncodeParams(fps=24))
+    finally:
+        source.close()
+    assert err.value.code == "no_frames"
     assert_nothing_at(tmp_path / "a.mp4")
 
 
