@@ -12,7 +12,9 @@ from pydantic_core import PydanticCustomError
 
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 192000  # SGLang's bounds for a usable rate
 MAX_CHANNELS = 8
-MAX_AUDIO_BYTES = 1 << 30  # an hour of 48 kHz 8-channel float32 is 1.4 GB: far past a clip
+# The worker holds about three copies while it judges a request (the read, the samples,
+# the WAV): 256 MiB is 11 minutes of 48 kHz stereo float32, far past a generated clip.
+MAX_AUDIO_BYTES = 256 << 20
 
 
 class AudioDType(StrEnum):

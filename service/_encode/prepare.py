@@ -113,7 +113,7 @@ class Preparer:
         if isinstance(options.audio, str):
             audio = await asyncio.to_thread(self._open_input, options.audio, access)
         elif options.audio is not None:
-            audio = await self._memory_audio(options.audio, options.profile, access, stack)
+            audio = await self._memory_audio(options.audio, options.profile, access)
         if audio is not None:
             stack.callback(audio.close)
         params = EncodeParams(
@@ -128,9 +128,7 @@ class Preparer:
         check_params(params)
         return path, params
 
-    async def _memory_audio(
-        self, src: AudioSource, profile: str, access: Access, stack: contextlib.AsyncExitStack
-    ) -> MemoryAudio:
+    async def _memory_audio(self, src: AudioSource, profile: str, access: Access) -> MemoryAudio:
         """The samples ``src`` names, read now (the caller's memory is free again once the
         request is judged) into a WAV of the worker's own."""
         clamp = profile != "vllm-omni"  # SGLang clamps before its WAV; vLLM-omni never does

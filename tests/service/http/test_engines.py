@@ -89,6 +89,7 @@ def tiny_video(segments) -> dict[str, object]:
         ({"sample_rate": 192001}, "bad_sample_rate"),
         ({"shape": [100, 9], "byte_size": 3600}, "bad_audio_channels"),
         ({"byte_size": 404}, "byte_size_mismatch"),
+        ({"shape": [40_000_000, 2], "byte_size": 320_000_000}, "audio_too_large"),
         ({"dtype": "float64"}, "bad_audio_dtype"),
         ({"nan": True}, "audio_not_finite"),
         ({"key": "/framewire-test-missing"}, "shm_not_found"),
