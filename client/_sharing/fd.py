@@ -25,7 +25,7 @@ from typing import Any
 from framewire.client._closing import Closing
 from framewire.client._errors import Unavailable
 from framewire.client._fdsocket import FdSocket, error_from
-from framewire.client._sharing.video import Frames, copy_into, describe, is_torch
+from framewire.client._sharing.video import Frames, MappedBuffer, describe, is_torch
 from framewire.client.wire import Layout, RegionSource
 
 _names = itertools.count()
@@ -77,7 +77,7 @@ class FdRegions(Closing):
         self._conn.close()
 
 
-class Memfd(Closing):
+class Memfd(MappedBuffer, Closing):
     """A memfd of ``nbytes`` sealed against shrinking and growing, mapped for writing."""
 
     def __init__(self, nbytes: int):
@@ -90,16 +90,6 @@ class Memfd(Closing):
         except BaseException:
             os.close(self.fd)
             raise
-
-    def write(self, frames: Frames) -> None:
-        assert self._map is not None
-        copy_into(self._map, frames)
-
-    def write_bytes(self, raw: memoryview | bytes | Any) -> None:
-        """Copy raw bytes (a uint8 array, say) to the start."""
-        assert self._map is not None
-        view = memoryview(raw).cast("B")
-        self._map[: len(view)] = view
 
     def close(self) -> None:
         if self._map is not None:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from framewire.client._closing import Closing
-from framewire.client._sharing.video import Frames, copy_into, describe, is_torch
+from framewire.client._sharing.video import Frames, MappedBuffer, describe, is_torch
 from framewire.client.wire import Layout, ShmSource
 
 SHM_PREFIX = "/framewire-"
@@ -50,7 +50,7 @@ def _torch_shm_key(video: Any) -> tuple[str, int] | None:
     return key, header + video.storage_offset() * video.element_size()
 
 
-class Segment(Closing):
+class Segment(MappedBuffer, Closing):
     """A POSIX shm segment made here: mode 0600, ``flock``-ed while it exists (so a later
     sweep can tell it from one a killed process left behind), unlinked by :meth:`close`."""
 
@@ -70,17 +70,6 @@ class Segment(Closing):
         except BaseException:
             self.close()
             raise
-
-    def write(self, frames: Frames) -> None:
-        """Copy ``frames``' bytes to the start of the segment."""
-        assert self._map is not None
-        copy_into(self._map, frames)
-
-    def write_bytes(self, raw: memoryview | bytes | Any) -> None:
-        """Copy raw bytes (a uint8 array, say) to the start."""
-        assert self._map is not None
-        view = memoryview(raw).cast("B")
-        self._map[: len(view)] = view
 
     def source(self, frames: Frames) -> ShmSource:
         """The descriptor of ``frames`` written at the start of the segment."""

@@ -102,3 +102,21 @@ def copy_into(mapping: Any, frames: Frames) -> None:
     else:
         target = np.frombuffer(mapping, np.dtype(video.dtype), count=video.size)
         np.copyto(target.reshape(video.shape), video)
+
+
+class MappedBuffer:
+    """A writable shared mapping (``_map``) that a caller's bytes are copied into: the
+    memfds of the fd route and the named segments share it."""
+
+    _map: Any
+
+    def write(self, frames: Frames) -> None:
+        """Copy ``frames``' bytes to the start."""
+        assert self._map is not None
+        copy_into(self._map, frames)
+
+    def write_bytes(self, raw: Any) -> None:
+        """Copy raw bytes (a uint8 array, say) to the start."""
+        assert self._map is not None
+        view = memoryview(raw).cast("B")
+        self._map[: len(view)] = view
