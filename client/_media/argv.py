@@ -97,14 +97,20 @@ DEFAULT_PRESETS: dict[str, str | None] = {
 }
 
 
-def profile_rate(profile: str, fps: float) -> Fraction:
-    """The frame rate each engine writes: SGLang rounds to 2 decimals, PyAV (vLLM-omni)
-    takes a rational within 1/10000, imageio-ffmpeg an exact one."""
+def rate_arg(profile: str, fps: float | Fraction) -> str:
+    """The ``-r`` value each engine writes: SGLang's rounded to 2 decimals (23.976 ->
+    23.98), PyAV's (vLLM-omni) a rational within 1/10000, imageio-ffmpeg's exact."""
     if profile == "sglang":
-        return Fraction(f"{fps:.02f}")
+        return f"{float(fps):.02f}"
     if profile == "vllm-omni":
-        return Fraction(fps).limit_denominator(10000)
-    return Fraction(fps_arg(fps))
+        rate = Fraction(fps).limit_denominator(10000)
+        return f"{rate.numerator}/{rate.denominator}"
+    return fps_arg(fps)
+
+
+def profile_rate(profile: str, fps: float) -> Fraction:
+    """:func:`rate_arg` as the rate the file ends up with."""
+    return Fraction(rate_arg(profile, fps))
 
 
 def output_size(profile: str, width: int, height: int) -> tuple[int, int]:
@@ -143,69 +149,32 @@ def encode_argv(
     passes none (diffusers' ``export_to_video``). ``guard`` adds each input's protocol
     and demuxer whitelist (the worker always does).
     """
-    if profile == "sglang":
-        return _sglang_argv(
-            ffmpeg, width=width, height=height, fps=float(fps), output=output,
-            quality=quality, preset=preset, threads=threads, audio=audio,
-            stdin_name=stdin_name, guard=guard,
-        )  # fmt: skip
-    if profile not in ("imageio", "diffusers"):
+    if profile not in ("imageio", "sglang", "diffusers"):
         raise ValueError(f"profile {profile!r} is not encoded by an ffmpeg command")
     argv = [ffmpeg, "-y", *(PIPE_GUARD if guard else ())]
     argv += ["-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}"]
-    argv += ["-pix_fmt", "rgb24", "-r", fps_arg(fps), "-i", stdin_name]
+    argv += ["-pix_fmt", "rgb24", "-r", rate_arg(profile, fps), "-i", stdin_name]
     if audio is None:
         argv += ["-an"]
     else:
         argv += [*(AUDIO_FILE_GUARD if guard else ()), "-i", os.fspath(audio)]
-    argv += ["-vcodec", "libx264", "-pix_fmt", "yuv420p", "-crf", str(crf_for(profile, quality))]
+    crf = ["-crf", str(crf_for(profile, quality))]
+    scale: list[str] = []
     if (width, height) != padded_size(width, height):
-        argv += ["-vf", "scale={}:{}".format(*padded_size(width, height))]
-    argv += ["-v", "warning"]
-    if preset is not None:
-        argv += ["-preset", preset]
-    if threads is not None:
-        argv += ["-threads", str(threads)]
-    if audio is not None:
-        argv += ["-acodec", "aac", "-map", "0:v:0", "-map", "1:a:0"]
+        scale = ["-vf", "scale={}:{}".format(*padded_size(width, height))]
+    threads_arg = [] if threads is None else ["-threads", str(threads)]
+    audio_out = [] if audio is None else ["-acodec", "aac", "-map", "0:v:0", "-map", "1:a:0"]
+    if profile == "sglang":
+        # SGLang 0.5.23's _cuda_video_ffmpeg_command. Its CPU path's _save_video_ffmpeg
+        # differs only in options that change no byte: no -threads where x264 picks the
+        # same count, no -map with one stream of each kind, no -v.
+        argv += ["-vcodec", "libx264", "-preset", preset or "fast", "-pix_fmt", "yuv420p"]
+        argv += [*crf, *scale, *threads_arg, *audio_out, "-v", "warning"]
+    else:
+        argv += ["-vcodec", "libx264", "-pix_fmt", "yuv420p", *crf, *scale, "-v", "warning"]
+        argv += [] if preset is None else ["-preset", preset]
+        argv += [*threads_arg, *audio_out]
     argv.append(os.fspath(output))
-    return argv
-
-
-def _sglang_argv(
-    ffmpeg: str,
-    *,
-    width: int,
-    height: int,
-    fps: float,
-    output: str | os.PathLike[str],
-    quality: float | None,
-    preset: str | None,
-    threads: int | None,
-    audio: str | os.PathLike[str] | None,
-    stdin_name: str,
-    guard: bool,
-) -> list[str]:
-    """SGLang 0.5.23's ``_cuda_video_ffmpeg_command`` (its CPU path's
-    ``_save_video_ffmpeg`` differs only in options that change no byte: no
-    ``-threads`` when x264 picks the same count, no ``-map`` with one stream of each
-    kind, no ``-v``)."""
-    argv = [ffmpeg, "-y", *(PIPE_GUARD if guard else ())]
-    argv += ["-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}"]
-    argv += ["-pix_fmt", "rgb24", "-r", f"{fps:.02f}", "-i", stdin_name]
-    if audio is None:
-        argv += ["-an"]
-    else:
-        argv += [*(AUDIO_FILE_GUARD if guard else ()), "-i", os.fspath(audio)]
-    argv += ["-vcodec", "libx264", "-preset", preset or "fast", "-pix_fmt", "yuv420p"]
-    argv += ["-crf", str(crf_for("sglang", quality))]
-    if (width, height) != padded_size(width, height):
-        argv += ["-vf", "scale={}:{}".format(*padded_size(width, height))]
-    if threads is not None:
-        argv += ["-threads", str(threads)]
-    if audio is not None:
-        argv += ["-acodec", "aac", "-map", "0:v:0", "-map", "1:a:0"]
-    argv += ["-v", "warning", os.fspath(output)]
     return argv
 
 
@@ -229,8 +198,7 @@ def pyav_argv(
     ``audio``: (fd, data offset, samples, channels, sample_rate) of float32 samples.
     """
     argv = [python, "-m", "framewire.service._encode.pyav_writer"]
-    rate = profile_rate("vllm-omni", fps)
-    argv += ["--size", f"{width}x{height}", "--rate", f"{rate.numerator}/{rate.denominator}"]
+    argv += ["--size", f"{width}x{height}", "--rate", rate_arg("vllm-omni", fps)]
     argv += ["--crf", str(crf_for("vllm-omni", quality))]
     if preset is not None:
         argv += ["--preset", preset]
