@@ -42,15 +42,11 @@ def _read_exactly(stream: int, buffer: memoryview) -> bool:
 def _samples(spec: str) -> tuple[np.ndarray, int]:
     """The (channels, samples) float32 waveform and its rate, from an inherited memfd."""
     fd, offset, samples, channels, rate = (int(v) for v in spec.split(","))
-    nbytes = samples * channels * 4
-    raw = bytearray()
-    while len(raw) < nbytes:
-        got = os.pread(fd, nbytes - len(raw), offset + len(raw))
-        if not got:
-            raise SystemExit("the audio input is shorter than its header says")
-        raw += got
-    os.close(fd)
-    flat = np.frombuffer(raw, np.float32)
+    with open(fd, "rb") as f:  # closes the inherited descriptor too
+        f.seek(offset)
+        flat = np.fromfile(f, np.float32, count=samples * channels)
+    if flat.size < samples * channels:
+        raise SystemExit("the audio input is shorter than its header says")
     return np.ascontiguousarray(flat.reshape(samples, channels).T), rate
 
 

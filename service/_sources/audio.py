@@ -20,6 +20,7 @@ import numpy as np
 from framewire.client._errors import BadRequest
 from framewire.client._media.inputs import InputFile
 from framewire.client.wire import AudioDType, AudioSource
+from framewire.service._sources.frames import pread_full
 
 WAVE_FORMAT_PCM, WAVE_FORMAT_IEEE_FLOAT = 1, 3
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
@@ -99,13 +100,11 @@ class MemoryAudio(InputFile):
 
 def read_exactly(fd: int, offset: int, nbytes: int) -> bytes:
     """``nbytes`` at ``offset`` of ``fd``; a file shorter than that is the caller's fault."""
-    out = bytearray()
-    while len(out) < nbytes:
-        got = os.pread(fd, nbytes - len(out), offset + len(out))
-        if not got:
-            raise BadRequest(
-                f"the audio ends {nbytes - len(out)} bytes short of its byte_size",
-                code="segment_truncated",
-            )
-        out += got
+    out = bytearray(nbytes)
+    got = pread_full(fd, memoryview(out), offset)
+    if got < nbytes:
+        raise BadRequest(
+            f"the audio ends {nbytes - got} bytes short of its byte_size",
+            code="segment_truncated",
+        )
     return bytes(out)

@@ -132,6 +132,17 @@ class TensorSource(FrameSource):
         return (x[:, :, rows] if layout is not Layout.THWC else x[:, rows]), False
 
 
+def pread_full(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``fd`` at ``offset``; the bytes read (fewer only at end of file)."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
 class FileSource(FrameSource):
     """Bytes at ``offset`` of an open file (a shm segment, an .npy body), C-contiguous."""
 
@@ -162,16 +173,11 @@ class FileSource(FrameSource):
         raw = out.view(torch.uint8).numpy()
         pos = 0
         for offset, length in byte_runs(g, self.offset, t0, t1, r0, r1):
-            view = raw[pos : pos + length].data
-            got = 0
-            while got < length:
-                n = os.preadv(self.fd, [view[got:]], offset + got)
-                if n == 0:
-                    raise BadRequest(
-                        "the shared-memory segment shrank while it was being read",
-                        code="segment_truncated",
-                    )
-                got += n
+            if pread_full(self.fd, raw[pos : pos + length].data, offset) < length:
+                raise BadRequest(
+                    "the shared-memory segment shrank while it was being read",
+                    code="segment_truncated",
+                )
             pos += length
         return out.view(shape), True
 
