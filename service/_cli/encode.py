@@ -40,10 +40,17 @@ def summary(fields: dict[str, Any], elapsed_s: float) -> str:
     )
 
 
-def _profile(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine profile asked for (docs/engines.md), as both routes take it."""
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """How the output is encoded, as both routes take it (the profile: docs/engines.md)."""
     value_range = None if args.value_range is None else tuple(args.value_range)
-    return {"profile": args.profile, "value_range": value_range}
+    return {
+        "fps": args.fps,
+        "quality": args.quality,
+        "preset": args.preset,
+        "threads": args.threads,
+        "profile": args.profile,
+        "value_range": value_range,
+    }
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
@@ -68,14 +75,7 @@ def _through_worker(args: argparse.Namespace, live: bool) -> tuple[dict[str, Any
     audio = None if args.audio is None else str(args.audio.absolute())
     with Client(args.url, token=args.token) as client:
         writer = client.open_video(
-            str(args.output.absolute()),
-            fps=args.fps,
-            quality=args.quality,
-            preset=args.preset,
-            threads=args.threads,
-            audio=audio,
-            layout=clip.layout,
-            **_profile(args),
+            str(args.output.absolute()), audio=audio, layout=clip.layout, **_options(args)
         )
         # The writer closes (the worker finishes the file) inside the meter's block.
         meter = Meter("encoding", total, lambda: writer.frames_received, live=live)
@@ -98,14 +98,7 @@ def _local(args: argparse.Namespace, live: bool) -> tuple[dict[str, Any], float]
     settings = settings_from(args)
     kernels.use(settings.kernel)
     encoder = Encoder.from_settings(settings)
-    params = EncodeParams(
-        fps=args.fps,
-        quality=args.quality,
-        preset=args.preset,
-        threads=args.threads,
-        audio=args.audio,
-        **_profile(args),
-    )
+    params = EncodeParams(audio=args.audio, **_options(args))
     source = open_npy(args.input, args.layout)
     fed = Count()
     try:
