@@ -88,18 +88,16 @@ class EncodeOptions(WireModel):
                 raise PydanticCustomError(
                     "bad_value_range", f"value_range {[lo, hi]} is not a finite low < high"
                 )
-        memory = self.audio is not None and not isinstance(self.audio, str)
         if self.audio is not None and self.profile == "diffusers":
             raise PydanticCustomError(
                 "audio_unsupported", "diffusers' export_to_video writes no audio"
             )
         if self.profile == "vllm-omni" and self.audio is not None:
-            if not memory:
+            if isinstance(self.audio, str):
                 raise PydanticCustomError(
                     "audio_unsupported",
                     "the vllm-omni profile muxes audio samples in memory, not files",
                 )
-            assert not isinstance(self.audio, str)
             if self.audio.dtype != "float32" or self.audio.channels > 2:
                 raise PydanticCustomError(
                     "audio_unsupported",

@@ -9,6 +9,7 @@ from framewire.client._errors import BadRequest
 from framewire.client._media.argv import DEFAULT_PRESETS, PROFILES
 from framewire.client._media.inputs import InputFile
 from framewire.client.wire import MAX_FPS, MIN_FPS
+from framewire.service._sources.audio import MemoryAudio
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,16 @@ def check_params(params: EncodeParams) -> None:
             )
     if params.threads is not None and params.threads < 1:
         raise BadRequest(f"threads must be >= 1, got {params.threads}", code="bad_threads")
+    # What the wire model refuses for HTTP callers, for the API and the local CLI too:
+    # otherwise the audio would be muxed where the engine writes none, or dropped.
+    if params.audio is not None and params.profile == "diffusers":
+        raise BadRequest("diffusers' export_to_video writes no audio", code="audio_unsupported")
+    memory = isinstance(params.audio, MemoryAudio)
+    if params.profile == "vllm-omni" and params.audio is not None and not memory:
+        raise BadRequest(
+            "the vllm-omni profile muxes audio samples in memory, not files",
+            code="audio_unsupported",
+        )
 
 
 def check_geometry(params: EncodeParams, width: int, height: int) -> None:

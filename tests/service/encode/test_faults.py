@@ -147,6 +147,8 @@ def test_audio_that_is_not_audio_fails_with_stderr_tail(tmp_path):
         (EncodeParams(fps=24, profile="ffmpeg"), "bad_profile"),
         (EncodeParams(fps=24, value_range=(0.0, 1.0)), "bad_value_range"),
         (EncodeParams(fps=24, profile="vllm-omni", value_range=(1.0, 1.0)), "bad_value_range"),
+        (EncodeParams(fps=24, profile="diffusers", audio=Path("a.wav")), "audio_unsupported"),
+        (EncodeParams(fps=24, profile="vllm-omni", audio=Path("a.wav")), "audio_unsupported"),
     ],
 )
 def test_bad_parameters(tmp_path, params, code):
