@@ -46,7 +46,12 @@ def unmet(pack: Path) -> list[str]:
 
     problems = []
     for wheel in json.loads((pack / "manifest.json").read_text())["wheels"]:
-        for line in md.requires(wheel["name"]) or []:
+        try:
+            required = md.requires(wheel["name"]) or []
+        except md.PackageNotFoundError:
+            problems.append(f"{wheel['file']} is in the pack but not installed")
+            continue
+        for line in required:
             req = Requirement(line)
             if req.marker is not None and not req.marker.evaluate({"extra": ""}):
                 continue
