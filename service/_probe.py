@@ -1,12 +1,17 @@
-"""Media facts read in-process with PyAV: no ffprobe process per file."""
+"""Media facts read in-process with PyAV: no ffprobe process per file.
+
+PyAV is imported on first use: a host without it (the GPU check's) still serves
+encodes, unvalidated, and answers what needs PyAV with 503 ``pyav_missing``.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 from fractions import Fraction
+from types import ModuleType
 
-import av
-from framewire.client._errors import MediaError
+from framewire.client._errors import MediaError, Unavailable
 from framewire.client._media.argv import VIDEO_DEMUXERS
 from framewire.client._media.inputs import InputFile
 from framewire.client.wire import AudioInfo, MediaInfo
@@ -18,6 +23,38 @@ NO_DECODING = {"skip_frame": "all"}
 # The same restriction as the ffmpeg commands' (ffmpeg_argv): no demuxer that would
 # follow a reference out of the file.
 GUARD = {"protocol_whitelist": "file", "format_whitelist": VIDEO_DEMUXERS}
+
+
+PYAV_MISSING = (
+    "PyAV is not installed: outputs are not validated and the vllm-omni profile is refused"
+)
+
+
+@functools.cache  # asked per output: a missing module is not searched for again
+def pyav() -> ModuleType | None:
+    """The ``av`` module, or None where PyAV is not installed."""
+    try:
+        import av
+    except ImportError:
+        return None
+    return av
+
+
+def require_pyav() -> ModuleType:
+    av = pyav()
+    if av is None:
+        raise Unavailable(PYAV_MISSING, code="pyav_missing")
+    return av
+
+
+def pyav_build() -> dict[str, str] | None:
+    """PyAV's version and the libavcodec it was built with (the vllm-omni profile's bytes
+    follow that build), or None without PyAV."""
+    av = pyav()
+    if av is None:
+        return None
+    major, minor, micro = av.library_versions["libavcodec"]
+    return {"version": av.__version__, "libavcodec": f"{major}.{minor}.{micro}"}
 
 
 def probe(source: str | os.PathLike[str] | InputFile, *, pixel_format: bool = True) -> MediaInfo:
@@ -36,6 +73,7 @@ def probe(source: str | os.PathLike[str] | InputFile, *, pixel_format: bool = Tr
 
 
 def _probe(source: InputFile, pixel_format: bool) -> MediaInfo:
+    av = require_pyav()
     path = source.name
     stream_options = None if pixel_format else [NO_DECODING]  # one dict per stream
     try:
@@ -43,7 +81,7 @@ def _probe(source: InputFile, pixel_format: bool) -> MediaInfo:
             source.ffmpeg_path,
             metadata_errors="ignore",
             container_options=GUARD,
-            stream_options=stream_options,  # type: ignore[arg-type]  # the stub says list[str]
+            stream_options=stream_options,
         ) as container:
             videos = container.streams.video
             if not videos:

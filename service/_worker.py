@@ -21,6 +21,7 @@ from framewire.service._http.server import Server, StopSignals, uvicorn_config
 from framewire.service._ops.limits import cpu_quota_note, exposure_note, raise_open_files_limit
 from framewire.service._ops.logs import configure_logging
 from framewire.service._parts import Parts
+from framewire.service._probe import PYAV_MISSING, pyav
 from framewire.service._settings import Settings
 from framewire.service._sockets import Listeners, UnixListener
 from uvicorn.config import LOG_LEVELS
@@ -66,7 +67,8 @@ class Worker:
         for key in remove_abandoned_segments():
             log.warning("removed shm segment %s, left by a client that was killed", key)
         exposure = exposure_note(settings.host, settings.port, settings.token)
-        for note in (cpu_quota_note(settings.cpu_slots), exposure):
+        pyav_note = PYAV_MISSING if pyav() is None else None
+        for note in (cpu_quota_note(settings.cpu_slots), exposure, pyav_note):
             if note:
                 log.warning(note)
         await parts.fd_server.start(self._fd_listener)

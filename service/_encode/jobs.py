@@ -32,7 +32,7 @@ from framewire.service._access.paths import (
 from framewire.service._access.peers import TRUSTED, Access
 from framewire.service._encode.encoder import Encoder
 from framewire.service._encode.prepare import Prepared, Preparer
-from framewire.service._encode.results import Check, failed, written
+from framewire.service._encode.results import check_for, failed, written
 from framewire.service._encode.scheduler import Scheduler
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
@@ -77,10 +77,8 @@ class EncodeJobs:
         started = time.time()
         g = job.source.geometry
         audio = job.params.audio is not None
-        check = (
-            Check(g.frames, g.width, g.height, job.params.fps, audio, job.params.profile)
-            if validate
-            else None
+        check = check_for(
+            validate, g.frames, g.width, g.height, job.params.fps, audio, job.params.profile
         )
         encoded = self.encoder.encode(
             job.source,

@@ -9,6 +9,7 @@ from framewire.client._errors import BadRequest
 from framewire.client._media.argv import DEFAULT_PRESETS, PROFILES
 from framewire.client._media.inputs import InputFile
 from framewire.client.wire import MAX_FPS, MIN_FPS
+from framewire.service._probe import require_pyav
 from framewire.service._sources.audio import MemoryAudio
 
 
@@ -46,6 +47,8 @@ def check_params(params: EncodeParams) -> None:
                 "low < high",
                 code="bad_value_range",
             )
+    if params.profile == "vllm-omni":
+        require_pyav()  # its encoder is a PyAV child: 503 pyav_missing, before anything runs
     if params.threads is not None and params.threads < 1:
         raise BadRequest(f"threads must be >= 1, got {params.threads}", code="bad_threads")
     # What the wire model refuses for HTTP callers, for the API and the local CLI too:

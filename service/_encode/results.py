@@ -15,6 +15,7 @@ from framewire.client.wire import ErrorInfo, MediaInfo, OutputResult, Timings
 from framewire.service._encode.encoder import Encoded
 from framewire.service._encode.validate import validate_output
 from framewire.service._ops.metrics import Metrics
+from framewire.service._probe import pyav
 
 log = logging.getLogger("framewire.outputs")
 
@@ -46,6 +47,16 @@ class Check:
             )
         finally:
             self.ms = (time.perf_counter() - t0) * 1e3
+
+
+def check_for(
+    validate: bool, frames: int, width: int, height: int, fps: float, audio: bool, profile: str
+) -> Check | None:
+    """The check of an output asked to be validated; None where it was not asked, or
+    where PyAV is not installed (the worker says so when it starts)."""
+    if not validate or pyav() is None:
+        return None
+    return Check(frames, width, height, fps, audio, profile)
 
 
 def written(

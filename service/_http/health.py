@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import anyio
-import av
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse
 from framewire.client import __version__
@@ -13,6 +12,7 @@ from framewire.service._http.deps import WorkerParts
 from framewire.service._ops.limits import cgroup_cpu_limit
 from framewire.service._ops.versions import ffmpeg_runs, ffmpeg_version
 from framewire.service._parts import Parts
+from framewire.service._probe import pyav_build
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 router = APIRouter()
@@ -56,19 +56,14 @@ def info(parts: WorkerParts) -> dict[str, object]:
         },
         "conversion": kernels.route(),  # float32 -> rgb24: "compiled" or "pure"
         # The engine profiles, and the PyAV build the vllm-omni one encodes with (its
-        # bytes equal the engine's only on the same build).
+        # bytes equal the engine's only on the same build); None without PyAV.
         "profiles": list(PROFILES),
-        "pyav": {"version": av.__version__, "libavcodec": _libavcodec()},
+        "pyav": pyav_build(),
         "sockets": {"uds": str(settings.uds), "fd_socket": str(settings.fd_socket)},
         "output_roots": settings.output_roots,
         "input_roots": settings.input_roots,
         "shm_prefixes": settings.shm_prefixes,
     }
-
-
-def _libavcodec() -> str:
-    major, minor, micro = av.library_versions["libavcodec"]
-    return f"{major}.{minor}.{micro}"
 
 
 @router.get("/metrics")

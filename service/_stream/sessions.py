@@ -42,7 +42,7 @@ from framewire.service._access.paths import remove_made
 from framewire.service._access.peers import Access
 from framewire.service._encode.jobs import EncodeJobs
 from framewire.service._encode.params import EncodeParams, check_geometry
-from framewire.service._encode.results import Check, failed, written
+from framewire.service._encode.results import check_for, failed, written
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
 from framewire.service._sources.frames import FrameSource, Geometry
@@ -281,12 +281,11 @@ class Sessions:
             assert session.output is not None
             session.state = "finishing"
             g, fps = session.geometry, session.params.fps
-            check = None
-            if session.spec.validate_:
-                audio = session.params.audio is not None
-                check = Check(
-                    session.received, g.width, g.height, fps, audio, session.params.profile
-                )
+            audio = session.params.audio is not None
+            check = check_for(
+                session.spec.validate_,
+                session.received, g.width, g.height, fps, audio, session.params.profile,
+            )  # fmt: skip
             try:
                 encoded = await self.jobs.in_pool(
                     session.cancel, session.output.finish, session.check, check

@@ -1,0 +1,204 @@
+"""Pack what scripts/gpu-check needs on the lent GPU host and its image lacks.
+
+    scripts/gpu-pack [DIR]        (DIR defaults to .gpu-pack, which git ignores)
+
+That host's python3 is CPython 3.12 on x86-64 Linux with torch (CUDA), numpy, httpx,
+imageio, pytest and more, but without the worker's web stack, pydantic or
+imageio-ffmpeg, and it reaches no package registry. This downloads their cp312
+manylinux wheels at the versions this checkout's .venv runs (so the GPU run tests
+what the CPU suite tests), follows their requirements down to what the host has,
+and moves imageio-ffmpeg's ffmpeg out of its wheel into ``ffmpeg.xz`` (xz -9: the
+binary alone is most of what travels). PyAV is left out (35 MB): the worker runs
+without it there, unvalidated. ``manifest.json`` lists every file with its sha256.
+
+What travels to the host is the git tree plus carried folders, 64 MiB in all: the
+total is printed with the tree's size and the pack fails above it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import lzma
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+REPO = Path(__file__).resolve().parents[1]
+CAP = 64 << 20  # bytes that may travel: tree plus carried folders
+MIB = 1 << 20
+# What the worker, the client and the CUDA tests import that the host lacks. Their
+# requirements are followed. typing-extensions is on the host, but pydantic needs a
+# newer one than an older image may hold, and it is 45 kB.
+ROOTS = ["fastapi", "uvicorn", "pydantic-settings", "imageio-ffmpeg", "typing-extensions"]
+# On the host already (its package list): requirements met there are not packed.
+THERE = {
+    "annotated-doc", "anyio", "certifi", "click", "h11", "httpcore", "httpx", "idna",
+    "imageio", "numba", "numpy", "packaging", "pillow", "prometheus-client", "pytest",
+    "rich", "torch", "uvloop",
+}  # fmt: skip
+PLATFORMS = [
+    "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64", "manylinux1_x86_64",
+]  # fmt: skip
+# The host's interpreter, for the requirements' markers.
+MARKERS = {
+    "python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
+    "platform_python_implementation": "CPython", "sys_platform": "linux",
+    "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix", "extra": "",
+}  # fmt: skip
+FFMPEG_IN_WHEEL = re.compile(r"imageio_ffmpeg/binaries/ffmpeg-linux-x86_64[^/]*$")
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def download(name: str, version: str, dest: Path) -> Path:
+    """The cp312 manylinux x86_64 wheel (or a pure one) of ``name==version``."""
+    before = set(dest.iterdir())
+    platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+         "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+         *platforms, "--dest", str(dest), f"{name}=={version}"],
+        check=True,
+    )  # fmt: skip
+    [wheel] = set(dest.iterdir()) - before
+    return wheel
+
+
+def requirements(wheel: Path) -> list[Requirement]:
+    """What ``wheel`` requires on the host (extras and other markers left out)."""
+    with zipfile.ZipFile(wheel) as z:
+        [meta] = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        lines = z.read(meta).decode().splitlines()
+    found = []
+    for line in lines:
+        if line.startswith("Requires-Dist:"):
+            req = Requirement(line.removeprefix("Requires-Dist:").strip())
+            if req.marker is None or req.marker.evaluate(MARKERS):
+                found.append(req)
+    return found
+
+
+def resolve(dest: Path) -> dict[str, tuple[str, Path]]:
+    """Download ROOTS and what they require, down to THERE: name -> (version, wheel)."""
+    packed: dict[str, tuple[str, Path]] = {}
+    wanted: list[tuple[str, Requirement | None]] = [(n, None) for n in ROOTS]
+    while wanted:
+        name, req = wanted.pop(0)
+        name = canonicalize_name(name)
+        if name in packed:
+            version = packed[name][0]
+        elif name in THERE:
+            continue
+        else:
+            try:
+                version = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                sys.exit(f"gpu-pack: {name} is not installed here: run scripts/bootstrap")
+            wheel = download(name, version, dest)
+            packed[name] = (version, wheel)
+            wanted += [(r.name, r) for r in requirements(wheel)]
+        if req is not None and not req.specifier.contains(version, prereleases=True):
+            sys.exit(f"gpu-pack: {req} is wanted, this checkout runs {name} {version}")
+    return packed
+
+
+def split_ffmpeg(wheel: Path, dest: Path) -> dict[str, str | int]:
+    """Rewrite imageio-ffmpeg's wheel without its ffmpeg (its RECORD line goes too) and
+    write that binary xz-compressed, preset 9, beside it."""
+    with zipfile.ZipFile(wheel) as z:
+        [binary] = [n for n in z.namelist() if FFMPEG_IN_WHEEL.search(n)]
+        raw = z.read(binary)
+        stripped = wheel.with_suffix(".tmp")
+        with zipfile.ZipFile(stripped, "w", zipfile.ZIP_DEFLATED) as out:
+            for item in z.infolist():
+                data = z.read(item)
+                if item.filename == binary:
+                    continue
+                if item.filename.endswith(".dist-info/RECORD"):
+                    kept = [r for r in data.decode().splitlines() if not r.startswith(binary + ",")]
+                    data = ("\n".join(kept) + "\n").encode()
+                out.writestr(item, data)
+    stripped.replace(wheel)
+    xz = dest / "ffmpeg.xz"
+    xz.write_bytes(lzma.compress(raw, format=lzma.FORMAT_XZ, preset=9))
+    return {
+        "file": xz.name,
+        "name": Path(binary).name,  # unpacked where the wheel had it
+        "bytes": len(raw),
+        "sha256": hashlib.sha256(raw).hexdigest(),
+        "xz_bytes": xz.stat().st_size,
+    }
+
+
+def tree_bytes() -> int:
+    """Bytes of what travels without carrying: tracked and untracked-not-ignored files."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO, capture_output=True, check=True,
+    ).stdout.split(b"\0")  # fmt: skip
+    paths = (REPO / p.decode() for p in listed if p)
+    return sum(p.stat().st_size for p in paths if p.is_file() and not p.is_symlink())
+
+
+def fresh(dest: Path) -> None:
+    """An empty ``dest``: a previous pack is replaced, anything else is left alone."""
+    if dest.exists() and any(dest.iterdir()):
+        if not (dest / "manifest.json").is_file():
+            sys.exit(f"gpu-pack: {dest} holds files that are not a pack: choose another folder")
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dest", nargs="?", type=Path, default=REPO / ".gpu-pack")
+    args = parser.parse_args()
+    dest: Path = args.dest.resolve()
+    fresh(dest)
+    with tempfile.TemporaryDirectory(dir=dest) as scratch:
+        packed = resolve(Path(scratch))
+        ffmpeg = split_ffmpeg(packed["imageio-ffmpeg"][1], dest)
+        wheels: list[dict[str, str | int]] = []
+        for name, (version, wheel) in sorted(packed.items()):
+            moved = wheel.replace(dest / wheel.name)
+            wheels.append({"name": name, "version": version, "file": moved.name,
+                           "bytes": moved.stat().st_size, "sha256": sha256(moved)})  # fmt: skip
+    total = sum(int(w["bytes"]) for w in wheels) + int(ffmpeg["xz_bytes"])
+    manifest = {
+        "python": "cp312", "platform": "manylinux x86_64", "wheels": wheels, "ffmpeg": ffmpeg,
+        "on_the_host": sorted(THERE), "total_bytes": total,
+    }  # fmt: skip
+    (dest / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    total += (dest / "manifest.json").stat().st_size
+    tree = tree_bytes()
+    for w in wheels:
+        print(f"gpu-pack: {w['file']:<72} {int(w['bytes']) / MIB:7.2f} MiB")
+    xz, raw = int(ffmpeg["xz_bytes"]), int(ffmpeg["bytes"])
+    print(f"gpu-pack: ffmpeg.xz ({ffmpeg['name']}, {raw / MIB:.2f} MiB) {xz / MIB:.2f} MiB")
+    print(f"gpu-pack: {dest}: {total / MIB:.2f} MiB packed + {tree / MIB:.2f} MiB tree = "
+          f"{(total + tree) / MIB:.2f} MiB of {CAP / MIB:.0f} MiB")  # fmt: skip
+    if total + tree > CAP:
+        print("gpu-pack: over the cap: this cannot travel", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
