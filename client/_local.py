@@ -62,7 +62,11 @@ class LocalFallback:
                     ) from exc
             if not self._in_outage:
                 self._in_outage = True
-                log.warning("framewire worker unreachable (%s); encoding in this process", exc)
+                # The message, not the exception: a record kept by a handler would keep its
+                # traceback, and with it the socket httpx failed to connect.
+                log.warning(
+                    "framewire worker unreachable (%s); encoding in this process", exc.message
+                )
         return self._encoder
 
     def save_videos(
