@@ -8,14 +8,19 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import httpx
-from framewire.client._calls import per_output
+from framewire.client._calls import INSTANCE_HEADER, Call, encode_call, per_output
+from framewire.client._errors import Unavailable
+from framewire.client._local import LocalFallback, worker_gone
 from framewire.client._reference import ReferenceFrames, fetch
 from framewire.client._route import HostRoute
 from framewire.client._sharing.audio import shared_audio
-from framewire.client.wire import DecodeRequest
+from framewire.client.wire import DecodeRequest, OutputResult
 
 DEFAULT_URL = "http://127.0.0.1:7700"
 DEFAULT_TIMEOUT = httpx.Timeout(3600.0, connect=10.0)
+# An idle pooled connection is dropped after this long, well before the worker closes it
+# (FRAMEWIRE_IDLE_TIMEOUT_S, 30 s by default): a call never races the worker's close.
+KEEPALIVE_S = 2.0
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -31,6 +36,8 @@ class BaseClient:
         fd_socket: str | os.PathLike[str] | None,
         token: str | None,
         timeout: float | httpx.Timeout,
+        local_fallback: bool,
+        output_root: str | os.PathLike[str] | None,
     ):
         self.url = url
         self.fd_socket = fd_socket  # None: FRAMEWIRE_FD_SOCKET, else the worker's default
@@ -46,7 +53,22 @@ class BaseClient:
             "base_url": self._base_url,
             "headers": {"authorization": f"Bearer {token}"} if token else {},
             "timeout": timeout,
+            "limits": httpx.Limits(keepalive_expiry=KEEPALIVE_S),
         }
+        # Saves and streams that find no worker are encoded here (docs/api.md).
+        self._local = LocalFallback(output_root) if local_fallback else None
+        self.instance: str | None = None  # the worker process that answered last
+
+    def _answer(self, call: Call[T], response: httpx.Response) -> T:
+        """Read an answer, noting which worker gave it."""
+        self.instance = response.headers.get(INSTANCE_HEADER, self.instance)
+        if self._local is not None:
+            self._local.recovered()
+        return call.answer(response)
+
+    def _falls_back(self, exc: Unavailable) -> LocalFallback | None:
+        """The local fallback, when it takes a call that failed with ``exc``."""
+        return self._local if self._local is not None and worker_gone(exc) else None
 
     @staticmethod
     def _check_pairs(videos: Sequence[Any], paths: Sequence[Any]) -> None:
@@ -64,6 +86,17 @@ class BaseClient:
             for a in per_output(audio, n, "audio")
         ]
 
+    @staticmethod
+    def _encode_call(
+        sources: list[Any],
+        audios: list[Any],
+        paths: Sequence[str | os.PathLike[str]],
+        options: dict[str, Any],
+    ) -> Call[list[OutputResult]]:
+        """The encode request of shared ``sources`` and ``audios`` (the save's ``options``)."""
+        fields = {k: v for k, v in options.items() if k not in ("audio", "audio_sample_rate")}
+        return encode_call(sources, audios, paths, **fields)
+
     @property
     def host_route(self) -> str:
         """How host frames reach the worker now: ``"fd"`` (descriptors over the fd socket)
@@ -76,6 +109,31 @@ class BaseClient:
         regions = self._route.regions
         path = self.fd_socket or (regions.path if regions is not None else None)
         return fetch(request, path, local_fallback=local_fallback, timeout=self.fd_timeout)
+
+
+def save_options(
+    fps: float,
+    quality: float | None,
+    preset: str | None,
+    threads: int | None,
+    audio: Any,
+    audio_sample_rate: int | None,
+    profile: str,
+    value_range: tuple[float, float] | None,
+    validate: bool,
+) -> dict[str, Any]:
+    """A save's keywords, as the worker's request and the local fallback both take them."""
+    return {
+        "fps": fps,
+        "quality": quality,
+        "preset": preset,
+        "threads": threads,
+        "audio": audio,
+        "audio_sample_rate": audio_sample_rate,
+        "profile": profile,
+        "value_range": value_range,
+        "validate": validate,
+    }
 
 
 def twin(original: Callable[..., Any]) -> Callable[[F], F]:

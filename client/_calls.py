@@ -53,22 +53,60 @@ def raise_for(response: httpx.Response) -> None:
     raise exc
 
 
+INSTANCE_HEADER = "framewire-instance"  # which worker process answered (every answer)
+
+# Failures that prove the worker never had the whole request: no connection was made,
+# or it went away while the request was still being written (a worker acts on a request
+# only once its body is complete). Any request may be sent again after one of these.
+_UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.WriteError)
+
+
 def unreachable(exc: httpx.TransportError) -> Unavailable:
     return Unavailable(f"framewire worker unreachable: {exc}")
 
 
 @dataclass(frozen=True)
 class Call(Generic[T]):
-    """One request, and how its answer is read."""
+    """One request, and how its answer is read.
+
+    ``idempotent``: sending it twice does no more than sending it once (it only reads, or
+    ends what may already have ended), so it may be sent again after any lost connection;
+    other calls only when the worker cannot have received them whole (:meth:`resendable`).
+    ``instance``: the worker process the request belongs to (a stream session's): an
+    answer from another one is ``stream_lost``.
+    """
 
     method: str
     path: str
     body: dict[str, Any] | None
     read: Callable[[Any], T]
+    idempotent: bool = False
+    instance: str | None = None
+
+    def resendable(self, exc: httpx.TransportError) -> bool:
+        """Whether the request may go again, once, on a fresh connection after ``exc``.
+
+        A connection the worker closed while it idled in the pool, or one to a worker
+        that has since restarted, fails this way: the worker never acted on the request.
+        A request that was sent whole and then lost its answer (the worker died while it
+        ran) goes again only if it is idempotent: an encode or a stream chunk may have
+        been done already."""
+        return self.idempotent or isinstance(exc, _UNSENT)
 
     def answer(self, response: httpx.Response) -> T:
+        if self.instance is not None:
+            answered_by = response.headers.get(INSTANCE_HEADER)
+            if answered_by is not None and answered_by != self.instance:
+                raise stream_lost(f"the worker was replaced (now {answered_by})")
         raise_for(response)
         return self.read(response.json())
+
+
+def stream_lost(why: str) -> Unavailable:
+    """A stream session whose worker went away: its frames so far are gone with it."""
+    return Unavailable(
+        f"the stream session is lost: {why}; nothing of its output remains", code="stream_lost"
+    )
 
 
 def as_dict(body: Any) -> dict[str, Any]:
@@ -86,11 +124,12 @@ def output_list(body: Any) -> list[OutputResult]:
 
 
 def info_call() -> Call[dict[str, Any]]:
-    return Call("GET", "/v1/info", None, as_dict)
+    return Call("GET", "/v1/info", None, as_dict, idempotent=True)
 
 
 def probe_call(paths: Sequence[str | os.PathLike[str]]) -> Call[list[MediaInfo]]:
-    return Call("POST", "/v1/probe", {"paths": [os.fspath(p) for p in paths]}, media_list)
+    body = {"paths": [os.fspath(p) for p in paths]}
+    return Call("POST", "/v1/probe", body, media_list, idempotent=True)  # reads only
 
 
 def encode_call(

@@ -9,6 +9,7 @@ import array
 import contextlib
 import json
 import os
+import select
 import socket
 import struct
 from pathlib import Path
@@ -44,6 +45,10 @@ def error_from(reply: FdReply) -> FramewireError:
     return rebuild(
         error_class(fd_code=code), message, code=reply.reason or code, detail=reply.detail
     )
+
+
+class ConnectionLost(Unavailable):
+    """The connection broke under a request (the worker went away or closed it)."""
 
 
 def _close_all(fds: list[int]) -> None:
@@ -86,7 +91,7 @@ class FdSocket(Closing):
                 raise FramewireError(f"reply carried {len(fds)} descriptors", code="protocol")
         except (OSError, EOFError) as exc:
             _close_all(fds)
-            raise Unavailable(f"fd socket {self.path}: connection lost ({exc})") from exc
+            raise ConnectionLost(f"fd socket {self.path}: connection lost ({exc})") from exc
         except ValidationError as exc:
             _close_all(fds)
             raise FramewireError(f"malformed reply header: {exc}", code="protocol") from None
@@ -94,6 +99,15 @@ class FdSocket(Closing):
             _close_all(fds)
             raise
         return reply, (fds[0] if fds else None)
+
+    def stale(self) -> bool:
+        """Whether the worker has closed this connection (it restarted, or went away):
+        seen without sending, so the caller can connect again before a request."""
+        # An idle connection has nothing to read; readable means the end of it (or bytes
+        # no request asked for). poll, not recv: a socket with a timeout waits in recv.
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        return bool(poller.poll(0))
 
     def _send(self, line: bytes, fd: int | None) -> None:
         if fd is None:

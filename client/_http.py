@@ -16,15 +16,10 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import httpx
-from framewire.client._base import DEFAULT_TIMEOUT, DEFAULT_URL, BaseClient, twin
-from framewire.client._calls import (
-    Call,
-    encode_call,
-    info_call,
-    probe_call,
-    unreachable,
-)
+from framewire.client._base import DEFAULT_TIMEOUT, DEFAULT_URL, BaseClient, save_options, twin
+from framewire.client._calls import Call, info_call, probe_call, unreachable
 from framewire.client._closing import Closing
+from framewire.client._errors import Unavailable
 from framewire.client._reference import ReferenceFrames, make_request
 from framewire.client._sharing import share
 from framewire.client._sharing.fd import FdRegions
@@ -39,7 +34,13 @@ T = TypeVar("T")
 
 
 class Client(BaseClient, Closing):
-    """Synchronous client. ``url`` is ``http://host:port`` or ``unix:///path/api.sock``."""
+    """Synchronous client. ``url`` is ``http://host:port`` or ``unix:///path/api.sock``.
+
+    Made to live as long as the process: connections the worker closed, or that a
+    restarted worker no longer answers, are replaced before use. With
+    ``local_fallback`` (the default) a save or stream that finds no worker is encoded
+    in this process with the same bytes (``route == "local"``); relative paths then go
+    under ``output_root`` (else ``FRAMEWIRE_OUTPUT_ROOTS``' first root)."""
 
     def __init__(
         self,
@@ -48,20 +49,34 @@ class Client(BaseClient, Closing):
         fd_socket: str | os.PathLike[str] | None = None,
         token: str | None = None,
         timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+        local_fallback: bool = True,
+        output_root: str | os.PathLike[str] | None = None,
     ):
-        super().__init__(url, fd_socket=fd_socket, token=token, timeout=timeout)
+        super().__init__(
+            url,
+            fd_socket=fd_socket,
+            token=token,
+            timeout=timeout,
+            local_fallback=local_fallback,
+            output_root=output_root,
+        )
         transport = httpx.HTTPTransport(uds=self._uds) if self._uds else None
         self._http = httpx.Client(transport=transport, **self._client_args)
 
     def _send(self, call: Call[T]) -> T:
-        try:
-            response = self._http.request(call.method, call.path, json=call.body)
-        except httpx.TransportError as exc:
-            raise unreachable(exc) from exc
-        return call.answer(response)
+        resent = False
+        while True:
+            try:
+                response = self._http.request(call.method, call.path, json=call.body)
+            except httpx.TransportError as exc:
+                if resent or not call.resendable(exc):
+                    raise unreachable(exc) from exc
+                resent = True  # once, on a fresh connection (the pool dropped this one)
+                continue
+            return self._answer(call, response)
 
     def _update_route(self) -> None:
-        if not self._route.settled():
+        if not self._route.settled(self.instance):
             self._route.connect(self.info() if self._route.wants_info() else None)
 
     def _writer_route(self) -> FdRegions | None:
@@ -100,26 +115,34 @@ class Client(BaseClient, Closing):
         waited for first.
         """
         self._check_pairs(videos, paths)
+        options = save_options(
+            fps, quality, preset, threads, audio, audio_sample_rate, profile, value_range, validate
+        )
+        try:
+            return self._save_on_worker(videos, paths, options, layout)
+        except Unavailable as exc:
+            local = self._falls_back(exc)
+            if local is None:
+                raise
+            return local.save_videos(exc, videos, paths, options, layout)
+
+    def _save_on_worker(
+        self,
+        videos: Sequence[Any],
+        paths: Sequence[str | os.PathLike[str]],
+        options: dict[str, Any],
+        layout: Layout | str | None,
+    ) -> list[OutputResult]:
         self._update_route()
         with contextlib.ExitStack() as stack:
             sources = [
                 stack.enter_context(share(v, layout=layout, regions=self._route.regions))
                 for v in videos
             ]
-            audios = self._share_audio(stack, audio, audio_sample_rate, len(paths))
-            call = encode_call(
-                sources,
-                audios,
-                paths,
-                fps=fps,
-                validate=validate,
-                quality=quality,
-                preset=preset,
-                threads=threads,
-                profile=profile,
-                value_range=value_range,
+            audios = self._share_audio(
+                stack, options["audio"], options["audio_sample_rate"], len(paths)
             )
-            return self._send(call)
+            return self._send(self._encode_call(sources, audios, paths, options))
 
     def save_video(self, video: Any, path: str | os.PathLike[str], **kw: Any) -> OutputResult:
         """:meth:`save_videos` of one video; the same keywords."""
@@ -147,6 +170,7 @@ class Client(BaseClient, Closing):
         return VideoWriter(
             self._send,
             self._writer_route,
+            self._local,
             path,
             fps=fps,
             quality=quality,
@@ -201,20 +225,34 @@ class AsyncClient(BaseClient):
         fd_socket: str | os.PathLike[str] | None = None,
         token: str | None = None,
         timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+        local_fallback: bool = True,
+        output_root: str | os.PathLike[str] | None = None,
     ):
-        super().__init__(url, fd_socket=fd_socket, token=token, timeout=timeout)
+        super().__init__(
+            url,
+            fd_socket=fd_socket,
+            token=token,
+            timeout=timeout,
+            local_fallback=local_fallback,
+            output_root=output_root,
+        )
         transport = httpx.AsyncHTTPTransport(uds=self._uds) if self._uds else None
         self._http = httpx.AsyncClient(transport=transport, **self._client_args)
 
     async def _send(self, call: Call[T]) -> T:
-        try:
-            response = await self._http.request(call.method, call.path, json=call.body)
-        except httpx.TransportError as exc:
-            raise unreachable(exc) from exc
-        return call.answer(response)
+        resent = False
+        while True:
+            try:
+                response = await self._http.request(call.method, call.path, json=call.body)
+            except httpx.TransportError as exc:
+                if resent or not call.resendable(exc):
+                    raise unreachable(exc) from exc
+                resent = True
+                continue
+            return self._answer(call, response)
 
     async def _update_route(self) -> None:
-        if not self._route.settled():
+        if not await asyncio.to_thread(self._route.settled, self.instance):
             info = await self.info() if self._route.wants_info() else None
             await asyncio.to_thread(self._route.connect, info)
 
@@ -248,6 +286,24 @@ class AsyncClient(BaseClient):
         layout: Layout | str | None = None,
     ) -> list[OutputResult]:
         self._check_pairs(videos, paths)
+        options = save_options(
+            fps, quality, preset, threads, audio, audio_sample_rate, profile, value_range, validate
+        )
+        try:
+            return await self._save_on_worker(videos, paths, options, layout)
+        except Unavailable as exc:
+            local = self._falls_back(exc)
+            if local is None:
+                raise
+            return await asyncio.to_thread(local.save_videos, exc, videos, paths, options, layout)
+
+    async def _save_on_worker(
+        self,
+        videos: Sequence[Any],
+        paths: Sequence[str | os.PathLike[str]],
+        options: dict[str, Any],
+        layout: Layout | str | None,
+    ) -> list[OutputResult]:
         await self._update_route()
         with contextlib.ExitStack() as stack:
             # share() runs here, where the caller's CUDA stream is current; entering it
@@ -259,21 +315,10 @@ class AsyncClient(BaseClient):
                 for v in videos
             ]
             audios = await asyncio.to_thread(
-                self._share_audio, stack, audio, audio_sample_rate, len(paths)
-            )
-            call = encode_call(
-                sources,
-                audios,
-                paths,
-                fps=fps,
-                validate=validate,
-                quality=quality,
-                preset=preset,
-                threads=threads,
-                profile=profile,
-                value_range=value_range,
-            )
-            return await self._send(call)
+                self._share_audio, stack, options["audio"], options["audio_sample_rate"],
+                len(paths),
+            )  # fmt: skip
+            return await self._send(self._encode_call(sources, audios, paths, options))
 
     @twin(Client.save_video)
     async def save_video(self, video: Any, path: str | os.PathLike[str], **kw: Any) -> OutputResult:
@@ -298,6 +343,7 @@ class AsyncClient(BaseClient):
         return AsyncVideoWriter(
             self._send,
             self._writer_route,
+            self._local,
             path,
             fps=fps,
             quality=quality,

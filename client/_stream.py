@@ -32,19 +32,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 from framewire.client._calls import Call
-from framewire.client._sharing.fd import FdRegions, RegisteredMemfd
-from framewire.client._sharing.shm import Segment
-from framewire.client._sharing.video import Frames, describe, is_cuda
-from framewire.client.wire import (
-    Layout,
-    OutputResult,
-    StreamChunk,
-    StreamChunkAck,
-    StreamOpen,
-    StreamOpened,
-    refusal,
-)
-from pydantic import ValidationError
+from framewire.client._errors import Unavailable
+from framewire.client._local import LocalFallback
+from framewire.client._session import WriterBase
+from framewire.client._sharing.fd import FdRegions
+from framewire.client._sharing.video import is_cuda
+from framewire.client.wire import OutputResult, StreamChunkAck
 
 T = TypeVar("T")
 
@@ -61,147 +54,18 @@ class AsyncSend(Protocol):
     def __call__(self, call: Call[T], /) -> Awaitable[T]: ...
 
 
-Staging = Segment | RegisteredMemfd
-
-
-def _nothing(body: Any) -> None:
-    return None
-
-
-class _WriterBase:
-    """A stream's options, its staging pair, its calls and its state: all of a writer
-    but its I/O."""
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        fps: float,
-        quality: float | None,
-        preset: str | None,
-        threads: int | None,
-        audio: Any,
-        audio_sample_rate: int | None,
-        profile: str,
-        value_range: tuple[float, float] | None,
-        validate: bool,
-        layout: Layout | str | None,
-    ):
-        if audio is not None and not isinstance(audio, (str, os.PathLike)):
-            # Samples are judged when the session opens, before any chunk: hand them to
-            # save_video, or write them to a file under the worker's input roots.
-            raise ValueError("a stream's audio is a file path; audio samples go to save_video")
-        del audio_sample_rate  # the same keywords as save_video: a path has its own rate
-        self._options: dict[str, Any] = {
-            "path": os.fspath(path),
-            "fps": fps,
-            "quality": quality,
-            "preset": preset,
-            "threads": threads,
-            "audio": None if audio is None else os.fspath(audio),
-            "profile": profile,
-            "value_range": value_range,
-            "validate": validate,
-        }
-        self._layout = layout
-        self.id: str | None = None
-        self.result: OutputResult | None = None
-        self.frames_sent = 0
-        # Frames the worker has answered for (read into its encoder): a progress count
-        # the worker reports, updated as each answer arrives (on the sender's thread).
-        self.frames_received = 0
-        self._staging: list[Staging | None] = [None, None]
-        self._regions: FdRegions | None = None  # the fd route, when the client has it
-        self._turn = 0  # the staging segment the next host chunk goes into
-        self._error: BaseException | None = None  # the first refused chunk's, raised again
-        self._ended = False
-
-    def _check_open(self) -> None:
-        if self._error is not None:
-            raise self._error
-        if self._ended:
-            raise ValueError("the writer is closed")
-
-    def _failed(self, exc: BaseException) -> None:
-        if self._error is None:
-            self._error = exc
-
-    def _describe(self, frames: Any) -> Frames:
-        described = describe(frames, self._layout)
-        # Every chunk has the first one's layout: a short chunk's shape can look like another.
-        self._layout = described.layout
-        return described
-
-    def _open_call(self, first: Frames) -> Call[StreamOpened]:
-        _, _, height, width = first.dims
-        fields = self._options | {
-            "dtype": first.dtype,
-            "layout": first.layout,
-            "height": height,
-            "width": width,
-        }
-        try:
-            body = StreamOpen.model_validate(fields).model_dump(mode="json", by_alias=True)
-        except ValidationError as exc:
-            raise refusal(exc) from None
-        return Call("POST", "/v1/streams", body, StreamOpened.model_validate)
-
-    def _chunk_call(self, source: Any, frames: Frames) -> Call[StreamChunkAck]:
-        assert self.id is not None
-        chunk = StreamChunk(first_frame=self.frames_sent, source=source)
-        self.frames_sent += frames.dims[1]
-        body = chunk.model_dump(mode="json", exclude_none=True)
-        return Call("POST", f"/v1/streams/{self.id}/frames", body, StreamChunkAck.model_validate)
-
-    def _received(self, ack: StreamChunkAck) -> StreamChunkAck:
-        self.frames_received = max(self.frames_received, ack.frames_received)
-        return ack
-
-    def _finish_call(self) -> Call[OutputResult]:
-        if self.id is None:
-            raise ValueError("no frames were written")
-        return Call("POST", f"/v1/streams/{self.id}/finish", None, OutputResult.model_validate)
-
-    def _abort_call(self) -> Call[None] | None:
-        """The DELETE that ends the session, if one is open on the worker."""
-        if self.id is None or self.result is not None:
-            return None
-        return Call("DELETE", f"/v1/streams/{self.id}", None, _nothing)
-
-    def _stage(self, frames: Frames) -> Any:
-        """Copy ``frames`` into this turn's staging segment; its descriptor."""
-        segment = self._staging[self._turn]
-        if segment is None or segment.nbytes < frames.nbytes:
-            if segment is not None:
-                segment.close()
-            if self._regions is None:
-                segment = Segment(frames.nbytes)
-            else:
-                segment = RegisteredMemfd(frames.nbytes, self._regions)
-            self._staging[self._turn] = segment
-        segment.write(frames)
-        self._turn ^= 1
-        return segment.source(frames)
-
-    def _release(self) -> None:
-        self._ended = True
-        for i, segment in enumerate(self._staging):
-            if segment is not None:
-                segment.close()
-                self._staging[i] = None
-
-
-class VideoWriter(_WriterBase):
+class VideoWriter(WriterBase):
     """A stream session of :class:`Client`: ``write`` chunks, then ``close`` (or ``abort``)."""
 
     def __init__(
         self,
         send: Send,
         route: Callable[[], FdRegions | None],
+        local: LocalFallback | None,
         path: str | os.PathLike[str],
         **options: Any,
     ):
-        super().__init__(path, **options)
+        super().__init__(local, path, **options)
         self._send = send
         self._route = route
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="framewire-stream")
@@ -213,15 +77,21 @@ class VideoWriter(_WriterBase):
         self._check_open()
         self._settle(wait=False)
         chunk = self._describe(frames)
-        if self.id is None:
-            self._regions = self._route()
-            self.id = self._send(self._open_call(chunk)).id
+        if self.id is None and self._local is None:
+            try:
+                self._regions = self._route()
+                self._opened(self._send(self._open_call(chunk)))
+            except Unavailable as exc:
+                self._open_here(exc, chunk)
+        if self._local is not None:
+            self._write_here(chunk)
+            return
         if is_cuda(chunk.video):
             from framewire.client._sharing.cuda import CudaShare  # imports torch
 
             self._settle(wait=True)  # the chunks before it go first, in order
             with CudaShare(chunk.video, layout=chunk.layout) as source:
-                self._received(self._send(self._chunk_call(source, chunk)))
+                self._send_chunk(self._chunk_call(source, chunk))
             return
         if len(self._in_flight) == 2:
             self._settle(wait=True, keep=1)  # the worker has read the segment's last chunk
@@ -230,7 +100,10 @@ class VideoWriter(_WriterBase):
         self._in_flight.append(self._sender.submit(self._send_chunk, call))
 
     def _send_chunk(self, call: Call[StreamChunkAck]) -> StreamChunkAck:
-        return self._received(self._send(call))
+        try:
+            return self._received(self._send(call))
+        except Unavailable as exc:
+            raise self._lost(exc) from exc
 
     def close(self) -> OutputResult:
         """End of frames: returns the result once the file is complete (also ``result``)."""
@@ -238,8 +111,14 @@ class VideoWriter(_WriterBase):
             return self.result
         try:
             self._check_open()
+            if self._local is not None:
+                self.result = self._local.finish()
+                return self.result
             self._settle(wait=True)
-            self.result = self._send(self._finish_call())
+            try:
+                self.result = self._send(self._finish_call())
+            except Unavailable as exc:
+                raise self._lost(exc) from exc
             return self.result
         except BaseException:
             self._end_session()
@@ -265,6 +144,9 @@ class VideoWriter(_WriterBase):
         self._check_open()
 
     def _end_session(self) -> None:
+        if self._local is not None:
+            self._local.abort()
+            return
         with contextlib.suppress(BaseException):
             self._settle(wait=True)
         call = self._abort_call()
@@ -290,17 +172,18 @@ class VideoWriter(_WriterBase):
             self.abort()
 
 
-class AsyncVideoWriter(_WriterBase):
+class AsyncVideoWriter(WriterBase):
     """The same session for :class:`AsyncClient`: ``await write(...)``, ``async with``."""
 
     def __init__(
         self,
         send: AsyncSend,
         route: Callable[[], Awaitable[FdRegions | None]],
+        local: LocalFallback | None,
         path: str | os.PathLike[str],
         **options: Any,
     ):
-        super().__init__(path, **options)
+        super().__init__(local, path, **options)
         self._send = send
         self._route = route
         self._in_flight: deque[asyncio.Task[StreamChunkAck]] = deque()
@@ -311,9 +194,15 @@ class AsyncVideoWriter(_WriterBase):
         self._check_open()
         await self._settle(wait=False)
         chunk = self._describe(frames)
-        if self.id is None:
-            self._regions = await self._route()
-            self.id = (await self._send(self._open_call(chunk))).id
+        if self.id is None and self._local is None:
+            try:
+                self._regions = await self._route()
+                self._opened(await self._send(self._open_call(chunk)))
+            except Unavailable as exc:
+                await asyncio.to_thread(self._open_here, exc, chunk)
+        if self._local is not None:
+            await asyncio.to_thread(self._write_here, chunk)
+            return
         if is_cuda(chunk.video):
             from framewire.client._sharing.cuda import CudaShare  # imports torch
 
@@ -321,7 +210,7 @@ class AsyncVideoWriter(_WriterBase):
             share = CudaShare(chunk.video, layout=chunk.layout)  # on the producer's stream
             source = await asyncio.to_thread(share.__enter__)
             try:
-                self._received(await self._send(self._chunk_call(source, chunk)))
+                await self._send_chunk(self._chunk_call(source, chunk))
             finally:
                 share.release()
             return
@@ -333,7 +222,13 @@ class AsyncVideoWriter(_WriterBase):
 
     async def _send_in_order(self, call: Call[StreamChunkAck]) -> StreamChunkAck:
         async with self._order:
+            return await self._send_chunk(call)
+
+    async def _send_chunk(self, call: Call[StreamChunkAck]) -> StreamChunkAck:
+        try:
             return self._received(await self._send(call))
+        except Unavailable as exc:
+            raise self._lost(exc) from exc
 
     async def close(self) -> OutputResult:
         """End of frames: returns the result once the file is complete (also ``result``)."""
@@ -341,8 +236,14 @@ class AsyncVideoWriter(_WriterBase):
             return self.result
         try:
             self._check_open()
+            if self._local is not None:
+                self.result = await asyncio.to_thread(self._local.finish)
+                return self.result
             await self._settle(wait=True)
-            self.result = await self._send(self._finish_call())
+            try:
+                self.result = await self._send(self._finish_call())
+            except Unavailable as exc:
+                raise self._lost(exc) from exc
             return self.result
         except BaseException:
             await self._end_session()
@@ -366,6 +267,9 @@ class AsyncVideoWriter(_WriterBase):
         self._check_open()
 
     async def _end_session(self) -> None:
+        if self._local is not None:
+            await asyncio.to_thread(self._local.abort)
+            return
         with contextlib.suppress(BaseException):
             await self._settle(wait=True)
         call = self._abort_call()

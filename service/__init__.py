@@ -18,6 +18,7 @@ from framewire.client import __version__
 if TYPE_CHECKING:
     from framewire.service._cli.main import main
     from framewire.service._encode.encoder import EncodeParams, Encoder
+    from framewire.service._local import LocalEncoder
     from framewire.service._settings import Settings
     from framewire.service._sockets import AlreadyServed
     from framewire.service._sources.frames import FileSource, FrameSource, TensorSource, open_npy
@@ -29,6 +30,7 @@ _WHERE = {
     "Encoder": "framewire.service._encode.encoder",
     "FileSource": "framewire.service._sources.frames",
     "FrameSource": "framewire.service._sources.frames",
+    "LocalEncoder": "framewire.service._local",
     "Settings": "framewire.service._settings",
     "TensorSource": "framewire.service._sources.frames",
     "Worker": "framewire.service._worker",
@@ -49,6 +51,7 @@ __all__ = [
     "Encoder",
     "FileSource",
     "FrameSource",
+    "LocalEncoder",
     "Settings",
     "TensorSource",
     "Worker",

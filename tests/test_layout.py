@@ -31,7 +31,8 @@ CLIENT_API = [
     "Unavailable", "VideoWriter", "__version__", "decode_reference", "save_video", "save_videos",
 ]  # fmt: skip
 SERVICE_API = [
-    "AlreadyServed", "EncodeParams", "Encoder", "FileSource", "FrameSource", "Settings",
+    "AlreadyServed", "EncodeParams", "Encoder", "FileSource", "FrameSource", "LocalEncoder",
+    "Settings",
     "TensorSource", "Worker", "__version__", "main", "open_npy",
 ]  # fmt: skip
 

@@ -58,12 +58,12 @@ def shared_audio(
     if regions is not None:
         with Memfd(samples.nbytes) as memfd:
             memfd.write_bytes(raw)
-            name = regions.register(memfd.fd, 0, samples.nbytes)
+            held = regions.register(memfd.fd, 0, samples.nbytes)
             try:
-                yield RegionAudio(region=name, **fields)
+                yield RegionAudio(region=held.name, **fields)
             finally:
                 with contextlib.suppress(Exception):  # gone with the connection already
-                    regions.unregister(name)
+                    regions.unregister(held)
         return
     with Segment(samples.nbytes) as segment:
         segment.write_bytes(raw)

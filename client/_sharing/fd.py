@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from framewire.client._closing import Closing
-from framewire.client._errors import Unavailable
-from framewire.client._fdsocket import FdSocket, error_from
+from framewire.client._errors import NotFound, Unavailable
+from framewire.client._fdsocket import ConnectionLost, FdSocket, error_from
 from framewire.client._sharing.video import Frames, MappedBuffer, describe, is_torch
 from framewire.client.wire import Layout, RegionSource
 
@@ -32,49 +32,127 @@ _names = itertools.count()
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
-class FdRegions(Closing):
-    """One connection to the worker's fd socket, and the regions registered over it.
+class Registration:
+    """A region this client registered: what it covers, and its name now (a new one
+    each time the region is registered again on a new connection)."""
 
-    Safe to share between threads (one request at a time). Closing it, or this
-    process ending, drops every region it registered.
+    def __init__(self, name: str, fd: int, offset: int, byte_size: int):
+        self.name = name
+        self.fd = os.dup(fd)  # ours: the region can be registered again after a reconnect
+        self.offset = offset
+        self.byte_size = byte_size
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _new_name() -> str:
+    return f"fw-{os.getpid()}-{next(_names)}-{secrets.token_hex(4)}"
+
+
+class FdRegions(Closing):
+    """A connection to the worker's fd socket, and the regions registered over it.
+
+    Safe to share between threads (one request at a time). The worker keeps an idle
+    connection open, so its regions stay while a rank generates; when the connection
+    is gone (the worker restarted, or closed it), the next request connects again and
+    registers every held region again first. Closing it, or this process ending,
+    drops every region it registered.
     """
 
     def __init__(self, path: str | os.PathLike[str], timeout: float | None):
         self.path = Path(path)
-        self._conn = FdSocket(path, timeout)
+        self.timeout = timeout
         self._lock = threading.Lock()
-        self.broken = False  # the connection was lost: its regions are gone
-        try:
-            pong = self._call({"op": "ping"})
-        except BaseException:
-            self._conn.close()
-            raise
-        self.instance = pong.instance  # the worker process that holds the regions
+        self._held: set[Registration] = set()
+        self.broken = False  # no connection could be made again: its regions are gone
+        self._conn, self.instance = self._connect()  # instance: the worker holding them
 
-    def _call(self, message: dict[str, Any], fd: int | None = None) -> Any:
-        with self._lock:
-            try:
-                reply, extra = self._conn.call(message, fd)
-            except Unavailable:
-                self.broken = True
-                raise
+    def _connect(self) -> tuple[FdSocket, str | None]:
+        conn = FdSocket(self.path, self.timeout)
+        try:
+            pong = self._checked(conn, {"op": "ping"})
+        except BaseException:
+            conn.close()
+            raise
+        return conn, pong.instance
+
+    @staticmethod
+    def _checked(conn: FdSocket, message: dict[str, Any], fd: int | None = None) -> Any:
+        reply, extra = conn.call(message, fd)
         if extra is not None:
             os.close(extra)
         if not reply.ok:
             raise error_from(reply)
         return reply
 
-    def register(self, fd: int, offset: int, byte_size: int) -> str:
-        """Region over ``byte_size`` bytes at ``offset`` of ``fd`` (which stays the caller's)."""
-        name = f"fw-{os.getpid()}-{next(_names)}-{secrets.token_hex(4)}"
-        self._call({"op": "register", "name": name, "offset": offset, "byte_size": byte_size}, fd)
-        return name
+    def _reconnect(self) -> None:
+        """A new connection, with every held region registered on it (lock held)."""
+        self._conn.close()
+        try:
+            self._conn, self.instance = self._connect()
+            for held in self._held:
+                name = _new_name()
+                message = {"op": "register", "name": name, "offset": held.offset,
+                           "byte_size": held.byte_size}  # fmt: skip
+                self._checked(self._conn, message, held.fd)
+                held.name = name
+        except Unavailable:
+            self.broken = True
+            raise
+        self.broken = False
 
-    def unregister(self, name: str) -> None:
-        self._call({"op": "unregister", "name": name})
+    def refresh(self) -> None:
+        """Connect again now if the worker closed the connection (raises Unavailable
+        when no worker answers there any more)."""
+        with self._lock:
+            if self.broken or self._conn.stale():
+                self._reconnect()
+
+    def _call(self, message: dict[str, Any], fd: int | None = None) -> Any:
+        with self._lock:
+            if self.broken or self._conn.stale():
+                self._reconnect()
+            try:
+                return self._checked(self._conn, message, fd)
+            except ConnectionLost:
+                # Lost under this request. Every fd-socket request may go again on a new
+                # connection: a register's region went with the old connection, and so
+                # would an unregistered one; ping and decode only read.
+                self._reconnect()
+                return self._checked(self._conn, message, fd)
+
+    def register(self, fd: int, offset: int, byte_size: int) -> Registration:
+        """Region over ``byte_size`` bytes at ``offset`` of ``fd`` (which stays the caller's)."""
+        held = Registration(_new_name(), fd, offset, byte_size)
+        try:
+            message = {"op": "register", "name": held.name, "offset": offset,
+                       "byte_size": byte_size}  # fmt: skip
+            self._call(message, fd)
+        except BaseException:
+            held.close()
+            raise
+        with self._lock:
+            self._held.add(held)
+        return held
+
+    def unregister(self, held: Registration) -> None:
+        with self._lock:
+            self._held.discard(held)
+        held.close()
+        try:
+            self._call({"op": "unregister", "name": held.name})
+        except NotFound:
+            pass  # gone with an earlier connection already
 
     def close(self) -> None:
-        self._conn.close()
+        with self._lock:
+            for held in self._held:
+                held.close()
+            self._held.clear()
+            self._conn.close()
 
 
 class Memfd(MappedBuffer, Closing):
@@ -107,18 +185,18 @@ class RegisteredMemfd(Memfd):
         super().__init__(nbytes)
         self.regions = regions
         try:
-            self.name = regions.register(self.fd, 0, max(nbytes, 1))
+            self.registration = regions.register(self.fd, 0, max(nbytes, 1))
         except BaseException:
             super().close()
             raise
 
     def source(self, frames: Frames) -> RegionSource:
-        return region_source(self.name, frames)
+        return region_source(self.registration.name, frames)
 
     def close(self) -> None:
         if self.fd >= 0:
             with contextlib.suppress(Exception):  # gone with the connection already
-                self.regions.unregister(self.name)
+                self.regions.unregister(self.registration)
         super().close()
 
 
@@ -149,15 +227,15 @@ def fd_shared(
         return
     fd, offset, owned = existing
     try:
-        name = regions.register(fd, offset, frames.nbytes)
+        held = regions.register(fd, offset, frames.nbytes)
     finally:
         if owned:
             os.close(fd)
     try:
-        yield region_source(name, frames)
+        yield region_source(held.name, frames)
     finally:
         with contextlib.suppress(Exception):
-            regions.unregister(name)
+            regions.unregister(held)
 
 
 def _torch_shared_fd(video: Any) -> tuple[int, int, bool] | None:

@@ -164,7 +164,7 @@ class OutputResult(BaseModel):
     fps: float | None = None
     duration: float | None = None
     audio: AudioInfo | None = None
-    route: Literal["stream", "fallback"] | None = None
+    route: Literal["stream", "fallback", "local"] | None = None  # local: no worker reached
     timings: Timings = Field(default_factory=Timings)
     error: ErrorInfo | None = None
 

@@ -38,6 +38,9 @@ class StreamOpened(BaseModel):
 
     id: str
     idle_timeout_s: float
+    # The worker process holding the session (``/v1/info``'s ``instance``): an answer
+    # from another one means the session is gone with the worker that held it.
+    instance: str | None = None
 
 
 class StreamChunk(WireModel):

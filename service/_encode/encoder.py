@@ -50,7 +50,7 @@ from framewire.service._sources.frames import FrameSource, Geometry
 if TYPE_CHECKING:
     from framewire.service._settings import Settings
 
-Route = Literal["stream", "fallback"]
+Route = Literal["stream", "fallback", "local"]  # local: in the client's process, no worker
 
 
 @dataclass

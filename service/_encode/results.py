@@ -73,6 +73,13 @@ def written(
     metrics.bytes_written.inc(encoded.bytes)
     if encoded.route == "fallback":
         metrics.fallbacks.inc()
+    return output_result(encoded, fps, check, started)
+
+
+def output_result(
+    encoded: Encoded, fps: float, check: Check | None, started: float
+) -> OutputResult:
+    """The answer for a complete output, as its encode and its check found it."""
     info = check.info if check is not None else None
     return OutputResult(
         path=str(encoded.path),

@@ -58,9 +58,15 @@ class Requests:
 
     async def next(self, timeout: float | None = None) -> tuple[bytes | _TooLong, list[int]] | None:
         """The next line (without its newline) or TOO_LONG, with its descriptors (now the
-        caller's); None at the end of the connection or when no whole line arrived
-        within ``timeout`` seconds (None: no bound), so a peer that sends nothing, or
-        dribbles a line, cannot hold the connection."""
+        caller's); None at the end of the connection, or when a line that has begun is not
+        complete ``timeout`` seconds after its first byte (None: no bound).
+
+        Waiting for a line's first byte has no bound: a connection idle between requests
+        is a rank generating its next video, and it holds regions the worker must not drop
+        under it (the connection cap bounds how many may wait). A line that has begun must
+        end in time, so a peer that dribbles cannot hold its slot busy."""
+        if not self._buf and not self._skipping and not await self._receive():
+            return None
         try:
             async with asyncio.timeout(timeout):
                 return await self._next()

@@ -8,7 +8,12 @@ from contextlib import AbstractAsyncContextManager
 from fastapi import FastAPI
 from framewire.client import __version__
 from framewire.service._http import errors, health, streams, triton, videos
-from framewire.service._http.middleware import BearerAuth, BodyGuard, RequestCounter
+from framewire.service._http.middleware import (
+    BearerAuth,
+    BodyGuard,
+    InstanceHeader,
+    RequestCounter,
+)
 from framewire.service._ops.logs import RequestIds
 from framewire.service._parts import Parts
 
@@ -26,5 +31,6 @@ def create_app(parts: Parts, lifespan: Lifespan | None = None) -> FastAPI:
     app.add_middleware(BodyGuard, limit=settings.max_body_bytes, idle_s=settings.idle_timeout_s)
     app.add_middleware(BearerAuth, token=settings.token)
     app.add_middleware(RequestCounter, metrics=parts.metrics)
+    app.add_middleware(InstanceHeader, instance=parts.instance)
     app.add_middleware(RequestIds)  # outermost: whatever runs inside logs with the id
     return app

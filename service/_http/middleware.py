@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # Routes that answer without the bearer token: probes by orchestrators (Kubernetes's
 # kubelet; Triton's health routes, which KServe deployments probe).
+INSTANCE_HEADER = "framewire-instance"
 OPEN_ROUTES = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 
 
@@ -45,6 +46,28 @@ class RequestCounter:
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
             self.metrics.requests.labels(route, str(status)).inc()
+
+
+class InstanceHeader:
+    """Names the worker process on every answer (``framewire-instance``, as ``/v1/info``
+    does): a long-lived client tells a restarted worker from the one it opened a stream
+    session with by the first answer it gets, without asking."""
+
+    def __init__(self, app: ASGIApp, instance: str):
+        self.app = app
+        self.header = (INSTANCE_HEADER.encode(), instance.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_named)
 
 
 class BodyGuard:

@@ -83,5 +83,8 @@ def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
         log_config=None,  # configure_logging did it: one format for every logger
         lifespan="on",
         http=protocol_class(settings.idle_timeout_s, settings.max_connections),
+        # Idle keep-alive connections are closed by the header deadline (idle_timeout_s),
+        # not sooner: clients keep theirs for less (docs/api.md, "Connections").
+        timeout_keep_alive=settings.idle_timeout_s,  # type: ignore[arg-type]
         timeout_graceful_shutdown=settings.shutdown_grace,  # type: ignore[arg-type]
     )

@@ -21,7 +21,9 @@ router = APIRouter()
 @router.post("/v1/streams", status_code=201, response_model=StreamOpened)
 async def open_stream(body: StreamOpen, parts: WorkerParts, caller: Caller) -> StreamOpened:
     session = await parts.sessions.open(body, caller)
-    return StreamOpened(id=session.id, idle_timeout_s=parts.settings.stream_idle_s)
+    return StreamOpened(
+        id=session.id, idle_timeout_s=parts.settings.stream_idle_s, instance=parts.instance
+    )
 
 
 @router.post("/v1/streams/{stream_id}/frames", response_model=StreamChunkAck)

@@ -25,7 +25,7 @@ from framewire.client import (
     OutputResult,
     VideoWriter,
 )
-from framewire.client import _stream as stream_module
+from framewire.client import _session as stream_module
 
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.processes import framewire_temps

@@ -1,0 +1,91 @@
+"""The local fallback: a save that finds no worker is encoded in this process.
+
+An engine's own save path writes its file whatever happens to a worker, so a
+client that adopted framewire must too: when no worker can be reached, saves and
+streams run the worker's own encoder here (``framewire.service.LocalEncoder``),
+with the same bytes and memory bounded by the chunk, and their results say
+``route == "local"``. The encoder is an optional part of the client (the
+``service`` extra), loaded by name on first need, so the client imports without
+it; where it is missing the save raises the worker's :class:`Unavailable`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from framewire.client._calls import per_output
+from framewire.client._errors import Unavailable
+from framewire.client._sharing.video import Frames
+from framewire.client.wire import OutputResult
+
+log = logging.getLogger("framewire.client")
+
+# What says no worker can take the call now: none reached (a transport failure), or one
+# that is shutting down (a rolling update). Anything else is the worker's answer.
+WORKER_GONE = frozenset({"unavailable", "shutting_down"})
+
+
+def worker_gone(exc: BaseException) -> bool:
+    return isinstance(exc, Unavailable) and exc.code in WORKER_GONE
+
+
+class LocalFallback:
+    """Encodes here while the worker is out of reach; warns once per outage."""
+
+    def __init__(self, output_root: str | os.PathLike[str] | None):
+        self.output_root = output_root
+        self._encoder: Any = None
+        self._lock = threading.Lock()
+        self._in_outage = False
+
+    def recovered(self) -> None:
+        """A worker answered: the next outage is warned about again."""
+        self._in_outage = False
+
+    def _take(self, exc: Unavailable) -> Any:
+        """The local encoder, once the outage is noted; raises ``exc`` without one."""
+        with self._lock:
+            if self._encoder is None:
+                try:
+                    module = importlib.import_module("framewire.service")
+                    self._encoder = module.LocalEncoder(self.output_root)
+                except ImportError as missing:
+                    raise Unavailable(
+                        f"{exc.message}; no local encoder either ({missing}): "
+                        "install framewire[service] for the local fallback",
+                        code=exc.code,
+                    ) from exc
+            if not self._in_outage:
+                self._in_outage = True
+                # The message, not the exception: a record kept by a handler would keep its
+                # traceback, and with it the socket httpx failed to connect.
+                log.warning(
+                    "framewire worker unreachable (%s); encoding in this process", exc.message
+                )
+        return self._encoder
+
+    def save_videos(
+        self,
+        exc: Unavailable,
+        videos: Sequence[Any],
+        paths: Sequence[str | os.PathLike[str]],
+        options: dict[str, Any],
+        layout: Any,
+    ) -> list[OutputResult]:
+        encoder = self._take(exc)
+        audios = per_output(options.get("audio"), len(paths), "audio")
+        return [
+            encoder.save(video, path, options | {"audio": audio}, layout)
+            for video, path, audio in zip(videos, paths, audios, strict=True)
+        ]
+
+    def open(
+        self, exc: Unavailable, path: str | os.PathLike[str], options: dict[str, Any],
+        first: Frames,
+    ) -> Any:  # fmt: skip
+        return self._take(exc).open(path, options, first)

@@ -1,0 +1,196 @@
+"""What a stream writer is apart from its I/O: its options, its calls, its staging pair
+and its state; and, when no worker took the session, the local stream it writes instead.
+
+A session belongs to the worker process that opened it: each chunk and the finish
+carry that worker's ``instance``, and an answer from another one (the worker was
+restarted), or no answer at all, is ``stream_lost``: the frames sent so far are gone
+with the worker, so the writer fails clearly at its next call rather than hang or
+write half a file.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+from framewire.client._calls import Call, stream_lost
+from framewire.client._errors import FramewireError, Unavailable
+from framewire.client._local import LocalFallback, worker_gone
+from framewire.client._sharing.fd import FdRegions, RegisteredMemfd
+from framewire.client._sharing.shm import Segment
+from framewire.client._sharing.video import Frames, describe
+from framewire.client.wire import (
+    Layout,
+    OutputResult,
+    StreamChunk,
+    StreamChunkAck,
+    StreamOpen,
+    StreamOpened,
+    refusal,
+)
+from pydantic import ValidationError
+
+Staging = Segment | RegisteredMemfd
+
+
+class LocalStream(Protocol):
+    """A stream written in this process (``framewire.service.LocalEncoder.open``)."""
+
+    def write(self, frames: Frames) -> None: ...
+    def finish(self) -> OutputResult: ...
+    def abort(self) -> None: ...
+
+
+def _nothing(body: Any) -> None:
+    return None
+
+
+class WriterBase:
+    """A stream's options, its staging pair, its calls and its state: all of a writer
+    but its I/O."""
+
+    def __init__(
+        self,
+        local: LocalFallback | None,
+        path: str | os.PathLike[str],
+        *,
+        fps: float,
+        quality: float | None,
+        preset: str | None,
+        threads: int | None,
+        audio: Any,
+        audio_sample_rate: int | None,
+        profile: str,
+        value_range: tuple[float, float] | None,
+        validate: bool,
+        layout: Layout | str | None,
+    ):
+        if audio is not None and not isinstance(audio, (str, os.PathLike)):
+            # Samples are judged when the session opens, before any chunk: hand them to
+            # save_video, or write them to a file under the worker's input roots.
+            raise ValueError("a stream's audio is a file path; audio samples go to save_video")
+        del audio_sample_rate  # the same keywords as save_video: a path has its own rate
+        self._options: dict[str, Any] = {
+            "path": os.fspath(path),
+            "fps": fps,
+            "quality": quality,
+            "preset": preset,
+            "threads": threads,
+            "audio": None if audio is None else os.fspath(audio),
+            "profile": profile,
+            "value_range": value_range,
+            "validate": validate,
+        }
+        self._layout = layout
+        self.id: str | None = None
+        self.result: OutputResult | None = None
+        self.frames_sent = 0
+        # Frames the worker has answered for (read into its encoder): a progress count
+        # the worker reports, updated as each answer arrives (on the sender's thread).
+        self.frames_received = 0
+        self._staging: list[Staging | None] = [None, None]
+        self._regions: FdRegions | None = None  # the fd route, when the client has it
+        self._turn = 0  # the staging segment the next host chunk goes into
+        self._error: BaseException | None = None  # the first refused chunk's, raised again
+        self._ended = False
+        self._instance: str | None = None  # the worker process holding the session
+        self._fallback = local
+        self._local: LocalStream | None = None  # in this process, when no worker took it
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._ended:
+            raise ValueError("the writer is closed")
+
+    def _failed(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+
+    def _describe(self, frames: Any) -> Frames:
+        described = describe(frames, self._layout)
+        # Every chunk has the first one's layout: a short chunk's shape can look like another.
+        self._layout = described.layout
+        return described
+
+    def _open_call(self, first: Frames) -> Call[StreamOpened]:
+        _, _, height, width = first.dims
+        fields = self._options | {
+            "dtype": first.dtype,
+            "layout": first.layout,
+            "height": height,
+            "width": width,
+        }
+        try:
+            body = StreamOpen.model_validate(fields).model_dump(mode="json", by_alias=True)
+        except ValidationError as exc:
+            raise refusal(exc) from None
+        return Call("POST", "/v1/streams", body, StreamOpened.model_validate)
+
+    def _chunk_call(self, source: Any, frames: Frames) -> Call[StreamChunkAck]:
+        assert self.id is not None
+        chunk = StreamChunk(first_frame=self.frames_sent, source=source)
+        self.frames_sent += frames.dims[1]
+        body = chunk.model_dump(mode="json", exclude_none=True)
+        path = f"/v1/streams/{self.id}/frames"
+        return Call("POST", path, body, StreamChunkAck.model_validate, instance=self._instance)
+
+    def _received(self, ack: StreamChunkAck) -> StreamChunkAck:
+        self.frames_received = max(self.frames_received, ack.frames_received)
+        return ack
+
+    def _finish_call(self) -> Call[OutputResult]:
+        if self.id is None:
+            raise ValueError("no frames were written")
+        path = f"/v1/streams/{self.id}/finish"
+        return Call("POST", path, None, OutputResult.model_validate, instance=self._instance)
+
+    def _abort_call(self) -> Call[None] | None:
+        """The DELETE that ends the session, if one is open on the worker."""
+        if self.id is None or self.result is not None:
+            return None
+        # Idempotent: a session already gone answers 404, which ends it all the same.
+        return Call("DELETE", f"/v1/streams/{self.id}", None, _nothing, idempotent=True)
+
+    def _opened(self, opened: StreamOpened) -> None:
+        self.id, self._instance = opened.id, opened.instance
+
+    def _open_here(self, exc: Unavailable, first: Frames) -> None:
+        """No worker took the session: write it in this process, or raise ``exc``."""
+        if self._fallback is None or not worker_gone(exc):
+            raise exc
+        fields = {k: v for k, v in self._options.items() if k != "path"}
+        self._local = self._fallback.open(exc, self._options["path"], fields, first)
+
+    def _write_here(self, chunk: Frames) -> None:
+        assert self._local is not None
+        self._local.write(chunk)
+        self.frames_sent += chunk.dims[1]
+        self.frames_received = self.frames_sent
+
+    @staticmethod
+    def _lost(exc: Unavailable) -> FramewireError:
+        """A session call that reached no worker: the session went with its worker."""
+        return stream_lost(exc.message) if exc.code == "unavailable" else exc
+
+    def _stage(self, frames: Frames) -> Any:
+        """Copy ``frames`` into this turn's staging segment; its descriptor."""
+        segment = self._staging[self._turn]
+        if segment is None or segment.nbytes < frames.nbytes:
+            if segment is not None:
+                segment.close()
+            if self._regions is None:
+                segment = Segment(frames.nbytes)
+            else:
+                segment = RegisteredMemfd(frames.nbytes, self._regions)
+            self._staging[self._turn] = segment
+        segment.write(frames)
+        self._turn ^= 1
+        return segment.source(frames)
+
+    def _release(self) -> None:
+        self._ended = True
+        for i, segment in enumerate(self._staging):
+            if segment is not None:
+                segment.close()
+                self._staging[i] = None

@@ -1,0 +1,223 @@
+"""A client that lives as ranks do: idle past every timeout, workers restarted under it.
+
+Real workers with short timeouts (idle 1 s), real restarts on the same sockets
+(SIGTERM, SIGKILL), and one client kept across all of it: every save succeeds,
+a stream whose worker went away fails with ``stream_lost`` and leaves nothing,
+and with no worker at all the client writes the worker's bytes itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+from framewire.client import AsyncClient, Client, Unavailable
+
+from tests.support.engines import diffusers_save, sglang_save
+from tests.support.media import make_clip, reference_mp4, sha256
+from tests.support.processes import framewire_temps
+from tests.support.worker import Worker
+
+IDLE_S = 1.0
+GAP_S = 2.5  # past the worker's idle timeout and the client's keep-alive expiry
+ARGS = ("--idle-timeout-s", str(IDLE_S))
+
+
+def restart(workers, old: Worker, how: signal.Signals) -> Worker:
+    """Stop ``old`` with ``how`` and start a new worker on the same sockets and roots."""
+    old.proc.send_signal(how)
+    old.proc.wait(timeout=30)
+    return workers.start(*ARGS, root=old.uds.parent)
+
+
+def fd_regions(worker: Worker) -> list[str]:
+    with worker.http() as h:
+        status = h.get("/v2/systemsharedmemory/status").json()
+    return [r["key"] for r in status if r["key"].startswith("fd:")]
+
+
+@pytest.mark.parametrize("url", ["uds", "tcp"])
+def test_saves_after_idle_gaps_past_every_timeout_succeed(workers, tmp_path, url):
+    w = workers.start(*ARGS)
+    clip = make_clip(frames=6)
+    want = reference_mp4(clip, tmp_path / "ref.mp4")
+    with Client(w.uds_url if url == "uds" else w.tcp_url, fd_socket=w.fd_socket) as fw:
+        for i in range(3):
+            result = fw.save_video(clip, f"idle/{i}.mp4", fps=24)
+            assert (result.route, result.sha256) == ("stream", want)
+            assert fw.host_route == "fd"
+            time.sleep(GAP_S)
+    assert sha256(w.outputs / "idle/2.mp4") == want
+
+
+def test_a_slow_stream_keeps_its_regions_between_chunks(workers, tmp_path):
+    w = workers.start(*ARGS)
+    clip = make_clip(frames=12)
+    want = reference_mp4(clip, tmp_path / "ref.mp4")
+    with Client(w.uds_url, fd_socket=w.fd_socket) as fw, fw.open_video("slow.mp4", fps=24) as out:
+        for chunk in torch.split(clip, 4, dim=1):
+            out.write(chunk)
+            time.sleep(GAP_S)  # a slow VAE: longer than every idle timeout
+        assert fw.host_route == "fd"
+    assert (out.result.route, out.result.sha256) == ("stream", want)
+    assert fd_regions(w) == []
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_one_client_lives_through_worker_restarts(workers, tmp_path, how):
+    w = workers.start(*ARGS)
+    clip = make_clip(frames=6)
+    want = reference_mp4(clip, tmp_path / "ref.mp4")
+    with Client(w.uds_url, local_fallback=False) as fw:  # the fd socket found by /v1/info
+        assert fw.save_video(clip, "a.mp4", fps=24).sha256 == want
+        first = fw.instance
+        for i in range(2):
+            w = restart(workers, w, how)
+            result = fw.save_video(clip, f"r{i}.mp4", fps=24)
+            assert (result.route, result.sha256) == ("stream", want)
+            assert fw.instance != first and fw.host_route == "fd"
+            first = fw.instance
+    assert fd_regions(w) == []
+
+
+def test_a_stream_whose_worker_restarted_is_lost_and_leaves_nothing(workers):
+    w = workers.start(*ARGS)
+    clip = make_clip(frames=8)
+    with Client(w.uds_url, fd_socket=w.fd_socket) as fw:
+        writer = fw.open_video("lost/s.mp4", fps=24)
+        writer.write(clip[:, :4])
+        w = restart(workers, w, signal.SIGKILL)
+        with pytest.raises(Unavailable) as lost:
+            writer.write(clip[:, 4:])
+            writer.close()
+        assert lost.value.code == "stream_lost"
+        writer.abort()
+        # The client still works with the new worker.
+        assert fw.save_video(clip, "after.mp4", fps=24).route == "stream"
+    assert not (w.outputs / "lost").exists() or list((w.outputs / "lost").iterdir()) == []
+    assert framewire_temps(w.outputs) == []
+
+
+def test_a_stream_whose_worker_is_down_is_lost(workers):
+    w = workers.start(*ARGS)
+    clip = make_clip(frames=8)
+    with Client(w.uds_url, fd_socket=w.fd_socket) as fw:
+        writer = fw.open_video("down.mp4", fps=24)
+        writer.write(clip[:, :4])
+        w.proc.send_signal(signal.SIGKILL)
+        w.proc.wait(timeout=30)
+        started = time.monotonic()
+        with pytest.raises(Unavailable) as lost:
+            writer.write(clip[:, 4:])
+            writer.close()
+        assert lost.value.code == "stream_lost" and time.monotonic() - started < 10
+        writer.abort()
+
+
+# --- no worker: the local fallback --------------------------------------------------------
+
+
+def nobody(tmp_path) -> str:
+    return f"unix://{tmp_path / 'nobody.sock'}"
+
+
+def test_no_worker_saves_locally_with_the_worker_s_bytes(workers, tmp_path, caplog):
+    w = workers.start(*ARGS)
+    clip = make_clip(frames=7, height=40, width=56)  # not multiples of 16: padded
+    with Client(w.uds_url) as fw:
+        worker_sha = fw.save_video(clip, "w.mp4", fps=24).sha256
+    caplog.set_level(logging.WARNING, logger="framewire.client")
+    with Client(nobody(tmp_path), fd_socket=tmp_path / "nofd.sock", output_root=tmp_path) as fw:
+        results = [fw.save_video(clip, f"local/{i}.mp4", fps=24) for i in range(3)]
+    assert {(r.route, r.sha256) for r in results} == {("local", worker_sha)}
+    assert sha256(tmp_path / "local/2.mp4") == worker_sha
+    assert worker_sha == reference_mp4(clip, tmp_path / "ref.mp4")
+    warnings = [r for r in caplog.records if "encoding in this process" in r.getMessage()]
+    assert len(warnings) == 1  # once per outage, not per call
+
+
+def test_local_saves_keep_each_profile_s_bytes(tmp_path):
+    clip = make_clip(frames=5, height=64, width=96)
+    with Client(nobody(tmp_path), fd_socket=tmp_path / "nofd.sock", output_root=tmp_path) as fw:
+        sglang = fw.save_video(clip, "s.mp4", fps=23.976, quality=5.5, profile="sglang")
+        frames = clip.permute(1, 2, 3, 0).numpy()
+        diffusers = fw.save_video(frames, "d.mp4", fps=8, profile="diffusers")
+        imageio_u8 = fw.save_video((frames * 255).astype(np.uint8), "u.mp4", fps=24, quality=7)
+    assert sglang.sha256 == sglang_save(
+        clip, tmp_path / "sref.mp4", fps=23.976, output_compression=55
+    )
+    assert diffusers.sha256 == diffusers_save(frames, tmp_path / "dref.mp4", fps=8)
+    u8 = torch.from_numpy((frames * 255).astype(np.uint8)).permute(3, 0, 1, 2)
+    assert imageio_u8.sha256 == reference_mp4(u8, tmp_path / "uref.mp4", quality=7)
+
+
+def test_a_stream_with_no_worker_is_written_locally(tmp_path):
+    clip = make_clip(frames=10)
+    want = reference_mp4(clip, tmp_path / "ref.mp4")
+    with Client(nobody(tmp_path), fd_socket=tmp_path / "nofd.sock", output_root=tmp_path) as fw:
+        with fw.open_video("s/local.mp4", fps=24) as out:
+            for chunk in torch.split(clip, 3, dim=1):
+                out.write(chunk)
+        assert out.frames_received == 10
+    assert (out.result.route, out.result.sha256) == ("local", want)
+    assert sha256(tmp_path / "s/local.mp4") == want
+
+
+def test_an_aborted_local_stream_leaves_nothing(tmp_path):
+    clip = make_clip(frames=6)
+    fw = Client(nobody(tmp_path), output_root=tmp_path)
+    with fw, pytest.raises(RuntimeError), fw.open_video("gone/x.mp4", fps=24) as out:
+        out.write(clip[:, :3])
+        raise RuntimeError("the producer failed")
+    assert not (tmp_path / "gone/x.mp4").exists()
+    assert framewire_temps(tmp_path) == []
+
+
+def test_without_the_fallback_no_worker_is_unavailable_within_seconds(tmp_path):
+    clip = make_clip(frames=4)
+    started = time.monotonic()
+    with Client(nobody(tmp_path), local_fallback=False) as fw, pytest.raises(Unavailable):
+        fw.save_video(clip, "x.mp4", fps=24)
+    assert time.monotonic() - started < 5
+    assert not (tmp_path / "x.mp4").exists()
+
+
+def test_a_relative_path_needs_a_local_root(tmp_path, monkeypatch):
+    from framewire.client import BadRequest
+
+    monkeypatch.delenv("FRAMEWIRE_OUTPUT_ROOTS", raising=False)
+    with Client(nobody(tmp_path)) as fw, pytest.raises(BadRequest) as refused:
+        fw.save_video(make_clip(frames=3), "rel.mp4", fps=24)
+    assert refused.value.code == "no_output_root"
+    monkeypatch.setenv("FRAMEWIRE_OUTPUT_ROOTS", f"{tmp_path / 'env'},/elsewhere")
+    with Client(nobody(tmp_path)) as fw:
+        assert fw.save_video(make_clip(frames=3), "rel.mp4", fps=24).route == "local"
+        absolute = fw.save_video(make_clip(frames=3), tmp_path / "abs/a.mp4", fps=24)
+    assert (tmp_path / "env/rel.mp4").exists() and absolute.path == str(tmp_path / "abs/a.mp4")
+
+
+def test_the_async_client_lives_through_idle_gaps_and_outages(workers, tmp_path):
+    w = workers.start(*ARGS)
+    clip = make_clip(frames=6)
+    want = reference_mp4(clip, tmp_path / "ref.mp4")
+
+    async def run() -> list[tuple[str | None, str | None]]:
+        got = []
+        async with AsyncClient(w.uds_url, output_root=tmp_path) as fw:
+            got.append(((r := await fw.save_video(clip, "a0.mp4", fps=24)).route, r.sha256))
+            await asyncio.sleep(GAP_S)
+            got.append(((r := await fw.save_video(clip, "a1.mp4", fps=24)).route, r.sha256))
+            w.proc.send_signal(signal.SIGKILL)
+            w.proc.wait(timeout=30)
+            got.append(((r := await fw.save_video(clip, "a2.mp4", fps=24)).route, r.sha256))
+            async with fw.open_video("a3.mp4", fps=24) as out:
+                await out.write(clip)
+            got.append((out.result.route, out.result.sha256))
+        return got
+
+    assert asyncio.run(run()) == [("stream", want)] * 2 + [("local", want)] * 2
