@@ -265,12 +265,14 @@ class VideoWriter(_WriterBase):
         self._check_open()
 
     def _end_session(self) -> None:
-        with contextlib.suppress(BaseException):
-            self._settle(wait=True)
+        # The DELETE goes first: a chunk in flight may wait for the worker's CPU slots
+        # behind another session, and the DELETE is what ends that wait.
         call = self._abort_call()
         if call is not None:
             with contextlib.suppress(Exception):  # gone already: idle, failed, finished
                 self._send(call)
+        with contextlib.suppress(BaseException):
+            self._settle(wait=True)
 
     def _shut(self) -> None:
         for future in self._in_flight:  # close() or abort() from a failing write
@@ -366,12 +368,12 @@ class AsyncVideoWriter(_WriterBase):
         self._check_open()
 
     async def _end_session(self) -> None:
-        with contextlib.suppress(BaseException):
-            await self._settle(wait=True)
-        call = self._abort_call()
+        call = self._abort_call()  # first, as in VideoWriter._end_session
         if call is not None:
             with contextlib.suppress(Exception):
                 await self._send(call)
+        with contextlib.suppress(BaseException):
+            await self._settle(wait=True)
 
     async def _shut(self) -> None:
         for task in self._in_flight:
