@@ -238,11 +238,13 @@ class Encoder:
             "preset": params.resolved_preset,
         }
         if params.profile == "vllm-omni":
-            threads = kw.get("threads")
+            # What the engine passes, on every route: the threads asked for, else "0"
+            # (x264's own slice-thread count). The frame-thread count the other routes
+            # pass (x264_auto_threads, for the scheduler too) would give other bytes.
             return pyav_argv(
                 sys.executable,
                 **common,  # type: ignore[arg-type]
-                threads=threads if isinstance(threads, int) else None,
+                threads=params.threads,
                 audio=audio.pyav_spec() if isinstance(audio, MemoryAudio) else None,
             )
         return encode_argv(

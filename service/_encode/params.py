@@ -9,6 +9,7 @@ from framewire.client._errors import BadRequest
 from framewire.client._media.argv import DEFAULT_PRESETS, PROFILES
 from framewire.client._media.inputs import InputFile
 from framewire.client.wire import MAX_FPS, MIN_FPS
+from framewire.client.wire._messages import profile_misfit
 from framewire.service._sources.audio import MemoryAudio
 
 
@@ -53,6 +54,10 @@ def check_params(params: EncodeParams) -> None:
     if params.audio is not None and params.profile == "diffusers":
         raise BadRequest("diffusers' export_to_video writes no audio", code="audio_unsupported")
     memory = isinstance(params.audio, MemoryAudio)
+    rate = params.audio.source.sample_rate if isinstance(params.audio, MemoryAudio) else None
+    misfit = profile_misfit(params.profile, params.fps, rate)
+    if misfit is not None:
+        raise BadRequest(misfit[1], code=misfit[0])
     if params.profile == "vllm-omni" and params.audio is not None and not memory:
         raise BadRequest(
             "the vllm-omni profile muxes audio samples in memory, not files",

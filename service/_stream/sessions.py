@@ -8,7 +8,8 @@ Each chunk is answered once it has been read: the producer may reuse the
 buffer at once. One request of a session runs at a time.
 
 Ends: ``finish`` (the file appears, atomically), ``abort`` (``DELETE``, nothing
-remains), idle for ``FRAMEWIRE_STREAM_IDLE_S`` (aborted), a failed chunk (the
+remains), idle for ``FRAMEWIRE_STREAM_IDLE_S`` (aborted; a first chunk that has
+waited that long for admission counts as idle: nothing of it was read), a failed chunk (the
 session fails with that code, nothing remains), a client that goes away in the
 middle of a chunk (aborted), or the worker stopping (aborted once the drain's
 grace is over).
