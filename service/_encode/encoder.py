@@ -133,7 +133,8 @@ class Encoder:
         route redoes the output).
         """
         check_params(params)
-        check_geometry(params, source.geometry.width, source.geometry.height)
+        g = source.geometry
+        check_geometry(params, g.width, g.height, g.dtype)
         if source.geometry.frames < 1:  # the wire refuses these; a direct caller might not
             raise BadRequest("the clip has no frames", code="no_frames")
         path = Path(path)

@@ -98,7 +98,7 @@ class Preparer:
     ) -> Prepared:
         """Everything about one output that can be refused, before anything is made."""
         path, params = await self.judge_options(spec, access, stack)
-        check_geometry(params, spec.source.width, spec.source.height)
+        check_geometry(params, spec.source.width, spec.source.height, spec.source.dtype)
         source = await self.open_source(spec.source, access, stack)
         return Prepared(spec, path, source, params)
 

@@ -83,7 +83,7 @@ class Sessions:
         try:
             prepare = self.jobs.prepare
             path, params = await prepare.judge_options(spec, access, stack)
-            check_geometry(params, spec.width, spec.height)
+            check_geometry(params, spec.width, spec.height, spec.dtype)
             directory = await prepare.place_at(path, made, stack)
         except BaseException:
             await stack.aclose()
