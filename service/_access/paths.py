@@ -16,6 +16,7 @@ from pathlib import Path
 
 from framewire.client._errors import (
     BadRequest,
+    Conflict,
     Forbidden,
     MediaError,
     NotFound,
@@ -25,6 +26,23 @@ from framewire.client._errors import (
 from framewire.client._media.argv import OUTPUT_EXTENSIONS
 from framewire.client._media.inputs import InputFile
 from framewire.service._encode.outputs import DIR_FLAGS, TEMP_PREFIX
+
+RESOLVE_TRIES = 3
+
+
+def _realpath(path: str | Path, raw: str) -> str:
+    """``os.path.realpath``, which raises when a link on the path is swapped or removed
+    while it reads it (between its ``lstat`` and ``readlink``): tried again, and a path
+    that keeps changing under the worker is the caller's conflict, not the worker's."""
+    for _ in range(RESOLVE_TRIES):
+        try:
+            return os.path.realpath(path)
+        except OSError:
+            continue
+    raise Conflict(
+        f"path {raw!r} changed while it was being resolved (a link on it replaced)",
+        code="path_changed",
+    )
 
 
 def _under(path: str, root: str) -> bool:
@@ -64,7 +82,7 @@ def resolve_output(raw: str, roots: list[str]) -> Path:
     path = Path(raw) if os.path.isabs(raw) else Path(roots[0]) / raw
     if path.name in ("", ".", ".."):
         raise BadRequest(f"output path {raw!r} names no file", code="bad_path")
-    parent = os.path.realpath(path.parent)
+    parent = _realpath(path.parent, raw)
     if not any(_under(parent, r) for r in real_roots(roots)):
         raise Forbidden(
             f"output path {raw!r} is outside the output roots", code="path_outside_roots"
@@ -171,7 +189,7 @@ def resolve_input(raw: str, roots: list[str]) -> Path:
     if not roots:
         raise Forbidden("no input roots are configured", code="path_outside_roots")
     path = Path(raw) if os.path.isabs(raw) else Path(roots[0]) / raw
-    real = os.path.realpath(path)
+    real = _realpath(path, raw)
     if not any(_under(real, r) for r in real_roots(roots)):
         raise Forbidden(f"input path {raw!r} is outside the input roots", code="path_outside_roots")
     if not os.path.lexists(real):
