@@ -12,6 +12,7 @@ import errno
 import functools
 import os
 import stat
+import threading
 from pathlib import Path
 
 from framewire.client._errors import (
@@ -121,8 +122,10 @@ def open_output_dir(target: Path, roots: list[str], made: list[Path] | None = No
     Opened one component at a time from the root, never following a symlink,
     so a directory swapped for a link since the path was judged is refused
     rather than followed. Writes then go through this fd (``atomic``). The
-    directories made here are appended to ``made`` (outermost first), so that a
-    request that fails can take them back (``remove_made``).
+    directories made here, and those on the way that other requests in flight
+    made, are appended to ``made`` (outermost first): a request that fails takes
+    back those no other request uses any more (``remove_made``); one that
+    succeeds lets go of them (``keep_made``).
     """
     parent = str(target.parent)
     root = next(r for r in real_roots(roots) if _under(parent, r))
@@ -138,16 +141,18 @@ def open_output_dir(target: Path, roots: list[str], made: list[Path] | None = No
         at = Path(root)
         for part in Path(parent).relative_to(root).parts:
             at = at / part
-            try:
-                child = os.open(part, DIR_FLAGS, dir_fd=fd)
-            except FileNotFoundError:
+            with _users_lock:  # made or found, and held, before another lets go of it
                 try:
-                    os.mkdir(part, dir_fd=fd)
-                    if made is not None:
-                        made.append(at)
-                except FileExistsError:
-                    pass
-                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+                    child = os.open(part, DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    try:
+                        os.mkdir(part, dir_fd=fd)
+                        _hold(at, made, new=True)
+                    except FileExistsError:
+                        pass
+                    child = os.open(part, DIR_FLAGS, dir_fd=fd)
+                else:
+                    _hold(at, made, new=False)
             os.close(fd)
             fd = child
         try:
@@ -172,11 +177,42 @@ def open_output_dir(target: Path, roots: list[str], made: list[Path] | None = No
         raise
 
 
+# Directories requests made, and how many requests in flight use each: one made for a
+# request that fails is removed (if empty) when the last request using it ends, not only
+# when the one that made it does (its rmdir fails while another's temp file is there).
+_users: dict[Path, int] = {}
+_users_lock = threading.Lock()
+
+
+def _hold(at: Path, made: list[Path] | None, *, new: bool) -> None:
+    """(Under ``_users_lock``.) ``made`` holds ``at`` if a request made it."""
+    if made is not None and (new or at in _users):
+        _users[at] = _users.get(at, 0) + 1
+        made.append(at)
+
+
 def remove_made(made: list[Path]) -> None:
-    """Remove the directories ``open_output_dir`` made, innermost first, if still empty."""
-    for path in reversed(made):
-        with contextlib.suppress(OSError):  # not empty: another request's files are in it
-            os.rmdir(path)
+    """A request that failed lets go of the directories ``open_output_dir`` made or found
+    made by others in flight; each one no request uses any more is removed if empty."""
+    _let_go(made, remove=True)
+
+
+def keep_made(made: list[Path]) -> None:
+    """A request that succeeded lets go of them: its file is in them, they stay."""
+    _let_go(made, remove=False)
+
+
+def _let_go(made: list[Path], *, remove: bool) -> None:
+    for path in reversed(made):  # innermost first
+        with _users_lock:
+            left = _users.get(path, 1) - 1
+            if left > 0:
+                _users[path] = left
+                continue
+            _users.pop(path, None)
+            if remove:
+                with contextlib.suppress(OSError):  # not empty: files of others are in it
+                    os.rmdir(path)
     made.clear()
 
 

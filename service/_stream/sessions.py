@@ -37,7 +37,7 @@ from framewire.client._errors import (
 )
 from framewire.client.wire import OutputResult, StreamChunk, StreamOpen, StreamState
 from framewire.client.wire._streams import StreamStateName
-from framewire.service._access.paths import remove_made
+from framewire.service._access.paths import keep_made, remove_made
 from framewire.service._access.peers import Access
 from framewire.service._encode.jobs import EncodeJobs
 from framewire.service._encode.params import check_geometry
@@ -313,8 +313,7 @@ class Sessions:
         if session.output is not None and state != "done":
             await asyncio.to_thread(session.output.abort)
         await session.stack.aclose()  # slots, claim, directory, audio
-        if state != "done":
-            remove_made(session.made)
+        (keep_made if state == "done" else remove_made)(session.made)
         self._open.pop(session.id, None)
         self._closed[session.id] = self._state_of(session)
         while len(self._closed) > CLOSED_KEPT:
