@@ -41,6 +41,14 @@ def waiting(h: Any) -> float:
     return metric(h, "framewire_encodes_waiting")
 
 
+def queued(h: Any, answered: Any = lambda: False) -> float:
+    """Give a chunk just sent time to reach the admission queue (it must not have been
+    answered: the slot is taken); how many wait there by the metrics."""
+    time.sleep(1.0)
+    assert not answered(), "the chunk was answered: it did not wait for the slot"
+    return waiting(h)
+
+
 def state(h: Any, sid: str) -> str:
     return h.get(f"/v1/streams/{sid}").json()["state"]
 
@@ -89,14 +97,14 @@ def test_delete_ends_a_session_waiting_for_admission(one_slot, segments, tmp_pat
         sid = open_stream(h, clip, path="waiter/b.mp4")
         chunk = {"first_frame": 0, "source": segments.source(clip[:, :2].contiguous())}
         pending = Request(w, "POST", f"/v1/streams/{sid}/frames", json=chunk)
-        wait_until(lambda: waiting(h) == 1, "session B never waited for the slot")
+        in_queue = queued(h, lambda: not pending.is_alive())
         started = time.monotonic()
         assert h.delete(f"/v1/streams/{sid}", timeout=ENDED_WITHIN_S).status_code == 204
         answer = pending.result(timeout=ENDED_WITHIN_S)
         assert time.monotonic() - started < ENDED_WITHIN_S
         assert (answer.status_code, answer.json()["code"]) == (499, "cancelled")
         assert state(h, sid) == "aborted"
-        assert waiting(h) == 0
+        assert (in_queue, waiting(h)) == (1, 0)  # counted while it waited
         assert metric(h, 'framewire_stream_aborts_total{cause="deleted"}') == 1
     assert not (w.outputs / "waiter").exists()
     settle(w, baseline, keep=set(segments.keys))
@@ -133,11 +141,11 @@ def test_a_producer_gone_while_waiting_ends_the_session(one_slot, segments, tmp_
                 + f"content-length: {len(body)}\r\n\r\n".encode()
                 + body
             )
-            wait_until(lambda: waiting(h) == 1, "session B never waited for the slot")
+            in_queue = queued(h)
         # The producer went away; its session ends well before the idle timeout's reach.
         wait_until(lambda: state(h, sid) == "aborted", "B was not aborted", ENDED_WITHIN_S)
         assert metric(h, 'framewire_stream_aborts_total{cause="client"}') == 1
-        assert waiting(h) == 0
+        assert (in_queue, waiting(h)) == (1, 0)
     assert not (w.outputs / "gone.mp4").exists()
 
 
@@ -148,10 +156,11 @@ def test_video_writer_abort_does_not_wait_for_the_slot(workers, segments, tmp_pa
     with holder(w, segments, clip, tmp_path) as h, Client(w.uds_url) as c:
         writer = c.open_video("written.mp4", fps=24)
         writer.write(clip[:, :2])  # returns at once; its request waits for the slot
-        wait_until(lambda: waiting(h) == 1, "the writer's chunk never waited for the slot")
-        started = time.monotonic()
-        writer.abort()
-        assert time.monotonic() - started < ENDED_WITHIN_S
+        in_queue = queued(h)
+        aborting = threading.Thread(target=writer.abort, daemon=True)
+        aborting.start()
+        aborting.join(ENDED_WITHIN_S)
+        assert not aborting.is_alive(), "VideoWriter.abort() waited for the other session"
         assert metric(h, 'framewire_stream_aborts_total{cause="deleted"}') == 1
-        assert waiting(h) == 0
+        assert (in_queue, waiting(h)) == (1, 0)
     assert not (w.outputs / "written.mp4").exists()
