@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.requests import raw_http
 from tests.support.segments import Segments
 from tests.support.worker import Worker
 
@@ -44,15 +45,11 @@ def exchange(sock: socket.socket, request: bytes) -> tuple[int, dict[str, str], 
 
 
 def get(path: str) -> bytes:
-    return f"GET {path} HTTP/1.1\r\nhost: framewire\r\n\r\n".encode()
+    return raw_http("GET", path)
 
 
 def post(path: str, body: dict[str, object]) -> bytes:
-    data = json.dumps(body).encode()
-    return (
-        f"POST {path} HTTP/1.1\r\nhost: framewire\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(data)}\r\n\r\n"
-    ).encode() + data
+    return raw_http("POST", path, body)
 
 
 def test_a_500_keeps_the_keep_alive_connection(workers, tmp_path: Path):

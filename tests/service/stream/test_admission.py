@@ -8,7 +8,6 @@ on to a byte-exact file.
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
@@ -23,7 +22,7 @@ from framewire.client import Client
 
 from tests.service.stream.test_sessions import open_stream, send_frames
 from tests.support.media import make_clip, reference_mp4, sha256
-from tests.support.requests import Baseline, Request, settle
+from tests.support.requests import Baseline, Request, raw_http, settle
 from tests.support.segments import Segments
 from tests.support.worker import Worker, metric
 
@@ -84,6 +83,12 @@ def holder(w: Worker, segments: Segments, clip: torch.Tensor, tmp_path: Path) ->
     assert sha256(w.outputs / "holder.mp4") == reference_mp4(clip, tmp_path / "ref.mp4")
 
 
+def second_session(h: Any, segments: Segments, clip: torch.Tensor, path: str) -> tuple[str, Any]:
+    """Session B, opened, and its first chunk (to be sent: it waits for A's slot)."""
+    sid = open_stream(h, clip, path=path)
+    return sid, {"first_frame": 0, "source": segments.source(clip[:, :2].contiguous())}
+
+
 @pytest.fixture
 def one_slot(workers) -> Worker:
     return workers.start("--cpu-slots", "1", "--stream-idle-s", "2")
@@ -94,8 +99,7 @@ def test_delete_ends_a_session_waiting_for_admission(one_slot, segments, tmp_pat
     baseline = Baseline.of(w)
     clip = make_clip(frames=60, height=48, width=64)
     with holder(w, segments, clip, tmp_path) as h:
-        sid = open_stream(h, clip, path="waiter/b.mp4")
-        chunk = {"first_frame": 0, "source": segments.source(clip[:, :2].contiguous())}
+        sid, chunk = second_session(h, segments, clip, "waiter/b.mp4")
         pending = Request(w, "POST", f"/v1/streams/{sid}/frames", json=chunk)
         in_queue = queued(h, lambda: not pending.is_alive())
         started = time.monotonic()
@@ -114,8 +118,7 @@ def test_the_reaper_ends_a_session_waiting_for_admission(one_slot, segments, tmp
     w = one_slot
     clip = make_clip(frames=60, height=48, width=64)
     with holder(w, segments, clip, tmp_path) as h:
-        sid = open_stream(h, clip, path="waiter.mp4")
-        chunk = {"first_frame": 0, "source": segments.source(clip[:, :2].contiguous())}
+        sid, chunk = second_session(h, segments, clip, "waiter.mp4")
         pending = Request(w, "POST", f"/v1/streams/{sid}/frames", json=chunk)
         # The idle timeout is 2 s: the waiting chunk is answered within a few seconds.
         answer = pending.result(timeout=2 + ENDED_WITHIN_S)
@@ -129,18 +132,10 @@ def test_a_producer_gone_while_waiting_ends_the_session(one_slot, segments, tmp_
     w = one_slot
     clip = make_clip(frames=60, height=48, width=64)
     with holder(w, segments, clip, tmp_path) as h:
-        sid = open_stream(h, clip, path="gone.mp4")
-        body = json.dumps(
-            {"first_frame": 0, "source": segments.source(clip[:, :2].contiguous())}
-        ).encode()
+        sid, chunk = second_session(h, segments, clip, "gone.mp4")
         with socket.socket(socket.AF_UNIX) as sock:
             sock.connect(str(w.uds))
-            sock.sendall(
-                f"POST /v1/streams/{sid}/frames HTTP/1.1\r\nhost: x\r\n".encode()
-                + b"content-type: application/json\r\n"
-                + f"content-length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
+            sock.sendall(raw_http("POST", f"/v1/streams/{sid}/frames", chunk))
             in_queue = queued(h)
         # The producer went away; its session ends well before the idle timeout's reach.
         wait_until(lambda: state(h, sid) == "aborted", "B was not aborted", ENDED_WITHIN_S)
