@@ -8,6 +8,7 @@ on to a byte-exact file.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from framewire.client import Client
+from framewire.client import AsyncClient, Client
 
 from tests.service.stream.test_sessions import open_stream, send_frames
 from tests.support.media import make_clip, reference_mp4, sha256
@@ -159,3 +160,24 @@ def test_video_writer_abort_does_not_wait_for_the_slot(workers, segments, tmp_pa
         assert metric(h, 'framewire_stream_aborts_total{cause="deleted"}') == 1
         assert (in_queue, waiting(h)) == (1, 0)
     assert not (w.outputs / "written.mp4").exists()
+
+
+def test_async_video_writer_abort_does_not_wait_for_the_slot(workers, segments, tmp_path):
+    w = workers.start("--cpu-slots", "1", "--stream-idle-s", "60")
+    clip = make_clip(frames=60, height=48, width=64)
+
+    async def write_then_abort() -> None:
+        async with AsyncClient(w.uds_url) as c:
+            writer = c.open_video("written-async.mp4", fps=24)
+            await writer.write(clip[:, :2])  # returns at once; its request waits for the slot
+            await asyncio.sleep(1.0)
+            started = time.monotonic()
+            # Bounded, and the bound's cancellation must not be swallowed by abort().
+            await asyncio.wait_for(writer.abort(), ENDED_WITHIN_S)
+            assert time.monotonic() - started < ENDED_WITHIN_S
+
+    with holder(w, segments, clip, tmp_path) as h:
+        asyncio.run(write_then_abort())
+        assert metric(h, 'framewire_stream_aborts_total{cause="deleted"}') == 1
+        assert waiting(h) == 0
+    assert not (w.outputs / "written-async.mp4").exists()
