@@ -145,9 +145,14 @@ def test_a_producer_gone_while_waiting_ends_the_session(one_slot, segments, tmp_
     assert not (w.outputs / "gone.mp4").exists()
 
 
-def test_video_writer_abort_does_not_wait_for_the_slot(workers, segments, tmp_path):
-    # A long idle timeout: only the abort may end session B here.
-    w = workers.start("--cpu-slots", "1", "--stream-idle-s", "60")
+@pytest.fixture
+def patient(workers) -> Worker:
+    """One CPU slot and a long idle timeout: only the writer's abort may end session B."""
+    return workers.start("--cpu-slots", "1", "--stream-idle-s", "60")
+
+
+def test_video_writer_abort_does_not_wait_for_the_slot(patient, segments, tmp_path):
+    w = patient
     clip = make_clip(frames=60, height=48, width=64)
     with holder(w, segments, clip, tmp_path) as h, Client(w.uds_url) as c:
         writer = c.open_video("written.mp4", fps=24)
@@ -162,8 +167,8 @@ def test_video_writer_abort_does_not_wait_for_the_slot(workers, segments, tmp_pa
     assert not (w.outputs / "written.mp4").exists()
 
 
-def test_async_video_writer_abort_does_not_wait_for_the_slot(workers, segments, tmp_path):
-    w = workers.start("--cpu-slots", "1", "--stream-idle-s", "60")
+def test_async_video_writer_abort_does_not_wait_for_the_slot(patient, segments, tmp_path):
+    w = patient
     clip = make_clip(frames=60, height=48, width=64)
 
     async def write_then_abort() -> None:
