@@ -29,9 +29,9 @@ import os
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
-from framewire.client._calls import Call
+from framewire.client._calls import AsyncSend, Call, Send
 from framewire.client._errors import Unavailable
 from framewire.client._local import LocalFallback
 from framewire.client._session import WriterBase
@@ -40,18 +40,6 @@ from framewire.client._sharing.video import is_cuda
 from framewire.client.wire import OutputResult, StreamChunkAck
 
 T = TypeVar("T")
-
-
-class Send(Protocol):
-    """How a :class:`Client` sends one call (its ``_send``)."""
-
-    def __call__(self, call: Call[T], /) -> T: ...
-
-
-class AsyncSend(Protocol):
-    """How an :class:`AsyncClient` sends one call."""
-
-    def __call__(self, call: Call[T], /) -> Awaitable[T]: ...
 
 
 class VideoWriter(WriterBase):
@@ -136,31 +124,38 @@ class VideoWriter(WriterBase):
     def _settle(self, *, wait: bool, keep: int = 0) -> None:
         """Collect the answers of chunks sent (all but ``keep``, or those already in);
         the first refusal is kept and raised, now and by every later call."""
-        while len(self._in_flight) > keep and (wait or self._in_flight[0].done()):
-            try:
-                self._in_flight.popleft().result()
-            except BaseException as exc:
-                self._failed(exc)
+        self._collect(wait=wait, keep=keep)
         self._check_open()
+
+    def _collect(self, *, wait: bool, keep: int = 0) -> None:
+        while len(self._in_flight) > keep and (wait or self._in_flight[0].done()):
+            future = self._in_flight[0]
+            try:
+                future.result()
+            except BaseException as exc:
+                if not future.done():
+                    raise  # the wait was interrupted (Ctrl-C): the caller's, not the chunk's
+                self._failed(exc)
+            self._in_flight.popleft()
 
     def _end_session(self) -> None:
         if self._local is not None:
             self._local.abort()
             return
-        with contextlib.suppress(BaseException):
-            self._settle(wait=True)
+        # The DELETE before the chunks in flight are collected (by _shut): one may wait
+        # for the worker's CPU slots behind another session, and the DELETE ends that wait.
         call = self._abort_call()
         if call is not None:
             with contextlib.suppress(Exception):  # gone already: idle, failed, finished
                 self._send(call)
 
     def _shut(self) -> None:
-        for future in self._in_flight:  # close() or abort() from a failing write
-            with contextlib.suppress(BaseException):
-                future.result()
-        self._in_flight.clear()
-        self._sender.shutdown(wait=True)
-        self._release()
+        try:
+            self._collect(wait=True)  # close() or abort() from a failing write
+        finally:
+            self._in_flight.clear()
+            self._sender.shutdown(wait=True)
+            self._release()
 
     def __enter__(self) -> VideoWriter:
         return self
@@ -259,30 +254,34 @@ class AsyncVideoWriter(WriterBase):
             await self._shut()
 
     async def _settle(self, *, wait: bool, keep: int = 0) -> None:
+        await self._collect(wait=wait, keep=keep)
+        self._check_open()
+
+    async def _collect(self, *, wait: bool, keep: int = 0) -> None:
         while len(self._in_flight) > keep and (wait or self._in_flight[0].done()):
             try:
-                await self._in_flight.popleft()
+                await self._in_flight[0]
             except BaseException as exc:
+                if _cancelling():
+                    raise  # this call was cancelled, not the chunk's request
                 self._failed(exc)
-        self._check_open()
+            self._in_flight.popleft()
 
     async def _end_session(self) -> None:
         if self._local is not None:
             await asyncio.to_thread(self._local.abort)
             return
-        with contextlib.suppress(BaseException):
-            await self._settle(wait=True)
-        call = self._abort_call()
+        call = self._abort_call()  # first, as in VideoWriter._end_session
         if call is not None:
             with contextlib.suppress(Exception):
                 await self._send(call)
 
     async def _shut(self) -> None:
-        for task in self._in_flight:
-            with contextlib.suppress(BaseException):
-                await task
-        self._in_flight.clear()
-        self._release()
+        try:
+            await self._collect(wait=True)
+        finally:
+            self._in_flight.clear()
+            self._release()
 
     async def __aenter__(self) -> AsyncVideoWriter:
         return self
@@ -292,3 +291,9 @@ class AsyncVideoWriter(WriterBase):
             await self.close()
         else:
             await self.abort()
+
+
+def _cancelling() -> bool:
+    """Whether the running task is being cancelled (not merely the task it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

@@ -29,7 +29,7 @@ from framewire.client._sharing.video import Frames, describe, is_cuda
 from framewire.client.wire import AudioDType, OutputResult, RegionAudio
 from framewire.service._encode.encoder import Encoded, EncodeParams, Encoder
 from framewire.service._encode.outputs import open_directory
-from framewire.service._encode.results import Check, output_result
+from framewire.service._encode.results import Check, check_for, output_result
 from framewire.service._sources.audio import MemoryAudio, samples_of
 from framewire.service._sources.frames import FrameSource, Geometry, TensorSource
 from framewire.service._stream.output import StreamOutput
@@ -195,9 +195,8 @@ def _check(
     options: Options, frames: int, width: int, height: int, params: EncodeParams
 ) -> Check | None:
     """The worker's validation of the staged file, before it is renamed into place."""
-    if not options.validate:
-        return None
-    return Check(frames, width, height, options.fps, params.audio is not None, options.profile)
+    audio = params.audio is not None
+    return check_for(options.validate, frames, width, height, options.fps, audio, options.profile)
 
 
 def _result(

@@ -36,6 +36,8 @@ class Settings(BaseSettings):
     # An encode request is a few hundred bytes an output; anything near this is not one.
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     decode_cache_bytes: int = Field(default_factory=_eighth_of_memory, ge=0)
+    # Audio from memory held as WAVs (one per distinct audio) and being read.
+    audio_budget_bytes: int = Field(default=1 << 30, ge=1)
     # One decode's frames: a long reference at a large size must not take the host's RAM.
     max_decode_bytes: int = Field(default_factory=_eighth_of_memory, ge=1)
     allowed_uids: Annotated[list[int], NoDecode] = Field(default_factory=lambda: [os.getuid()])

@@ -12,8 +12,12 @@ from pydantic_core import PydanticCustomError
 
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 192000  # SGLang's bounds for a usable rate
 MAX_CHANNELS = 8
-# The worker holds about three copies while it judges a request (the read, the samples,
-# the WAV): 256 MiB is 11 minutes of 48 kHz stereo float32, far past a generated clip.
+# The rates FFmpeg's AAC encoder opens at (MPEG-4's table), within the bounds above: the
+# vllm-omni profile's PyAV encodes audio at its own rate, and any other fails to open.
+AAC_SAMPLE_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200,
+                    96000)  # fmt: skip
+# The worker holds one WAV per distinct audio (within its audio budget): 256 MiB is
+# 11 minutes of 48 kHz stereo float32, far past a generated clip.
 MAX_AUDIO_BYTES = 256 << 20
 
 

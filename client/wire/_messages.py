@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from framewire.client._errors import BadRequest
-from framewire.client.wire._audio import Audio
+from framewire.client._media.argv import PROFILES, profile_rate, rate_arg
+from framewire.client.wire._audio import AAC_SAMPLE_RATES, Audio
 from framewire.client.wire._sources import (
     MAX_FPS,
     MIN_FPS,
@@ -43,6 +44,19 @@ Preset = Literal[
 
 # The engine save path an output reproduces byte for byte (docs/engines.md).
 Profile = Literal["imageio", "sglang", "diffusers", "vllm-omni"]
+
+
+def profile_misfit(profile: str, fps: float, audio_rate: int | None) -> tuple[str, str] | None:
+    """(code, message) when ``profile``'s encoder cannot take this rate or audio rate:
+    the engine would fail too, so it is bad input, refused before anything runs."""
+    if profile in PROFILES and profile_rate(profile, fps) <= 0:
+        return "bad_fps", f"fps {fps:g} is written as {rate_arg(profile, fps)!r} by {profile}"
+    if profile == "vllm-omni" and audio_rate is not None and audio_rate not in AAC_SAMPLE_RATES:
+        rates = ", ".join(str(r) for r in AAC_SAMPLE_RATES)
+        return "bad_sample_rate", (
+            f"the vllm-omni profile encodes AAC at the audio's own rate: {rates}; got {audio_rate}"
+        )
+    return None
 
 
 class EncodeOptions(WireModel):
@@ -88,6 +102,12 @@ class EncodeOptions(WireModel):
                 raise PydanticCustomError(
                     "bad_value_range", f"value_range {[lo, hi]} is not a finite low < high"
                 )
+        audio_rate = (
+            None if self.audio is None or isinstance(self.audio, str) else (self.audio.sample_rate)
+        )
+        misfit = profile_misfit(self.profile, self.fps, audio_rate)
+        if misfit is not None:
+            raise PydanticCustomError(*misfit)
         if self.audio is not None and self.profile == "diffusers":
             raise PydanticCustomError(
                 "audio_unsupported", "diffusers' export_to_video writes no audio"

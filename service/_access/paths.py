@@ -12,10 +12,12 @@ import errno
 import functools
 import os
 import stat
+import threading
 from pathlib import Path
 
 from framewire.client._errors import (
     BadRequest,
+    Conflict,
     Forbidden,
     MediaError,
     NotFound,
@@ -25,6 +27,23 @@ from framewire.client._errors import (
 from framewire.client._media.argv import OUTPUT_EXTENSIONS
 from framewire.client._media.inputs import InputFile
 from framewire.service._encode.outputs import DIR_FLAGS, TEMP_PREFIX
+
+RESOLVE_TRIES = 3
+
+
+def _realpath(path: str | Path, raw: str) -> str:
+    """``os.path.realpath``, which raises when a link on the path is swapped or removed
+    while it reads it (between its ``lstat`` and ``readlink``): tried again, and a path
+    that keeps changing under the worker is the caller's conflict, not the worker's."""
+    for _ in range(RESOLVE_TRIES):
+        try:
+            return os.path.realpath(path)
+        except OSError:
+            continue
+    raise Conflict(
+        f"path {raw!r} changed while it was being resolved (a link on it replaced)",
+        code="path_changed",
+    )
 
 
 def _under(path: str, root: str) -> bool:
@@ -64,7 +83,7 @@ def resolve_output(raw: str, roots: list[str]) -> Path:
     path = Path(raw) if os.path.isabs(raw) else Path(roots[0]) / raw
     if path.name in ("", ".", ".."):
         raise BadRequest(f"output path {raw!r} names no file", code="bad_path")
-    parent = os.path.realpath(path.parent)
+    parent = _realpath(path.parent, raw)
     if not any(_under(parent, r) for r in real_roots(roots)):
         raise Forbidden(
             f"output path {raw!r} is outside the output roots", code="path_outside_roots"
@@ -103,8 +122,10 @@ def open_output_dir(target: Path, roots: list[str], made: list[Path] | None = No
     Opened one component at a time from the root, never following a symlink,
     so a directory swapped for a link since the path was judged is refused
     rather than followed. Writes then go through this fd (``atomic``). The
-    directories made here are appended to ``made`` (outermost first), so that a
-    request that fails can take them back (``remove_made``).
+    directories made here, and those on the way that other requests in flight
+    made, are appended to ``made`` (outermost first): a request that fails takes
+    back those no other request uses any more (``remove_made``); one that
+    succeeds lets go of them (``keep_made``).
     """
     parent = str(target.parent)
     root = next(r for r in real_roots(roots) if _under(parent, r))
@@ -120,16 +141,18 @@ def open_output_dir(target: Path, roots: list[str], made: list[Path] | None = No
         at = Path(root)
         for part in Path(parent).relative_to(root).parts:
             at = at / part
-            try:
-                child = os.open(part, DIR_FLAGS, dir_fd=fd)
-            except FileNotFoundError:
+            with _users_lock:  # made or found, and held, before another lets go of it
                 try:
-                    os.mkdir(part, dir_fd=fd)
-                    if made is not None:
-                        made.append(at)
-                except FileExistsError:
-                    pass
-                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+                    child = os.open(part, DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    try:
+                        os.mkdir(part, dir_fd=fd)
+                        _hold(at, made, new=True)
+                    except FileExistsError:
+                        pass
+                    child = os.open(part, DIR_FLAGS, dir_fd=fd)
+                else:
+                    _hold(at, made, new=False)
             os.close(fd)
             fd = child
         try:
@@ -154,11 +177,42 @@ def open_output_dir(target: Path, roots: list[str], made: list[Path] | None = No
         raise
 
 
+# Directories requests made, and how many requests in flight use each: one made for a
+# request that fails is removed (if empty) when the last request using it ends, not only
+# when the one that made it does (its rmdir fails while another's temp file is there).
+_users: dict[Path, int] = {}
+_users_lock = threading.Lock()
+
+
+def _hold(at: Path, made: list[Path] | None, *, new: bool) -> None:
+    """(Under ``_users_lock``.) ``made`` holds ``at`` if a request made it."""
+    if made is not None and (new or at in _users):
+        _users[at] = _users.get(at, 0) + 1
+        made.append(at)
+
+
 def remove_made(made: list[Path]) -> None:
-    """Remove the directories ``open_output_dir`` made, innermost first, if still empty."""
-    for path in reversed(made):
-        with contextlib.suppress(OSError):  # not empty: another request's files are in it
-            os.rmdir(path)
+    """A request that failed lets go of the directories ``open_output_dir`` made or found
+    made by others in flight; each one no request uses any more is removed if empty."""
+    _let_go(made, remove=True)
+
+
+def keep_made(made: list[Path]) -> None:
+    """A request that succeeded lets go of them: its file is in them, they stay."""
+    _let_go(made, remove=False)
+
+
+def _let_go(made: list[Path], *, remove: bool) -> None:
+    for path in reversed(made):  # innermost first
+        with _users_lock:
+            left = _users.get(path, 1) - 1
+            if left > 0:
+                _users[path] = left
+                continue
+            _users.pop(path, None)
+            if remove:
+                with contextlib.suppress(OSError):  # not empty: files of others are in it
+                    os.rmdir(path)
     made.clear()
 
 
@@ -171,7 +225,7 @@ def resolve_input(raw: str, roots: list[str]) -> Path:
     if not roots:
         raise Forbidden("no input roots are configured", code="path_outside_roots")
     path = Path(raw) if os.path.isabs(raw) else Path(roots[0]) / raw
-    real = os.path.realpath(path)
+    real = _realpath(path, raw)
     if not any(_under(real, r) for r in real_roots(roots)):
         raise Forbidden(f"input path {raw!r} is outside the input roots", code="path_outside_roots")
     if not os.path.lexists(real):

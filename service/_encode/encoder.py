@@ -133,7 +133,8 @@ class Encoder:
         route redoes the output).
         """
         check_params(params)
-        check_geometry(params, source.geometry.width, source.geometry.height)
+        g = source.geometry
+        check_geometry(params, g.width, g.height, g.dtype)
         if source.geometry.frames < 1:  # the wire refuses these; a direct caller might not
             raise BadRequest("the clip has no frames", code="no_frames")
         path = Path(path)
@@ -238,11 +239,13 @@ class Encoder:
             "preset": params.resolved_preset,
         }
         if params.profile == "vllm-omni":
-            threads = kw.get("threads")
+            # What the engine passes, on every route: the threads asked for, else "0"
+            # (x264's own slice-thread count). The frame-thread count the other routes
+            # pass (x264_auto_threads, for the scheduler too) would give other bytes.
             return pyav_argv(
                 sys.executable,
                 **common,  # type: ignore[arg-type]
-                threads=threads if isinstance(threads, int) else None,
+                threads=params.threads,
                 audio=audio.pyav_spec() if isinstance(audio, MemoryAudio) else None,
             )
         return encode_argv(

@@ -27,6 +27,7 @@ from framewire.client.wire import (
     OutputResult,
 )
 from framewire.service._access.paths import (
+    keep_made,
     remove_made,
 )
 from framewire.service._access.peers import TRUSTED, Access
@@ -144,8 +145,7 @@ class EncodeJobs:
                 remove_made(job.made)
             raise
         for job, (_, result) in zip(jobs, outcomes, strict=True):
-            if not result.ok:
-                remove_made(job.made)
+            (keep_made if result.ok else remove_made)(job.made)
         status = next((s for s, _ in outcomes if s != 200), 200)
         return status, [r for _, r in outcomes]
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from framewire.client._errors import BadRequest
 from framewire.client._media.argv import DEFAULT_PRESETS, PROFILES
 from framewire.client._media.inputs import InputFile
-from framewire.client.wire import MAX_FPS, MIN_FPS
+from framewire.client.wire import MAX_FPS, MIN_FPS, DType
+from framewire.client.wire._messages import profile_misfit
+from framewire.service._encode.convert import TORCH_DTYPES
 from framewire.service._probe import require_pyav
 from framewire.service._sources.audio import MemoryAudio
 
@@ -56,6 +59,10 @@ def check_params(params: EncodeParams) -> None:
     if params.audio is not None and params.profile == "diffusers":
         raise BadRequest("diffusers' export_to_video writes no audio", code="audio_unsupported")
     memory = isinstance(params.audio, MemoryAudio)
+    rate = params.audio.source.sample_rate if isinstance(params.audio, MemoryAudio) else None
+    misfit = profile_misfit(params.profile, params.fps, rate)
+    if misfit is not None:
+        raise BadRequest(misfit[1], code=misfit[0])
     if params.profile == "vllm-omni" and params.audio is not None and not memory:
         raise BadRequest(
             "the vllm-omni profile muxes audio samples in memory, not files",
@@ -63,8 +70,19 @@ def check_params(params: EncodeParams) -> None:
         )
 
 
-def check_geometry(params: EncodeParams, width: int, height: int) -> None:
+def check_geometry(params: EncodeParams, width: int, height: int, dtype: DType) -> None:
     """What a profile's encoder cannot take, refused before anything is made."""
+    if params.value_range is not None and dtype is not DType.uint8:
+        # The clamp's bounds are numbers of the frames' dtype (as in the engine, where
+        # torch refuses them the same way): past its range they cannot be.
+        info = torch.finfo(TORCH_DTYPES[dtype])
+        low, high = params.value_range
+        if not (info.min <= low and high <= info.max):
+            raise BadRequest(
+                f"value_range {list(params.value_range)} is outside what {dtype} holds "
+                f"({info.min:g}..{info.max:g})",
+                code="bad_value_range",
+            )
     if params.profile == "vllm-omni" and (width % 2 or height % 2):
         # PyAV hands libx264 the exact size, and 4:2:0 needs even sides (the engine
         # fails the same way); the ffmpeg profiles scale up to multiples of 16.

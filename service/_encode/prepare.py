@@ -37,7 +37,8 @@ from framewire.service._access.paths import (
 from framewire.service._access.peers import READ, SEARCH, WRITE, Access
 from framewire.service._encode.params import EncodeParams, check_geometry, check_params
 from framewire.service._settings import Settings
-from framewire.service._sources.audio import MemoryAudio, read_exactly, samples_of
+from framewire.service._sources.audio import MemoryAudio
+from framewire.service._sources.audio_store import AudioStore
 from framewire.service._sources.frames import FileSource, FrameSource, Geometry, MappedSource
 from framewire.service._sources.regions import CudaRegion, FdRegion, RegionRegistry, SystemRegion
 from framewire.service._sources.shm import open_shm
@@ -92,13 +93,14 @@ class Preparer:
         self.regions = regions
         self.cuda = cuda  # None: no usable GPU, cuda_ipc sources are refused
         self.claims = OutputClaims()
+        self.audio = AudioStore(settings.audio_budget_bytes)
 
     async def judge(
         self, spec: OutputSpec, access: Access, stack: contextlib.AsyncExitStack
     ) -> Prepared:
         """Everything about one output that can be refused, before anything is made."""
         path, params = await self.judge_options(spec, access, stack)
-        check_geometry(params, spec.source.width, spec.source.height)
+        check_geometry(params, spec.source.width, spec.source.height, spec.source.dtype)
         source = await self.open_source(spec.source, access, stack)
         return Prepared(spec, path, source, params)
 
@@ -130,7 +132,8 @@ class Preparer:
 
     async def _memory_audio(self, src: AudioSource, profile: str, access: Access) -> MemoryAudio:
         """The samples ``src`` names, read now (the caller's memory is free again once the
-        request is judged) into a WAV of the worker's own."""
+        request is judged) into a WAV of the worker's own, shared with every output that
+        names the same samples (``AudioStore``: one copy, within the audio budget)."""
         clamp = profile != "vllm-omni"  # SGLang clamps before its WAV; vLLM-omni never does
         if isinstance(src, ShmAudio):
             return await asyncio.to_thread(self._shm_audio, src, access, clamp)
@@ -141,17 +144,15 @@ class Preparer:
                     code="bad_audio_source",
                 )
             at = region.offset + src.offset
-            raw = await asyncio.to_thread(read_exactly, region.fd, at, src.byte_size)
-        return await asyncio.to_thread(lambda: MemoryAudio(src, samples_of(raw, src, clamp=clamp)))
+            return await asyncio.to_thread(self.audio.lease, src, region.fd, at, clamp=clamp)
 
     def _shm_audio(self, src: ShmAudio, access: Access, clamp: bool) -> MemoryAudio:
         fd = open_shm(src.key, self.settings.shm_prefixes)
         try:
             access.check(os.fstat(fd), READ, f"shm segment {src.key!r}")
-            raw = read_exactly(fd, src.offset, src.byte_size)
+            return self.audio.lease(src, fd, src.offset, clamp=clamp)
         finally:
             os.close(fd)
-        return MemoryAudio(src, samples_of(raw, src, clamp=clamp))
 
     def _judge_path(self, raw: str, access: Access) -> Path:
         roots = self.settings.output_roots

@@ -42,11 +42,16 @@ def _read_exactly(stream: int, buffer: memoryview) -> bool:
 def _samples(spec: str) -> tuple[np.ndarray, int]:
     """The (channels, samples) float32 waveform and its rate, from an inherited memfd."""
     fd, offset, samples, channels, rate = (int(v) for v in spec.split(","))
-    with open(fd, "rb") as f:  # closes the inherited descriptor too
-        f.seek(offset)
-        flat = np.fromfile(f, np.float32, count=samples * channels)
-    if flat.size < samples * channels:
-        raise SystemExit("the audio input is shorter than its header says")
+    # pread, not seek and read: the WAV's descriptor (its file position too) is shared
+    # with every other output that muxes the same audio at the same time.
+    flat = np.empty(samples * channels, np.float32)
+    view, got = flat.data.cast("B"), 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            raise SystemExit("the audio input is shorter than its header says")
+        got += n
+    os.close(fd)
     return np.ascontiguousarray(flat.reshape(samples, channels).T), rate
 
 

@@ -28,6 +28,7 @@ def create_app(parts: Parts, lifespan: Lifespan | None = None) -> FastAPI:
     for router in (health.router, videos.router, streams.router, triton.router):
         app.include_router(router)
     errors.install(app)
+    app.add_middleware(errors.Unexpected)  # innermost: an unexpected error keeps the connection
     app.add_middleware(BodyGuard, limit=settings.max_body_bytes, idle_s=settings.idle_timeout_s)
     app.add_middleware(BearerAuth, token=settings.token)
     app.add_middleware(RequestCounter, metrics=parts.metrics)

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from framewire.client._errors import FramewireError, host_error
 from framewire.client.wire import refusal
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("framewire.http")
 
@@ -37,19 +38,56 @@ def error_response(exc: FramewireError) -> JSONResponse:
     return JSONResponse(error_body(exc.code, exc.message, exc.detail), exc.status, headers=headers)
 
 
+def unexpected_response(path: str, exc: Exception) -> JSONResponse:
+    """The answer to an error nothing else caught: the host's own faults (no fd left, a
+    full disk) named as such, anything else ``500 internal`` (and logged)."""
+    mapped = host_error(exc, "the request failed") if isinstance(exc, OSError) else None
+    if mapped is not None:
+        return error_response(mapped)
+    log.error("unexpected error serving %s", path, exc_info=exc)
+    return JSONResponse(error_body("internal", f"internal error: {type(exc).__name__}"), 500)
+
+
+class Unexpected:
+    """Answers an unexpected error and keeps the connection: Starlette's outermost handler
+    (``exception_handler(Exception)``) answers too, but then raises the error on to the
+    server, and uvicorn closes a connection whose application raised: the client's next
+    request on that keep-alive connection failed. Raised again only when the response
+    had begun: half an answer can only be ended by closing the connection."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            await unexpected_response(scope["path"], exc)(scope, receive, send)
+
+
 def install(app: FastAPI) -> None:
+    """The error handlers; add :class:`Unexpected` as the innermost middleware."""
+
     @app.exception_handler(FramewireError)
     async def on_framewire_error(request: Request, exc: FramewireError) -> JSONResponse:
         return error_response(exc)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # The host's own faults (no fd left, a full disk) are named as such, not a 500.
-        mapped = host_error(exc, "the request failed") if isinstance(exc, OSError) else None
-        if mapped is not None:
-            return error_response(mapped)
-        log.error("unexpected error serving %s", request.url.path, exc_info=exc)
-        return JSONResponse(error_body("internal", f"internal error: {type(exc).__name__}"), 500)
+        # What the middleware outside Unexpected raises (this connection then closes).
+        return unexpected_response(request.url.path, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -5,8 +5,11 @@ they are), written by ``scipy.io.wavfile.write`` and given to ffmpeg as its
 second input. :func:`wav_header` lays the file out exactly as scipy 1.x does
 (a tested fact), so the WAV is built in a sealed memfd here and ffmpeg reads it
 through ``/proc/self/fd`` like an audio file under the input roots. The
-samples are read once, when the request is judged: a stream session holds no
-lease on the caller's memory for its whole life.
+samples are read when the request is judged, a block at a time (no whole copy
+beside the WAV): a stream session holds no lease on the caller's memory for its
+whole life. Outputs naming the same samples
+share one WAV (``audio_store``): nothing reads it through the shared descriptor's
+file position (ffmpeg opens ``/proc/self/fd/N`` anew, the PyAV child ``pread``s).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import os
 import struct
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -23,6 +27,7 @@ from framewire.client.wire import AudioDType, AudioSource
 from framewire.service._sources.frames import pread_full
 
 WAVE_FORMAT_PCM, WAVE_FORMAT_IEEE_FLOAT = 1, 3
+AUDIO_BLOCK_BYTES = 1 << 20  # samples are read and checked this much at a time
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 NUMPY: dict[AudioDType, np.dtype[Any]] = {
     AudioDType.float32: np.dtype("<f4"),
@@ -54,9 +59,10 @@ def wav_header(dtype: AudioDType, channels: int, sample_rate: int, samples: int)
 
 
 def samples_of(raw: bytes | memoryview, src: AudioSource, *, clamp: bool) -> np.ndarray:
-    """``src``'s samples as a (samples, channels) array; NaN or infinite ones refused;
-    float32 clamped to [-1, 1] when ``clamp`` (SGLang's ``_normalize_audio_to_numpy``)."""
-    samples = np.frombuffer(raw, NUMPY[src.dtype]).reshape(src.samples, src.channels)
+    """``src``'s samples (all of them, or a block of whole samples) as a (samples,
+    channels) array; NaN or infinite ones refused; float32 clamped to [-1, 1] when
+    ``clamp`` (SGLang's ``_normalize_audio_to_numpy``)."""
+    samples = np.frombuffer(raw, NUMPY[src.dtype]).reshape(-1, src.channels)
     if src.dtype is AudioDType.float32:
         if not np.isfinite(samples).all():
             raise BadRequest(
@@ -67,6 +73,21 @@ def samples_of(raw: bytes | memoryview, src: AudioSource, *, clamp: bool) -> np.
     return samples
 
 
+def sample_blocks(
+    src: AudioSource, fd: int, offset: int, *, clamp: bool, digest: Any = None
+) -> Iterator[np.ndarray]:
+    """``src``'s samples at ``offset`` of ``fd``, read a block at a time (never all at
+    once) and checked as :func:`samples_of` does; ``digest`` (a hashlib object) is fed
+    the bytes as read."""
+    frame = src.channels * src.dtype.itemsize
+    step = max(1, AUDIO_BLOCK_BYTES // frame) * frame
+    for start in range(0, src.byte_size, step):
+        raw = read_exactly(fd, offset + start, min(step, src.byte_size - start))
+        if digest is not None:
+            digest.update(raw)
+        yield samples_of(raw, src, clamp=clamp)
+
+
 class MemoryAudio(InputFile):
     """A WAV of in-memory samples in a sealed memfd: an input ffmpeg opens like a file.
 
@@ -74,15 +95,17 @@ class MemoryAudio(InputFile):
     child maps them from there, unclamped).
     """
 
-    def __init__(self, src: AudioSource, samples: np.ndarray):
+    def __init__(self, src: AudioSource, samples: np.ndarray | Iterable[np.ndarray]):
+        """``samples``: all of them, or their blocks in order (:func:`sample_blocks`)."""
         header = wav_header(src.dtype, src.channels, src.sample_rate, src.samples)
         fd = os.memfd_create("framewire-audio", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.write(fd, header)
-            data = np.ascontiguousarray(samples, NUMPY[src.dtype]).data.cast("B")
-            written = 0
-            while written < len(data):
-                written += os.write(fd, data[written:])
+            for block in [samples] if isinstance(samples, np.ndarray) else samples:
+                data = np.ascontiguousarray(block, NUMPY[src.dtype]).data.cast("B")
+                written = 0
+                while written < len(data):
+                    written += os.write(fd, data[written:])
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             os.lseek(fd, 0, os.SEEK_SET)
         except BaseException:
@@ -91,6 +114,17 @@ class MemoryAudio(InputFile):
         super().__init__(fd, "memory audio")
         self.source = src
         self.data_offset = len(header)
+        # A lease of a WAV shared by several outputs (audio_store): closing it calls
+        # this instead of closing the descriptor, which the store owns.
+        self.release: Callable[[], None] | None = None
+
+    def close(self) -> None:
+        release, self.release = self.release, None
+        if release is None:
+            super().close()
+        elif self.fd >= 0:
+            self.fd = -1
+            release()
 
     def pyav_spec(self) -> tuple[int, int, int, int, int]:
         """(fd, data offset, samples, channels, sample rate) for ``pyav_argv``."""
@@ -104,7 +138,7 @@ def read_exactly(fd: int, offset: int, nbytes: int) -> bytes:
     got = pread_full(fd, memoryview(out), offset)
     if got < nbytes:
         raise BadRequest(
-            f"the audio ends {nbytes - got} bytes short of its byte_size",
+            f"the audio ends at byte {offset + got}, before its byte_size",
             code="segment_truncated",
         )
     return bytes(out)

@@ -222,6 +222,7 @@ class MappedSource(FrameSource):
         self._frames: torch.Tensor | None = flat.view(TORCH_DTYPES[g.dtype]).view(g.shape)
         self._touched: list[tuple[int, int]] = []  # byte runs read and not dropped yet
         self._touched_bytes = 0
+        self._holes: FileSource | None = None  # reads blocks with holes in them
 
     def read(
         self, t0: int, t1: int, r0: int = 0, r1: int | None = None
@@ -234,6 +235,12 @@ class MappedSource(FrameSource):
         if not (r0 == 0 and r1 in (None, g.height)):
             x = x[:, :, r0:r1] if g.layout is not Layout.THWC else x[:, r0:r1]
         runs = byte_runs(g, self.offset, t0, t1, r0, g.height if r1 is None else r1)
+        if _has_hole(self.fd, runs):
+            # A read fault on a hole of shared memory allocates the page: a never-written
+            # memfd would be made real, page by page, by the worker. pread gives zeros.
+            if self._holes is None:
+                self._holes = FileSource(self.fd, self.offset, g, owns_fd=False)
+            return self._holes.read(t0, t1, r0, r1)
         self._touched += runs
         self._touched_bytes += sum(length for _, length in runs)
         return x, False  # the rank's memory: never scaled in place
@@ -250,9 +257,18 @@ class MappedSource(FrameSource):
         return rgb24_span(self.geometry, self.fd, self.offset)
 
     def close(self) -> None:
+        if self._holes is not None:
+            self._holes.close()
+            self._holes = None
         if self._frames is not None:
             self._drop_touched()
             self._frames = None  # the region unmaps once no view is left
+
+
+def _has_hole(fd: int, runs: list[tuple[int, int]]) -> bool:
+    """Whether a run holds a hole (pages never written): a ``SEEK_HOLE`` per run (at
+    most three), no page touched. (The descriptor's file position is never used.)"""
+    return any(os.lseek(fd, start, os.SEEK_HOLE) < start + length for start, length in runs)
 
 
 def open_npy(path: str | os.PathLike[str], layout: Layout | str = Layout.CTHW) -> FileSource:

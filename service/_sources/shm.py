@@ -4,6 +4,7 @@ under the allowed prefixes), and descriptors a rank hands over on the fd socket.
 from __future__ import annotations
 
 import fcntl
+import mmap
 import os
 import stat
 
@@ -65,4 +66,14 @@ def judge_fd(fd: int, offset: int, byte_size: int) -> bool:
             f"{offset + byte_size} (offset {offset} + {byte_size})",
             code="region_out_of_bounds",
         )
-    return bool(seals & fcntl.F_SEAL_SHRINK)
+    sealed = bool(seals & fcntl.F_SEAL_SHRINK)
+    if sealed and os.fstatvfs(fd).f_bsize != mmap.PAGESIZE:
+        # hugetlbfs (MFD_HUGETLB), whose blocks are huge pages (tmpfs says PAGE_SIZE): a
+        # sealed region is mapped, and huge pages map only whole and only from the
+        # host's reserved pool.
+        raise BadRequest(
+            "the descriptor is huge-page memory (MFD_HUGETLB): hand over a memfd "
+            "without MFD_HUGETLB",
+            code="bad_fd",
+        )
+    return sealed

@@ -8,7 +8,8 @@ Each chunk is answered once it has been read: the producer may reuse the
 buffer at once. One request of a session runs at a time.
 
 Ends: ``finish`` (the file appears, atomically), ``abort`` (``DELETE``, nothing
-remains), idle for ``FRAMEWIRE_STREAM_IDLE_S`` (aborted), a failed chunk (the
+remains), idle for ``FRAMEWIRE_STREAM_IDLE_S`` (aborted; a first chunk that has
+waited that long for admission counts as idle: nothing of it was read), a failed chunk (the
 session fails with that code, nothing remains), a client that goes away in the
 middle of a chunk (aborted), or the worker stopping (aborted once the drain's
 grace is over).
@@ -20,11 +21,9 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from framewire.client._errors import (
@@ -38,56 +37,21 @@ from framewire.client._errors import (
 )
 from framewire.client.wire import OutputResult, StreamChunk, StreamOpen, StreamState
 from framewire.client.wire._streams import StreamStateName
-from framewire.service._access.paths import remove_made
+from framewire.service._access.paths import keep_made, remove_made
 from framewire.service._access.peers import Access
 from framewire.service._encode.jobs import EncodeJobs
-from framewire.service._encode.params import EncodeParams, check_geometry
+from framewire.service._encode.params import check_geometry
 from framewire.service._encode.results import check_for, failed, written
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
 from framewire.service._sources.frames import FrameSource, Geometry
 from framewire.service._stream.output import StreamOutput
+from framewire.service._stream.session import Session, not_open
 
 log = logging.getLogger("framewire.streams")
 
 DISCONNECT_POLL_S = 0.1
 CLOSED_KEPT = 4096  # ended sessions remembered, to answer 409 stream_closed rather than 404
-
-
-def _not_open(session_id: str, state: str) -> Conflict:
-    return Conflict(f"stream {session_id} is {state}", code="stream_closed")
-
-
-@dataclass(eq=False)
-class Session:
-    id: str
-    spec: StreamOpen
-    path: Path
-    params: EncodeParams
-    geometry: Geometry  # frames: 0 (the chunks say how many)
-    directory: int
-    made: list[Path]
-    stack: contextlib.AsyncExitStack  # the claim, the directory, the audio, the slots
-    state: StreamStateName = "open"
-    received: int = 0
-    error: FramewireError | None = None
-    output: StreamOutput | None = None
-    started: float = field(default_factory=time.time)
-    active_at: float = field(default_factory=time.monotonic)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    cancel: threading.Event = field(default_factory=threading.Event)
-    aborted_by: str | None = None  # why it is being aborted, while a request still runs
-
-    def touch(self) -> None:
-        self.active_at = time.monotonic()
-
-    def idle_s(self) -> float:
-        return time.monotonic() - self.active_at
-
-    def check(self) -> None:
-        """Between pieces of blocking work: stop if the session is being aborted."""
-        if self.cancel.is_set():
-            raise Cancelled(f"stream {self.id} was aborted")
 
 
 class Sessions:
@@ -119,7 +83,7 @@ class Sessions:
         try:
             prepare = self.jobs.prepare
             path, params = await prepare.judge_options(spec, access, stack)
-            check_geometry(params, spec.width, spec.height)
+            check_geometry(params, spec.width, spec.height, spec.dtype)
             directory = await prepare.place_at(path, made, stack)
         except BaseException:
             await stack.aclose()
@@ -140,7 +104,7 @@ class Sessions:
         if session is not None:
             return session
         if session_id in self._closed:
-            raise _not_open(session_id, self._closed[session_id].state)
+            raise not_open(session_id, self._closed[session_id].state)
         raise NotFound(f"no stream session {session_id!r}", code="stream_not_found")
 
     def state(self, session_id: str) -> StreamState:
@@ -174,28 +138,29 @@ class Sessions:
         session = self.get(session_id)
         async with session.lock:
             if session.state not in ("open", "streaming"):
-                raise _not_open(session.id, session.state)
+                raise not_open(session.id, session.state)
             session.touch()
             self._refuse_misfit(session, chunk)
             if session.output is None:
                 self.jobs.scheduler.admit(1)  # a full queue is a 429 to retry, not an end
+            # Watched from the start: a producer gone while the chunk waits for
+            # admission ends the wait too.
+            watcher = asyncio.create_task(self._watch(is_disconnected, session))
             try:
                 async with contextlib.AsyncExitStack() as held:
                     source = await self.jobs.prepare.open_source(chunk.source, access, held)
                     if session.output is None:
                         await self._start(session, source)
                     assert session.output is not None
-                    watcher = asyncio.create_task(self._watch(is_disconnected, session))
-                    try:
-                        await self.jobs.in_pool(
-                            session.cancel, session.output.feed, source, session.check
-                        )
-                    finally:
-                        watcher.cancel()
+                    await self.jobs.in_pool(
+                        session.cancel, session.output.feed, source, session.check
+                    )
             except (FramewireError, asyncio.CancelledError) as exc:
                 # The chunk was read in part, or not at all: the file cannot be completed.
                 await self._end_by(session, exc)
                 raise
+            finally:
+                watcher.cancel()
             frames = source.geometry.frames
             session.received += frames
             session.state = "streaming"
@@ -234,9 +199,7 @@ class Sessions:
         encoder = self.jobs.encoder
         threads = encoder.threads_for(session.geometry.height, session.params)
         gpu = encoder.gpu_bytes(source)
-        await session.stack.enter_async_context(
-            self.jobs.scheduler.hold(threads, gpu, source.gpu_index)
-        )
+        await self._admitted(session, self.jobs.scheduler.hold(threads, gpu, source.gpu_index))
         session.started = time.time()
         session.output = await asyncio.to_thread(
             StreamOutput,
@@ -247,13 +210,35 @@ class Sessions:
             session.directory,
         )
 
+    async def _admitted(
+        self, session: Session, slots: contextlib.AbstractAsyncContextManager[float]
+    ) -> None:
+        """Wait for the session's slots (held until it ends) unless it is stopped first:
+        an abort must not wait for another session to let go of the CPU."""
+        session.waiting_since = time.monotonic()
+        self.metrics.queue_waiting.inc()
+        entered = asyncio.ensure_future(session.stack.enter_async_context(slots))
+        stopped = asyncio.ensure_future(session.stopped.wait())
+        try:
+            await asyncio.wait((entered, stopped), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            session.waiting_since = None
+            self.metrics.queue_waiting.dec()
+            stopped.cancel()
+            if not entered.done():
+                entered.cancel()  # leaves the queue; nothing was taken
+            await asyncio.gather(entered, stopped, return_exceptions=True)
+        if entered.cancelled():
+            session.check()  # stopped: Cancelled, and the session ends as aborted
+        entered.result()  # granted (released by the session's end), or its error
+        session.check()
+
     async def _watch(
         self, is_disconnected: Callable[[], Awaitable[bool]], session: Session
     ) -> None:
         while not session.cancel.is_set():
             if await is_disconnected():
-                session.aborted_by = session.aborted_by or "client"
-                session.cancel.set()  # the chunk in progress stops; the session is aborted
+                session.stop("client")  # the chunk in progress stops; the session is aborted
                 return
             await asyncio.sleep(DISCONNECT_POLL_S)
 
@@ -264,7 +249,7 @@ class Sessions:
         session = self.get(session_id)
         async with session.lock:
             if session.state not in ("open", "streaming"):
-                raise _not_open(session.id, session.state)
+                raise not_open(session.id, session.state)
             session.touch()
             expected = session.spec.frames
             problem: FramewireError | None = None
@@ -302,8 +287,7 @@ class Sessions:
     async def abort(self, session_id: str, cause: str = "deleted") -> None:
         """Stop the session; nothing of its output remains."""
         session = self.get(session_id)
-        session.aborted_by = session.aborted_by or cause
-        session.cancel.set()  # a chunk in progress stops at its next step
+        session.stop(cause)  # a chunk in progress stops at its next step, or stops waiting
         async with session.lock:
             if session.state in ("open", "streaming", "finishing"):
                 await self._end(session, "aborted", cause, None)
@@ -328,8 +312,7 @@ class Sessions:
         if session.output is not None and state != "done":
             await asyncio.to_thread(session.output.abort)
         await session.stack.aclose()  # slots, claim, directory, audio
-        if state != "done":
-            remove_made(session.made)
+        (keep_made if state == "done" else remove_made)(session.made)
         self._open.pop(session.id, None)
         self._closed[session.id] = self._state_of(session)
         while len(self._closed) > CLOSED_KEPT:
@@ -352,7 +335,7 @@ class Sessions:
         while self._open:
             await asyncio.sleep(min(1.0, idle / 4))
             for session in list(self._open.values()):
-                if not session.lock.locked() and session.idle_s() > idle:
+                if session.stale(idle):
                     log.warning(
                         "stream idle for %.0f s (FRAMEWIRE_STREAM_IDLE_S): aborted",
                         session.idle_s(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -44,6 +45,15 @@ class Request(threading.Thread):
         assert not self.is_alive(), "the request did not return"
         assert self.response is not None, self.error
         return self.response
+
+
+def raw_http(method: str, path: str, body: Any = None) -> bytes:
+    """One HTTP/1.1 request as bytes, for a socket the test drives itself (JSON body)."""
+    data = b"" if body is None else json.dumps(body).encode()
+    head = f"{method} {path} HTTP/1.1\r\nhost: framewire\r\n"
+    if body is not None:
+        head += f"content-type: application/json\r\ncontent-length: {len(data)}\r\n"
+    return (head + "\r\n").encode() + data
 
 
 def wait_for_ffmpeg(worker: Worker, timeout: float = 20) -> set[int]:

@@ -9,12 +9,14 @@ range, fractional qualities, and audio from memory.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from framewire.client._errors import BadRequest
+from framewire.client._media.argv import x264_auto_threads
 from framewire.client.wire import AudioDType, Layout, ShmAudio
 from framewire.service._encode.encoder import EncodeParams, Encoder
 from framewire.service._sources.audio import MemoryAudio, samples_of, wav_header
@@ -198,6 +200,21 @@ def test_vllm_omni_profile(tmp_path, route, dtype, value_range, fps):
     assert got == want
 
 
+@pytest.mark.parametrize("route", ["stream", "fallback"])
+@pytest.mark.parametrize("height", [192, 256])
+def test_vllm_omni_default_threads_are_the_engines(tmp_path, route, height):
+    """No ``threads`` asked for: vLLM-omni passes "0" (x264's slice-thread count), not
+    the frame-thread count x264_auto_threads gives ffmpeg; at these heights they part."""
+    clip = make_clip(5, height, 64) * 2 - 1
+    want = vllm_omni_save(vllm_omni_quantize(clip, (-1.0, 1.0)), tmp_path / "v.mp4", fps=24)
+    # The count x264 wrote into the engine's file (its SEI) is not the frame-thread one.
+    written = re.search(rb" threads=(\d+) ", (tmp_path / "v.mp4").read_bytes())
+    assert written is not None and int(written[1]) != x264_auto_threads(height)
+    got = encode(route, clip, tmp_path / "fw.mp4", fps=24, profile="vllm-omni",
+                 value_range=(-1.0, 1.0))  # fmt: skip
+    assert got == want
+
+
 def test_vllm_omni_audio_is_muxed_unclamped(tmp_path):
     clip = make_clip(12, 32, 32) * 2 - 1
     audio = waveform(16000, 2)
@@ -222,4 +239,18 @@ def test_vllm_omni_odd_sizes_are_refused_before_anything_is_written(tmp_path):
     with pytest.raises(BadRequest) as err:
         encode("stream", make_clip(3, 31, 32), tmp_path / "odd.mp4", fps=24, profile="vllm-omni")
     assert err.value.code == "odd_size"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_rates_the_engine_cannot_write_are_refused_in_process_too(tmp_path):
+    """The worker's own check, for the local encoder and CLI (no wire model before it)."""
+    with pytest.raises(BadRequest) as err:
+        encode("stream", make_clip(2, 16, 16), tmp_path / "s.mp4", fps=0.004, profile="sglang")
+    assert err.value.code == "bad_fps"
+    with memory_audio(waveform(1000, 1), 8000, clamp=False) as wav:
+        wav.source = wav.source.model_copy(update={"sample_rate": 8001})
+        with pytest.raises(BadRequest) as err:
+            encode("stream", make_clip(2, 16, 16), tmp_path / "v.mp4", fps=24,
+                   profile="vllm-omni", audio=wav)  # fmt: skip
+    assert err.value.code == "bad_sample_rate"
     assert list(tmp_path.iterdir()) == []

@@ -54,8 +54,9 @@ def test_imageio_profile_with_audio_from_memory_is_the_wav_route(worker, tmp_pat
     assert result.sha256 == reference_mp4(clip, tmp_path / "ref.mp4", audio=wav)
 
 
-def test_vllm_omni_stream_session(worker, tmp_path):
-    clip = make_clip(10, 32, 48) * 2 - 1
+@pytest.mark.parametrize("height", [32, 192])  # 192: x264's slice and frame counts part
+def test_vllm_omni_stream_session(worker, tmp_path, height):
+    clip = make_clip(10, height, 48) * 2 - 1
     want = vllm_omni_save(vllm_omni_quantize(clip, (-1.0, 1.0)), tmp_path / "v.mp4", fps=16)
     with Client(worker.uds_url) as c, c.open_video("vllm.mp4", fps=16, profile="vllm-omni",
                                                    value_range=(-1.0, 1.0)) as writer:  # fmt: skip
@@ -146,3 +147,45 @@ def test_info_names_the_profiles_and_the_pyav_build(worker):
         info = h.get("/v1/info").json()
     assert info["profiles"] == ["imageio", "sglang", "diffusers", "vllm-omni"]
     assert info["pyav"]["version"] == av.__version__
+
+
+@pytest.mark.parametrize(
+    ("options", "audio_rate", "code"),
+    [
+        ({"profile": "sglang", "fps": 0.001}, None, "bad_fps"),  # SGLang writes "-r 0.00"
+        ({"profile": "sglang", "fps": 0.004}, None, "bad_fps"),
+        ({"profile": "vllm-omni", "fps": 24}, 8001, "bad_sample_rate"),  # AAC cannot open
+        ({"profile": "vllm-omni", "fps": 24}, 192000, "bad_sample_rate"),
+    ],
+)
+def test_rates_the_engine_cannot_write_are_bad_input(worker, segments, options, audio_rate, code):
+    """Refused before anything runs (the engine would fail), not a 422 from the encoder."""
+    audio = None
+    if audio_rate is not None:
+        audio = audio_source(segments, waveform(1000, 1), sample_rate=audio_rate)
+    output = {"source": tiny_video(segments), "path": "rate.mp4", **options}
+    stream = {"path": "rate.mp4", "dtype": "uint8", "layout": "THWC", "height": 16,
+              "width": 16, **options}  # fmt: skip
+    if audio is not None:
+        output["audio"] = stream["audio"] = audio
+    with worker.http() as h:
+        for route, body in (("/v1/videos:encode", {"outputs": [output]}), ("/v1/streams", stream)):
+            r = h.post(route, json=body)
+            assert (r.status_code, r.json()["code"]) == (400, code), (route, r.text)
+    samples = None if audio_rate is None else waveform(1000, 1)
+    with Client(worker.uds_url) as c, pytest.raises(BadRequest) as err:
+        c.save_video(np.zeros((2, 16, 16, 3), np.uint8), "rate.mp4", **options,
+                     audio=samples, audio_sample_rate=audio_rate)  # fmt: skip
+    assert err.value.code == code
+    assert not (worker.outputs / "rate.mp4").exists()
+
+
+def test_the_aac_rates_are_pyavs():
+    import av
+    from framewire.client.wire._audio import AAC_SAMPLE_RATES, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
+
+    rates = av.Codec("aac", "w").audio_rates
+    assert rates is not None
+    assert sorted(r for r in rates if MIN_SAMPLE_RATE <= r <= MAX_SAMPLE_RATE) == list(
+        AAC_SAMPLE_RATES
+    )

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.processes import framewire_temps, wait_until_writes_stop
-from tests.support.requests import Baseline, Request, settle, wait_for_ffmpeg
+from tests.support.requests import Baseline, Request, raw_http, settle, wait_for_ffmpeg
 from tests.support.segments import Segments, raw_bytes, shm_source
 from tests.support.worker import Worker, metric
 
@@ -353,15 +353,10 @@ def test_a_client_gone_mid_chunk_aborts_the_session(workers, segments):
         assert h.post(f"/v1/streams/{sid}/frames", json=first).is_success  # ffmpeg runs
     [ffmpeg] = wait_for_ffmpeg(w)
     os.kill(ffmpeg, signal.SIGSTOP)  # before the next chunk: it cannot all go in
-    body = json.dumps({"first_frame": 1, "source": segments.source(clip[:, 1:].contiguous())})
+    body = {"first_frame": 1, "source": segments.source(clip[:, 1:].contiguous())}
     with socket.socket(socket.AF_UNIX) as sock:
         sock.connect(str(w.uds))
-        sock.sendall(
-            f"POST /v1/streams/{sid}/frames HTTP/1.1\r\nhost: x\r\n".encode()
-            + b"content-type: application/json\r\n"
-            + f"content-length: {len(body)}\r\n\r\n".encode()
-            + body.encode()
-        )
+        sock.sendall(raw_http("POST", f"/v1/streams/{sid}/frames", body))
         wait_until_writes_stop(w.pid)  # the pump is blocked on the full pipe, mid-chunk
     # ...the client goes away.
     with w.http() as h:

@@ -1,0 +1,64 @@
+"""A link on a request's path replaced again and again while the worker resolves it.
+
+Another process swaps, as fast as it can, a symlink in an output root (and one in
+an input root) with a real directory (``renameat2(RENAME_EXCHANGE)``: the name
+never disappears, it is a link one moment and a directory the next). Each
+request must get an answer with a stable code, never a 500.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.support.requests import encode_body
+
+# Swaps two names until its parent (the test) is gone or it is killed.
+FLIPPER = """\
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+a, b = sys.argv[1].encode(), sys.argv[2].encode()
+parent = os.getppid()
+while os.getppid() == parent:
+    for _ in range(1000):
+        if libc.renameat2(-100, a, -100, b, 2) != 0:  # AT_FDCWD, RENAME_EXCHANGE
+            raise SystemExit(f"renameat2: {os.strerror(ctypes.get_errno())}")
+"""
+REQUESTS_S = 4.0
+
+
+def swapping(root: Path) -> subprocess.Popen[bytes]:
+    """``root/link`` (a symlink to ``a``) and ``root/d`` swapped without end; both hold
+    ``sub/`` and ``sub/in.wav``."""
+    for d in (root / "a", root / "d"):
+        (d / "sub").mkdir(parents=True)
+        (d / "sub" / "in.wav").write_bytes(b"RIFF")
+    (root / "link").symlink_to("a")
+    return subprocess.Popen([sys.executable, "-c", FLIPPER, str(root / "link"), str(root / "d")])
+
+
+def test_a_link_swapped_while_paths_are_resolved_is_never_a_500(workers):
+    w = workers.start()
+    flippers = [swapping(w.outputs), swapping(w.inputs)]
+    seen: dict[tuple[int, str], int] = {}
+    source = {"kind": "shm", "key": "/framewire-test-none", "dtype": "uint8",
+              "shape": [2, 16, 16, 3], "layout": "THWC", "byte_size": 1536}  # fmt: skip
+    try:
+        with w.http() as h:
+            end = time.monotonic() + REQUESTS_S
+            while time.monotonic() < end:
+                for over in ({}, {"audio": "link/sub/in.wav"}):
+                    body = encode_body(source, "link/sub/out.mp4", **over)
+                    r = h.post("/v1/videos:encode", json=body)
+                    key = (r.status_code, r.json()["code"])
+                    seen[key] = seen.get(key, 0) + 1
+            assert h.get("/healthz").status_code == 200
+    finally:
+        for flipper in flippers:
+            flipper.kill()
+            flipper.wait()
+    # The frames are missing (404) once the paths are judged; or a path kept changing.
+    assert set(seen) <= {(404, "shm_not_found"), (409, "path_changed")}, seen
+    assert seen.get((404, "shm_not_found"), 0) > 0, seen
