@@ -224,8 +224,9 @@ class FdServer:
 
     def _register(self, request: FdRegister, fds: list[int], state: _Connection) -> FdReply:
         fd = fds.pop()  # the registry's now (closed by it on failure too)
+        assert state.peer is not None  # only allowed peers get here, and those are known
         region = self.regions.register_fd(
-            request.name, fd, request.offset, request.byte_size, state.peer
+            request.name, fd, request.offset, request.byte_size, state.peer.uid
         )
         state.regions[region.name] = region
         return FdReply(ok=True, name=region.name, sealed=region.sealed)
