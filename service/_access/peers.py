@@ -134,6 +134,14 @@ def tcp_peer(client: tuple[str, int], server: tuple[str, int]) -> Peer | None:
     return None
 
 
+def allowed(peer: Peer | None, uids: list[int], gids: list[int]) -> bool:
+    """Whether ``peer`` is one of the users the worker serves as ranks
+    (FRAMEWIRE_ALLOWED_UIDS, FRAMEWIRE_ALLOWED_GIDS)."""
+    if peer is None:
+        return False
+    return peer.uid in uids or any(g in gids for g in peer.gids)
+
+
 def may_reach(
     peer: Peer, path: Path, root: Path, want: int, target: os.stat_result | None = None
 ) -> bool:
