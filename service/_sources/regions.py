@@ -270,13 +270,13 @@ class RegionRegistry:
     ) -> AsyncIterator[Region]:
         """Hold region ``name`` while ``byte_size`` bytes at ``offset`` of it are in use."""
         region = self.get(name)
+        region.check(access)  # first: another's region tells nothing, not even its size
         if offset + byte_size > region.byte_size:
             raise BadRequest(
                 f"offset {offset} + byte_size {byte_size} exceeds region '{name}' "
                 f"of {region.byte_size} bytes",
                 code="region_out_of_bounds",
             )
-        region.check(access)
         region.leases += 1
         try:
             yield region

@@ -127,10 +127,11 @@ def test_another_user_cannot_see_free_or_take_a_ranks_region(worker, tmp_path):
                            json=encode_body(region_source("rank0", clip), "rank0.mp4"))  # fmt: skip
             assert r.status_code == 200, r.text
             assert r.json()["outputs"][0]["sha256"] == reference_mp4(clip, tmp_path / "ref.mp4")
-            # Nor may the neighbour encode from it.
-            body = encode_body(region_source("rank0", clip), "n.mp4")
-            answer = neighbour(NOBODY, url, "POST", "/v1/videos:encode", body)
-            assert refused_for_the_region(answer, "rank0"), answer
+            # Nor may the neighbour encode from it, nor learn its size by overreaching.
+            for offset in (0, 1 << 20):
+                body = encode_body(region_source("rank0", clip, offset=offset), "n.mp4")
+                answer = neighbour(NOBODY, url, "POST", "/v1/videos:encode", body)
+                assert refused_for_the_region(answer, "rank0"), answer
     finally:
         Path(f"/dev/shm{key}").unlink()
         (worker.outputs / "rank0.mp4").unlink(missing_ok=True)
@@ -267,7 +268,11 @@ def test_one_user_cannot_take_every_region_slot(workers, tmp_path):
             with Client(w.uds_url, fd_socket=w.fd_socket) as c:
                 result = c.save_video(clip, "fallback.mp4", fps=24)
                 assert c.host_route == "fd"  # still connected; this call went as a segment
-            assert result.sha256 == reference_mp4(clip, tmp_path / "ref.mp4")
-            assert sha256(w.outputs / "fallback.mp4") == result.sha256
+                with c.open_video("streamed.mp4", fps=24) as writer:  # staging likewise
+                    writer.write(clip[:, :1])
+                    writer.write(clip[:, 1:])
+            want = reference_mp4(clip, tmp_path / "ref.mp4")
+            assert result.sha256 == want == sha256(w.outputs / "fallback.mp4")
+            assert writer.result is not None and writer.result.sha256 == want
     finally:
         Path(f"/dev/shm{key}").unlink()
