@@ -195,6 +195,12 @@ class Access:
             return True
         return self.peer is not None and uid is not None and self.peer.uid == uid
 
+    def owner(self, what: str) -> int | None:
+        """Whose what this caller registers or opens (``what``) is: its uid; None for an
+        unidentified token holder. An unidentified caller without the token is refused."""
+        self._known(what)
+        return None if self.peer is None else self.peer.uid
+
     def check_owner(self, uid: int | None, what: str) -> None:
         """Raise Forbidden unless the caller :meth:`owns` what ``uid`` registered or handed
         over: memory no mode bits describe, or a name another user claimed."""

@@ -182,7 +182,7 @@ class RegionRegistry:
         self, name: str, key: str, offset: int, byte_size: int, access: Access = TRUSTED
     ) -> None:
         """A system region: ``byte_size`` bytes at ``offset`` of shm segment ``key``."""
-        owner = owner_of(access, f"region '{name}'")
+        owner = access.owner(f"region '{name}'")
         self._check_new(name, owner)
         if offset < 0 or byte_size <= 0:
             raise BadRequest("offset must be >= 0 and byte_size > 0", code="bad_region")
@@ -223,7 +223,7 @@ class RegionRegistry:
         access: Access = TRUSTED,
     ) -> None:
         """A CUDA region: the first ``byte_size`` bytes behind a base64 cudaIpcMemHandle_t."""
-        owner = owner_of(access, f"region '{name}'")
+        owner = access.owner(f"region '{name}'")
         if self.cuda is None:
             raise BadRequest(
                 "this worker has no CUDA device: CUDA regions cannot be registered",
@@ -340,15 +340,6 @@ def check_name(name: str) -> None:
             "starting with a letter or digit",
             code="bad_region_name",
         )
-
-
-def owner_of(access: Access, what: str) -> int | None:
-    """Whose a region that ``access`` registers is: its uid; None for an unidentified
-    token holder (an unidentified caller without the token is refused)."""
-    if access.peer is None:
-        access.check_owner(None, what)
-        return None
-    return access.peer.uid
 
 
 def _removable(region: Region, access: Access) -> bool:

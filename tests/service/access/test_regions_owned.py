@@ -30,7 +30,7 @@ from tests.support.identity import NOBODY, as_user
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.refclips import RawConnection
 from tests.support.requests import encode_body
-from tests.support.segments import raw_bytes
+from tests.support.segments import raw_bytes, shm_source
 from tests.support.worker import Worker, Workers
 
 OTHER = 65533  # a second neighbour, neither the registrant nor an admin
@@ -276,3 +276,42 @@ def test_one_user_cannot_take_every_region_slot(workers, tmp_path):
             assert writer.result is not None and writer.result.sha256 == want
     finally:
         Path(f"/dev/shm{key}").unlink()
+
+
+def test_a_stream_session_is_its_openers_alone(worker, tmp_path):
+    """Another user who learns a session's id can neither feed it frames, nor finish, abort
+    or look at it: to that user the session does not exist."""
+    clip = make_clip(frames=4, height=16, width=16)
+    head, tail = clip[:, :2].contiguous(), clip[:, 2:].contiguous()
+    keys = [own_segment(raw_bytes(head), 0), own_segment(raw_bytes(tail), 0)]
+    keys.append(own_segment(raw_bytes(tail), NOBODY))
+    os.chmod(f"/dev/shm{keys[2]}", 0o644)
+    url = worker.tcp_url
+    try:
+        with worker.http() as h:
+            opened = h.post("/v1/streams", json={"path": "owned.mp4", "fps": 24, "height": 16,
+                                                 "width": 16, "dtype": "float32"})  # fmt: skip
+            assert opened.status_code == 201, opened.text
+            sid = opened.json()["id"]
+            chunk = {"first_frame": 0, "source": shm_source(keys[0], head)}
+            assert h.post(f"/v1/streams/{sid}/frames", json=chunk).status_code == 200
+            foreign = {"first_frame": 2, "source": shm_source(keys[2], tail)}
+            for method, path, body in (
+                ("POST", f"/v1/streams/{sid}/frames", foreign),
+                ("GET", f"/v1/streams/{sid}", None),
+                ("POST", f"/v1/streams/{sid}/finish", None),
+                ("DELETE", f"/v1/streams/{sid}", None),
+            ):
+                status, answer = neighbour(NOBODY, url, method, path, body)
+                assert (status, answer and answer["code"]) == (404, "stream_not_found"), (
+                    method, path, status, answer
+                )  # fmt: skip
+            chunk = {"first_frame": 2, "source": shm_source(keys[1], tail)}
+            assert h.post(f"/v1/streams/{sid}/frames", json=chunk).status_code == 200
+            done = h.post(f"/v1/streams/{sid}/finish")
+            assert done.status_code == 200, done.text
+        assert done.json()["sha256"] == reference_mp4(clip, tmp_path / "ref.mp4")
+    finally:
+        for key in keys:
+            Path(f"/dev/shm{key}").unlink()
+        (worker.outputs / "owned.mp4").unlink(missing_ok=True)
