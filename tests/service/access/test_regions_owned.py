@@ -303,7 +303,7 @@ def test_a_stream_session_is_its_openers_alone(worker, tmp_path):
                 ("DELETE", f"/v1/streams/{sid}", None),
             ):
                 status, answer = neighbour(NOBODY, url, method, path, body)
-                assert (status, answer and answer["code"]) == (404, "stream_not_found"), (
+                assert (status, (answer or {}).get("code")) == (404, "stream_not_found"), (
                     method, path, status, answer
                 )  # fmt: skip
             chunk = {"first_frame": 2, "source": shm_source(keys[1], tail)}
