@@ -19,7 +19,7 @@ class FramewireError(Exception):
 
     status: ClassVar[int] = 500
     default_code: ClassVar[str] = "internal"
-    fd_code: ClassVar[str] = "decode_failed"  # the fd socket names five codes only
+    fd_code: ClassVar[str] = "decode_failed"  # the fd socket names six codes only
 
     def __init__(
         self,
@@ -50,6 +50,7 @@ class Unavailable(FramewireError):
 
     status = 503
     default_code = "unavailable"
+    fd_code = "unavailable"
 
 
 class InsufficientStorage(Unavailable):

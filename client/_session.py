@@ -10,13 +10,14 @@ write half a file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Protocol
 
 from framewire.client._calls import Call, stream_lost
 from framewire.client._errors import FramewireError, Unavailable
 from framewire.client._local import LocalFallback, worker_gone
-from framewire.client._sharing.fd import FdRegions, RegisteredMemfd
+from framewire.client._sharing.fd import NO_ROOM, FdRegions, RegisteredMemfd
 from framewire.client._sharing.shm import Segment
 from framewire.client._sharing.video import Frames, describe
 from framewire.client.wire import (
@@ -179,14 +180,19 @@ class WriterBase:
         if segment is None or segment.nbytes < frames.nbytes:
             if segment is not None:
                 segment.close()
-            if self._regions is None:
-                segment = Segment(frames.nbytes)
-            else:
-                segment = RegisteredMemfd(frames.nbytes, self._regions)
+            segment = self._staging_for(frames.nbytes)
             self._staging[self._turn] = segment
         segment.write(frames)
         self._turn ^= 1
         return segment.source(frames)
+
+    def _staging_for(self, nbytes: int) -> Staging:
+        """A registered memfd on the fd route; a segment without one, or when the worker
+        has no room for another region."""
+        if self._regions is not None:
+            with contextlib.suppress(*NO_ROOM):
+                return RegisteredMemfd(nbytes, self._regions)
+        return Segment(nbytes)
 
     def _release(self) -> None:
         self._ended = True

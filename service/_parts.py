@@ -45,7 +45,12 @@ class Parts:
         encoder = Encoder.from_settings(settings)
         metrics = Metrics()
         cuda = CudaRuntime.start()
-        regions = RegionRegistry(settings.shm_prefixes, cuda, max_regions=settings.max_regions)
+        regions = RegionRegistry(
+            settings.shm_prefixes,
+            cuda,
+            max_regions=settings.max_regions,
+            max_per_owner=settings.max_regions_per_owner,
+        )
         scheduler = Scheduler(settings.cpu_slots, settings.max_queue)
         if cuda is not None:
             scheduler.gpu_budget = cuda.gpu_budget(scheduler.gpu_held)

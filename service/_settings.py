@@ -58,6 +58,8 @@ class Settings(BaseSettings):
     max_connections: int = Field(default=256, ge=1)
     # Registered shared-memory regions (each holds a file descriptor).
     max_regions: int = Field(default=1024, ge=1)
+    # Of those, what one uid may hold: nobody can take every slot from the ranks.
+    max_regions_per_owner: int = Field(default=256, ge=1)
     # A stream session that receives nothing this long is aborted (nothing remains).
     stream_idle_s: float = Field(default=60.0, gt=0)
     # Open stream sessions; past it, opening one is a 429.

@@ -10,14 +10,47 @@ made itself.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
+import logging
 import os
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from framewire.client._closing import Closing
 from framewire.service._settings import Settings
+
+log = logging.getLogger("framewire.sockets")
+
+ACCEPT_BACKOFF_S = (0.05, 1.0)  # after a failed accept (EMFILE): first and longest pause
+
+
+async def accept_forever(
+    listener: socket.socket, serve: Callable[[socket.socket], Awaitable[None]], what: str
+) -> None:
+    """Hand each connection ``listener`` accepts to ``serve``, until cancelled.
+
+    When an accept fails (no descriptor left: EMFILE, ENFILE; ENOBUFS) the loop waits,
+    twice as long each time up to a second, and says so once: a worker out of
+    descriptors neither spins nor floods its log. Every listener of the worker, HTTP
+    and fd socket, accepts here.
+    """
+    loop = asyncio.get_running_loop()
+    listener.setblocking(False)
+    backoff = ACCEPT_BACKOFF_S[0]
+    while True:
+        try:
+            conn, _ = await loop.sock_accept(listener)
+        except OSError as exc:
+            if backoff == ACCEPT_BACKOFF_S[0]:
+                log.warning("%s: cannot accept a connection (%s); backing off", what, exc)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, ACCEPT_BACKOFF_S[1])
+            continue
+        backoff = ACCEPT_BACKOFF_S[0]
+        await serve(conn)
 
 
 class AlreadyServed(RuntimeError):

@@ -197,7 +197,9 @@ def pyav_argv(
     bytes follow the machine's CPU count; pin it for the same bytes everywhere.
     ``audio``: (fd, data offset, samples, channels, sample_rate) of float32 samples.
     """
-    argv = [python, "-m", "framewire.service._encode.pyav_writer"]
+    # -P: the working directory does not go first on sys.path, so no module planted
+    # there (an av.py in /tmp) runs as the caller of this argv.
+    argv = [python, "-P", "-m", "framewire.service._encode.pyav_writer"]
     argv += ["--size", f"{width}x{height}", "--rate", rate_arg("vllm-omni", fps)]
     argv += ["--crf", str(crf_for("vllm-omni", quality))]
     if preset is not None:

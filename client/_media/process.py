@@ -220,6 +220,7 @@ class FfmpegProcess(Closing):
         pass_fds: Sequence[int] = (),
         stall_s: float | None = None,
         file_size_limit: int | None = None,
+        cwd: str | None = None,
     ):
         self.argv = list(argv)
         self.stall_s = stall_s
@@ -234,6 +235,7 @@ class FfmpegProcess(Closing):
                 stderr=self._stderr,
                 close_fds=True,
                 pass_fds=tuple(pass_fds),
+                cwd=cwd,
             )
         except OSError as exc:
             self._close_memfds()

@@ -23,13 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from framewire.client._closing import Closing
-from framewire.client._errors import NotFound, Unavailable
+from framewire.client._errors import NotFound, Overloaded, Unavailable
 from framewire.client._fdsocket import ConnectionLost, FdSocket, error_from
+from framewire.client._sharing.shm import shared
 from framewire.client._sharing.video import Frames, MappedBuffer, describe, is_torch
-from framewire.client.wire import Layout, RegionSource
+from framewire.client.wire import Layout, RegionSource, ShmSource
 
 _names = itertools.count()
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# What a refused ``register`` raises when the worker has no room (region slots, the
+# caller's quota, descriptors): the frames can still go through a named segment.
+NO_ROOM = (Unavailable, Overloaded)
 
 
 class Registration:
@@ -214,28 +218,39 @@ def region_source(name: str, frames: Frames) -> RegionSource:
 @contextlib.contextmanager
 def fd_shared(
     video: Any, regions: FdRegions, *, layout: Layout | str | None = None
-) -> Iterator[RegionSource]:
-    """Yield a region descriptor of host ``video``; unregistered (and freed) on exit."""
+) -> Iterator[RegionSource | ShmSource]:
+    """Yield a region descriptor of host ``video``; unregistered (and freed) on exit.
+
+    A worker without room for the region is handed a named segment instead."""
     if is_torch(video) and video.device.type != "cpu":
         raise ValueError(f"a tensor on {video.device} cannot be handed over as a descriptor")
     frames = describe(video, layout)
     existing = _torch_shared_fd(frames.video) if is_torch(frames.video) else None
-    if existing is None:
-        with RegisteredMemfd(frames.nbytes, regions) as memfd:
+    held: Registration | None = None
+    memfd: RegisteredMemfd | None = None
+    try:
+        if existing is None:
+            memfd = RegisteredMemfd(frames.nbytes, regions)
+        else:
+            held = regions.register(existing[0], existing[1], frames.nbytes)
+    except NO_ROOM:
+        pass  # below: a named segment
+    finally:
+        if existing is not None and existing[2]:
+            os.close(existing[0])  # ours to close, registered or not
+    if memfd is not None:
+        with memfd:
             memfd.write(frames)
             yield memfd.source(frames)
-        return
-    fd, offset, owned = existing
-    try:
-        held = regions.register(fd, offset, frames.nbytes)
-    finally:
-        if owned:
-            os.close(fd)
-    try:
-        yield region_source(held.name, frames)
-    finally:
-        with contextlib.suppress(Exception):
-            regions.unregister(held)
+    elif held is not None:
+        try:
+            yield region_source(held.name, frames)
+        finally:
+            with contextlib.suppress(Exception):
+                regions.unregister(held)
+    else:
+        with shared(video, layout=layout) as src:
+            yield src
 
 
 def _torch_shared_fd(video: Any) -> tuple[int, int, bool] | None:

@@ -134,6 +134,14 @@ def tcp_peer(client: tuple[str, int], server: tuple[str, int]) -> Peer | None:
     return None
 
 
+def allowed(peer: Peer | None, uids: list[int], gids: list[int]) -> bool:
+    """Whether ``peer`` is one of the users the worker serves as ranks
+    (FRAMEWIRE_ALLOWED_UIDS, FRAMEWIRE_ALLOWED_GIDS)."""
+    if peer is None:
+        return False
+    return peer.uid in uids or any(g in gids for g in peer.gids)
+
+
 def may_reach(
     peer: Peer, path: Path, root: Path, want: int, target: os.stat_result | None = None
 ) -> bool:
@@ -172,13 +180,36 @@ class Access:
         if self.peer is not None and not self.peer.may(st, want):
             raise Forbidden(_denied(self.peer, what, want), code="caller_not_permitted")
 
-    def check_owner(self, uid: int, what: str) -> None:
-        """Raise Forbidden unless the caller is ``uid`` (or root): for memory that
-        process ``uid`` handed over, which no mode bits describe."""
+    @property
+    def admin(self) -> bool:
+        """Root, the worker's own uid (which could read the worker's memory anyway), or an
+        unidentified token holder: who may see and use every caller's regions."""
+        if self.peer is None:
+            return self.trusted
+        return self.peer.uid in (0, os.getuid())
+
+    def owns(self, uid: int | None) -> bool:
+        """Whether the caller may act on what uid ``uid`` registered (None: registered
+        by an unidentified token holder, the worker's own)."""
+        if self.admin:
+            return True
+        return self.peer is not None and uid is not None and self.peer.uid == uid
+
+    def owner(self, what: str) -> int | None:
+        """Whose what this caller registers or opens (``what``) is: its uid; None for an
+        unidentified token holder. An unidentified caller without the token is refused."""
         self._known(what)
-        if self.peer is not None and self.peer.uid not in (uid, 0):
+        return None if self.peer is None else self.peer.uid
+
+    def check_owner(self, uid: int | None, what: str) -> None:
+        """Raise Forbidden unless the caller :meth:`owns` what ``uid`` registered or handed
+        over: memory no mode bits describe, or a name another user claimed."""
+        self._known(what)
+        if not self.owns(uid):
+            owner = "the worker" if uid is None else f"uid {uid}"
+            caller = "unknown" if self.peer is None else f"uid {self.peer.uid}"
             raise Forbidden(
-                f"{what} was handed over by uid {uid}; the caller is uid {self.peer.uid}",
+                f"{what} belongs to {owner}; the caller is {caller}",
                 code="caller_not_permitted",
             )
 

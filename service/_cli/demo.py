@@ -146,7 +146,7 @@ def own_worker(token: str | None) -> Iterator[tuple[str, int]]:
             (root / name).mkdir()
         uds, log = root / "api.sock", root / "worker.log"
         cmd = [
-            sys.executable, "-m", "framewire.service", "serve",
+            sys.executable, "-P", "-m", "framewire.service", "serve",
             "--port", "0", "--uds", str(uds), "--fd-socket", str(root / "fd.sock"),
             "--output-roots", str(root / "outputs"), "--input-roots", str(root / "inputs"),
             "--log-level", "warning",

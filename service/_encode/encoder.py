@@ -346,7 +346,9 @@ class Encoder:
         # The private directory's fd (and the audio's): ffmpeg names them through
         # /proc/self/fd, so it opens exactly what was judged.
         fds = (staged.fd,) if params.audio is None else (staged.fd, _audio(params).fd)
-        return FfmpegProcess(argv, pass_fds=fds, stall_s=self.stall_s)
+        # cwd "/": nothing a child resolves relative to it (an empty PYTHONPATH entry)
+        # lies in whatever directory the worker was started from.
+        return FfmpegProcess(argv, pass_fds=fds, stall_s=self.stall_s, cwd="/")
 
 
 def _audio(params: EncodeParams) -> InputFile:

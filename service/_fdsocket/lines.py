@@ -56,18 +56,24 @@ class Requests:
         self._fds: list[tuple[int, list[int]]] = []  # (buffer position they belong at, fds)
         self._skipping = False
 
-    async def next(self, timeout: float | None = None) -> tuple[bytes | _TooLong, list[int]] | None:
+    async def next(
+        self, timeout: float | None = None, *, idle_bound: bool = False
+    ) -> tuple[bytes | _TooLong, list[int]] | None:
         """The next line (without its newline) or TOO_LONG, with its descriptors (now the
         caller's); None at the end of the connection, or when a line that has begun is not
         complete ``timeout`` seconds after its first byte (None: no bound).
 
         Waiting for a line's first byte has no bound: a connection idle between requests
         is a rank generating its next video, and it holds regions the worker must not drop
-        under it (the connection cap bounds how many may wait). A line that has begun must
-        end in time, so a peer that dribbles cannot hold its slot busy."""
-        if not self._buf and not self._skipping and not await self._receive():
-            return None
+        under it (the connection cap bounds how many may wait). ``idle_bound`` puts that
+        wait under ``timeout`` too (a peer that may not use the socket gets no idle slot).
+        A line that has begun must end in time, so a peer that dribbles cannot hold its
+        slot busy."""
         try:
+            if not self._buf and not self._skipping:
+                async with asyncio.timeout(timeout if idle_bound else None):
+                    if not await self._receive():
+                        return None
             async with asyncio.timeout(timeout):
                 return await self._next()
         except TimeoutError:

@@ -24,6 +24,7 @@ from framewire.client import __version__
 from framewire.client._errors import FramewireError, NotFound
 from framewire.client.wire import DecodeRequest, FdRegister, FdReply, FdUnregister, refusal
 from framewire.service._access.peers import Access, Peer, unix_peer
+from framewire.service._access.peers import allowed as is_allowed
 from framewire.service._decode.decoder import ReferenceDecoder
 from framewire.service._fdsocket.lines import (
     MAX_LINE,
@@ -34,13 +35,12 @@ from framewire.service._fdsocket.lines import (
 )
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
-from framewire.service._sockets import UnixListener
+from framewire.service._sockets import UnixListener, accept_forever
 from framewire.service._sources.regions import FdRegion, RegionRegistry
 from pydantic import BaseModel, ValidationError
 
 log = logging.getLogger("framewire.fdsocket")
 
-ACCEPT_BACKOFF_S = (0.05, 1.0)  # after a failed accept (EMFILE): first and longest pause
 OPS: dict[str, type[BaseModel] | None] = {
     "decode": DecodeRequest,
     "register": FdRegister,
@@ -97,30 +97,19 @@ class FdServer:
         if listener is None:
             listener, self._owns_listener = UnixListener(self.path), True
         listener.sock.listen(128)
-        listener.sock.setblocking(False)
         self._listener = listener
-        self._accepting = asyncio.create_task(self._accept_loop(listener.sock))
+        self._accepting = asyncio.create_task(
+            accept_forever(listener.sock, self._accepted, "fd socket")
+        )
 
-    async def _accept_loop(self, listener: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        backoff = ACCEPT_BACKOFF_S[0]
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(listener)
-            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS: wait for fds to free up
-                if backoff == ACCEPT_BACKOFF_S[0]:
-                    log.warning("fd socket: cannot accept a connection (%s); backing off", exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, ACCEPT_BACKOFF_S[1])
-                continue
-            backoff = ACCEPT_BACKOFF_S[0]
-            if len(self._connections) >= self.settings.max_connections:
-                await self._refuse(conn)
-                continue
-            conn.setblocking(False)
-            task = asyncio.create_task(self._serve(conn))
-            self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
+    async def _accepted(self, conn: socket.socket) -> None:
+        if len(self._connections) >= self.settings.max_connections:
+            await self._refuse(conn)
+            return
+        conn.setblocking(False)
+        task = asyncio.create_task(self._serve(conn))
+        self._connections.add(task)
+        task.add_done_callback(self._connections.discard)
 
     async def _refuse(self, conn: socket.socket) -> None:
         """One ``overloaded`` reply, then the connection is closed."""
@@ -135,21 +124,13 @@ class FdServer:
                 await send_reply(conn, reply)
         conn.close()
 
-    def _allowed(self, peer: Peer | None) -> bool:
-        if peer is None:
-            return False
-        groups = peer.gids
-        return peer.uid in self.settings.allowed_uids or any(
-            g in self.settings.allowed_gids for g in groups
-        )
-
     async def _serve(self, conn: socket.socket) -> None:
         requests = Requests(conn)
         state = _Connection(unix_peer(conn))
         try:
-            allowed = self._allowed(state.peer)
+            allowed = is_allowed(state.peer, self.settings.allowed_uids, self.settings.allowed_gids)
             idle = self.settings.idle_timeout_s
-            while (request := await requests.next(idle)) is not None:
+            while (request := await requests.next(idle, idle_bound=not allowed)) is not None:
                 line, fds = request
                 try:
                     reply, fd, op = await self._answer(line, fds, state, allowed)
@@ -157,17 +138,21 @@ class FdServer:
                     _close(fds)  # whatever the answer did not take
                 self.metrics.fd_requests.labels(op, reply.code or "ok").inc()
                 try:
-                    await send_reply(conn, reply, fd)
+                    # A peer that does not read its replies is closed, not waited for.
+                    async with asyncio.timeout(idle):
+                        await send_reply(conn, reply, fd)
                 finally:
                     if fd is not None:
                         os.close(fd)
+                if not allowed:
+                    break  # told once: a user who may not ask holds no connection
         except ProtocolError as exc:
             self.metrics.fd_requests.labels("invalid", "bad_request").inc()
             with contextlib.suppress(OSError):
                 async with asyncio.timeout(1.0):
                     await send_reply(conn, failure("bad_request", str(exc)))
         except OSError:
-            pass  # the peer went away; nothing to answer
+            pass  # the peer went away, or read no reply within the idle timeout
         except Exception:
             log.exception("fd socket connection failed")
         finally:
@@ -224,8 +209,9 @@ class FdServer:
 
     def _register(self, request: FdRegister, fds: list[int], state: _Connection) -> FdReply:
         fd = fds.pop()  # the registry's now (closed by it on failure too)
+        assert state.peer is not None  # only allowed peers get here, and those are known
         region = self.regions.register_fd(
-            request.name, fd, request.offset, request.byte_size, state.peer
+            request.name, fd, request.offset, request.byte_size, state.peer.uid
         )
         state.regions[region.name] = region
         return FdReply(ok=True, name=region.name, sealed=region.sealed)

@@ -12,9 +12,15 @@ setting (``uvicorn.Config(http=...)``):
   nothing at all after connecting) would be held forever. Each connection must
   complete a request's headers within ``idle_s`` of connecting or of its last
   response. Bodies have their own read timeout (``app.BodyGuard``).
+- **Answers that are not read.** A peer that stops reading (pipelined
+  requests whose answers pile up) stalls the answer being written; a
+  connection whose writes stay paused for ``idle_s`` is closed.
 - **A cap on connections**: past ``max_connections`` a new connection gets a
   503 ``too_many_connections`` and is closed, before the worker runs out of
-  file descriptors.
+  file descriptors. A quarter of them is kept for the ranks: connections on
+  the Unix socket from an allowed user (``allowed``) may take every slot,
+  any other (TCP, another user) only the rest, so nobody who merely reaches
+  the port can lock the ranks out.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from framewire.service._access.peers import Peer, tcp_peer, unix_peer
@@ -67,13 +73,22 @@ def _refusal(status: str, code: str, message: str) -> bytes:
     return head.encode() + body
 
 
-def protocol_class(idle_s: float, max_connections: int) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with the peer, the header deadline and the cap."""
+def reserved_for_ranks(max_connections: int) -> int:
+    """Slots only the Unix socket's allowed peers may take."""
+    return max_connections // 4
+
+
+def protocol_class(
+    idle_s: float, max_connections: int, allowed: Callable[[Peer | None], bool]
+) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with the peer, the deadlines and the cap."""
+    others = max_connections - reserved_for_ranks(max_connections)
 
     class Protocol(H11Protocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._deadline: asyncio.TimerHandle | None = None
+            self._stalled: asyncio.TimerHandle | None = None
             self._lookup: PeerLookup | None = None
             app = self.app
 
@@ -87,16 +102,41 @@ def protocol_class(idle_s: float, max_connections: int) -> type[H11Protocol]:
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)  # type: ignore[arg-type]
-            if len(self.connections) > max_connections:
-                message = f"the worker serves {max_connections} connections at most"
+            sock = transport.get_extra_info("socket")
+            self._lookup = PeerLookup(sock) if sock is not None else None
+            held = len(self.connections)  # this one's included
+            if held > max_connections or (held > others and not self._a_rank(sock)):
+                message = (
+                    f"the worker serves {max_connections} connections at most, "
+                    f"{max_connections - others} of them kept for its ranks' Unix socket"
+                )
                 self.transport.write(
                     _refusal("503 Service Unavailable", "too_many_connections", message)
                 )
                 self.transport.close()
                 return
-            sock = transport.get_extra_info("socket")
-            self._lookup = PeerLookup(sock) if sock is not None else None
             self._arm()
+
+        def _a_rank(self, sock: Any) -> bool:
+            """A connection that may take a reserved slot: a rank on the Unix socket."""
+            if self._lookup is None:
+                return False
+            return sock.family == socket.AF_UNIX and allowed(self._lookup.get())
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._stalled is None:
+                self._stalled = self.loop.call_later(idle_s, self._abort)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._stalled is not None:
+                self._stalled.cancel()
+                self._stalled = None
+
+        def _abort(self) -> None:
+            self._stalled = None
+            self.transport.abort()  # what is buffered for a peer that does not read goes
 
         def _waiting_for_headers(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
@@ -127,6 +167,9 @@ def protocol_class(idle_s: float, max_connections: int) -> type[H11Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._stalled is not None:
+                self._stalled.cancel()
+                self._stalled = None
             super().connection_lost(exc)
 
     return Protocol

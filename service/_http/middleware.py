@@ -71,14 +71,16 @@ class InstanceHeader:
 
 
 class BodyGuard:
-    """Request bodies: at most ``limit`` bytes, and no read waits more than ``idle_s``.
+    """Request bodies: at most ``limit`` bytes, all of them within ``idle_s``.
 
     Over the limit is 413 ``body_too_large`` as JSON (framework limiters answer in
     plain text): a declared Content-Length over it is refused before anything is
     read; a body without one (chunked) fails its read once it passes the limit. A
-    body that stops arriving fails its read after ``idle_s`` with 408
-    ``request_timeout``, and the connection is closed. Once the body is complete,
-    reads only wait for a disconnect and have no bound: an encode may take long.
+    body not complete ``idle_s`` after its headers fails its read with 408
+    ``request_timeout``, and the connection is closed: the bound is on the whole
+    body, so one dribbled a byte at a time cannot hold a connection either. Once
+    the body is complete, reads only wait for a disconnect and have no bound: an
+    encode may take long.
     """
 
     def __init__(self, app: ASGIApp, limit: int, idle_s: float):
@@ -98,18 +100,20 @@ class BodyGuard:
             return
         seen = 0
         complete = False
+        deadline = asyncio.get_running_loop().time() + self.idle_s
 
         async def guarded() -> Message:
             nonlocal seen, complete
             if complete:
                 return await receive()
             try:
-                async with asyncio.timeout(self.idle_s):
+                async with asyncio.timeout_at(deadline):
                     message = await receive()
             except TimeoutError:
                 raise StarletteHTTPException(
                     408,
-                    f"no request body bytes for {self.idle_s:g} s (FRAMEWIRE_IDLE_TIMEOUT_S)",
+                    f"the request body did not arrive within {self.idle_s:g} s "
+                    "(FRAMEWIRE_IDLE_TIMEOUT_S)",
                     headers={"connection": "close"},
                 ) from None
             if message["type"] == "http.request":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import time
@@ -9,8 +10,10 @@ from collections.abc import Awaitable, Callable
 from types import FrameType
 
 import uvicorn
+from framewire.service._access.peers import allowed
 from framewire.service._http.connections import protocol_class
 from framewire.service._settings import Settings
+from framewire.service._sockets import accept_forever
 from uvicorn.config import LOG_LEVELS
 
 DrainHook = Callable[[], Awaitable[None]]
@@ -52,18 +55,47 @@ class StopSignals:
 
 
 class Server(uvicorn.Server):
-    """uvicorn, with ``on_drain`` run first when a shutdown begins.
+    """uvicorn, accepting through the worker's own loop, with ``on_drain`` run first when
+    a shutdown begins.
 
-    Listeners uvicorn does not own stop accepting too; uvicorn then waits up to
-    the config's ``timeout_graceful_shutdown`` for requests in flight and cancels
-    the rest.
+    Connections are accepted by ``accept_forever``, as on the fd socket, and handed to
+    uvicorn's protocol: asyncio's own servers, out of descriptors, log a traceback for
+    every pending connection and try again at once. On shutdown, listeners uvicorn does
+    not own stop accepting too; uvicorn then waits up to the config's
+    ``timeout_graceful_shutdown`` for requests in flight and cancels the rest.
     """
 
     def __init__(self, config: uvicorn.Config, on_drain: DrainHook | None = None):
         super().__init__(config)
         self.on_drain = on_drain
+        self._accepting: list[asyncio.Task[None]] = []
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=[])  # the lifespan, and no asyncio server
+        for sock in sockets or []:
+            sock.listen(self.config.backlog)
+            what = "HTTP (Unix socket)" if sock.family == socket.AF_UNIX else "HTTP"
+            self._accepting.append(asyncio.create_task(accept_forever(sock, self._connect, what)))
+
+    async def _connect(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        config = self.config
+        protocol = config.http_protocol_class(  # type: ignore[call-arg]
+            config=config, server_state=self.server_state, app_state=self.lifespan.state
+        )
+        try:
+            await loop.connect_accepted_socket(lambda: protocol, conn)
+        except OSError:
+            conn.close()
+
+    async def _stop_accepting(self) -> None:
+        for task in self._accepting:
+            task.cancel()
+        await asyncio.gather(*self._accepting, return_exceptions=True)
+        self._accepting = []
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await self._stop_accepting()
         if self.on_drain is not None:
             started = time.monotonic()
             await self.on_drain()
@@ -82,9 +114,13 @@ def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
         log_level=level,
         log_config=None,  # configure_logging did it: one format for every logger
         lifespan="on",
-        http=protocol_class(settings.idle_timeout_s, settings.max_connections),
+        http=protocol_class(
+            settings.idle_timeout_s,
+            settings.max_connections,
+            lambda peer: allowed(peer, settings.allowed_uids, settings.allowed_gids),
+        ),
         # Idle keep-alive connections are closed by the header deadline (idle_timeout_s),
-        # not sooner: clients keep theirs for less (docs/api.md, "Connections").
+        # not sooner: clients keep theirs for less (docs/api.md, "Long-lived clients").
         timeout_keep_alive=settings.idle_timeout_s,  # type: ignore[arg-type]
         timeout_graceful_shutdown=settings.shutdown_grace,  # type: ignore[arg-type]
     )

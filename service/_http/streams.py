@@ -30,12 +30,14 @@ async def open_stream(body: StreamOpen, parts: WorkerParts, caller: Caller) -> S
 async def stream_frames(
     stream_id: str, body: StreamChunk, request: Request, parts: WorkerParts, caller: Caller
 ) -> StreamChunkAck:
+    parts.sessions.check_owner(stream_id, caller)
     received = await parts.sessions.chunk(stream_id, body, caller, request.is_disconnected)
     return StreamChunkAck(frames_received=received)
 
 
 @router.post("/v1/streams/{stream_id}/finish", response_model=OutputResult)
-async def finish_stream(stream_id: str, parts: WorkerParts) -> JSONResponse:
+async def finish_stream(stream_id: str, parts: WorkerParts, caller: Caller) -> JSONResponse:
+    parts.sessions.check_owner(stream_id, caller)
     status, result = await parts.sessions.finish(stream_id)
     payload = result.model_dump(mode="json")
     if status != 200:
@@ -46,11 +48,13 @@ async def finish_stream(stream_id: str, parts: WorkerParts) -> JSONResponse:
 
 
 @router.delete("/v1/streams/{stream_id}", status_code=204)
-async def abort_stream(stream_id: str, parts: WorkerParts) -> Response:
+async def abort_stream(stream_id: str, parts: WorkerParts, caller: Caller) -> Response:
+    parts.sessions.check_owner(stream_id, caller)
     await parts.sessions.abort(stream_id)
     return Response(status_code=204)
 
 
 @router.get("/v1/streams/{stream_id}", response_model=StreamState)
-async def stream_state(stream_id: str, parts: WorkerParts) -> StreamState:
+async def stream_state(stream_id: str, parts: WorkerParts, caller: Caller) -> StreamState:
+    parts.sessions.check_owner(stream_id, caller)
     return parts.sessions.state(stream_id)

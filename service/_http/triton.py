@@ -88,30 +88,34 @@ def register_system(
 
 
 @router.post("/v2/cudasharedmemory/region/{name}/register")
-def register_cuda(name: str, body: RegisterCudaRegion, parts: WorkerParts) -> JSONResponse:
-    parts.regions.register_cuda(name, body.raw_handle.b64, body.device_id, body.byte_size)
+def register_cuda(
+    name: str, body: RegisterCudaRegion, parts: WorkerParts, caller: Caller
+) -> JSONResponse:
+    regions = parts.regions
+    regions.register_cuda(name, body.raw_handle.b64, body.device_id, body.byte_size, caller)
     return JSONResponse(OK)
 
 
 def _status_and_unregister(prefix: str, kind: type[Region]) -> None:
-    """The four routes each kind has: status of all or one, unregister all or one."""
+    """The four routes each kind has: status of all or one, unregister all or one. Each
+    sees and removes only what the caller owns (docs/SECURITY.md)."""
 
     @router.get(f"/v2/{prefix}/status", name=f"{prefix}_status")
-    def status_all(parts: WorkerParts) -> list[dict[str, object]]:
-        return parts.regions.status(kind=kind)
+    def status_all(parts: WorkerParts, caller: Caller) -> list[dict[str, object]]:
+        return parts.regions.status(kind=kind, access=caller)
 
     @router.get(f"/v2/{prefix}/region/{{name}}/status", name=f"{prefix}_region_status")
-    def status_one(name: str, parts: WorkerParts) -> list[dict[str, object]]:
-        return parts.regions.status(name, kind=kind)
+    def status_one(name: str, parts: WorkerParts, caller: Caller) -> list[dict[str, object]]:
+        return parts.regions.status(name, kind=kind, access=caller)
 
     @router.post(f"/v2/{prefix}/unregister", name=f"{prefix}_unregister")
-    async def unregister_all(parts: WorkerParts) -> JSONResponse:
-        parts.regions.unregister(kind=kind)
+    async def unregister_all(parts: WorkerParts, caller: Caller) -> JSONResponse:
+        parts.regions.unregister(kind=kind, access=caller)
         return JSONResponse(OK)
 
     @router.post(f"/v2/{prefix}/region/{{name}}/unregister", name=f"{prefix}_region_unregister")
-    async def unregister_one(name: str, parts: WorkerParts) -> JSONResponse:
-        parts.regions.unregister(name, kind=kind)
+    async def unregister_one(name: str, parts: WorkerParts, caller: Caller) -> JSONResponse:
+        parts.regions.unregister(name, kind=kind, access=caller)
         return JSONResponse(OK)
 
 

@@ -64,6 +64,7 @@ class Sessions:
         self.draining = False
         self._open: dict[str, Session] = {}
         self._closed: OrderedDict[str, StreamState] = OrderedDict()
+        self._owners: dict[str, int | None] = {}  # of the open and the remembered sessions
         self._reaper: asyncio.Task[None] | None = None
 
     # --- open ---------------------------------------------------------------------------------
@@ -93,11 +94,17 @@ class Sessions:
         session = Session(
             secrets.token_hex(8), spec, path, params, geometry, directory, made, stack
         )
+        self._owners[session.id] = access.owner("a stream session")
         self._open[session.id] = session
         self.metrics.streams_open.set(len(self._open))
         log.info("stream opened for %s", path, extra={"stream_id": session.id})
         self._start_reaper()
         return session
+
+    def check_owner(self, session_id: str, access: Access) -> None:
+        """A session is its opener's (or an admin's): to anyone else it does not exist."""
+        if session_id in self._owners and not access.owns(self._owners[session_id]):
+            raise NotFound(f"no stream session {session_id!r}", code="stream_not_found")
 
     def get(self, session_id: str) -> Session:
         session = self._open.get(session_id)
@@ -316,7 +323,8 @@ class Sessions:
         self._open.pop(session.id, None)
         self._closed[session.id] = self._state_of(session)
         while len(self._closed) > CLOSED_KEPT:
-            self._closed.popitem(last=False)
+            forgotten, _ = self._closed.popitem(last=False)
+            self._owners.pop(forgotten, None)
         self.metrics.streams_open.set(len(self._open))
         fields: dict[str, object] = {"stream_id": session.id, "frames": session.received}
         if error is not None:

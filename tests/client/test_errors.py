@@ -9,9 +9,11 @@ from framewire.client._errors import (
     BadRequest,
     Forbidden,
     FramewireError,
+    InsufficientStorage,
     MediaError,
     Overloaded,
     Unauthorized,
+    Unavailable,
     error_class,
     rebuild,
 )
@@ -28,10 +30,14 @@ def test_every_class_round_trips_by_status_and_by_name():
     assert error_class(name="SystemExit") is FramewireError  # never outside the hierarchy
 
 
-def test_fd_codes_are_the_five_of_the_protocol():
-    assert {"bad_request", "forbidden", "not_found", "decode_failed", "overloaded"} == FD_CODES
+def test_fd_codes_are_the_six_of_the_protocol():
+    codes = {"bad_request", "forbidden", "not_found", "decode_failed", "overloaded", "unavailable"}
+    assert codes == FD_CODES
     assert error_class(fd_code="decode_failed") is MediaError
     assert error_class(fd_code="bad_request") is BadRequest
+    # A worker out of room (regions, descriptors) is not a media failure.
+    assert error_class(fd_code=Unavailable.fd_code) is Unavailable
+    assert error_class(fd_code=InsufficientStorage.fd_code) is Unavailable
 
 
 @pytest.mark.parametrize("cls", HIERARCHY)

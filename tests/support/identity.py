@@ -12,13 +12,18 @@ NOBODY = 65534
 
 def as_nobody(target, *args) -> object:
     """Run ``target(*args)`` in a forked child as uid/gid 65534; returns what it returned."""
+    return as_user(NOBODY, target, *args)
+
+
+def as_user(uid: int, target, *args) -> object:
+    """Run ``target(*args)`` in a forked child as uid/gid ``uid``; returns what it returned."""
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe()
 
     def run() -> None:
         os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
+        os.setgid(uid)
+        os.setuid(uid)
         try:
             child.send(target(*args))
         except BaseException as exc:

@@ -80,19 +80,21 @@ class Worker:
             return self.proc.wait()
 
 
-def start_worker(root: Path, *args: str, env: dict[str, str] | None = None) -> Worker:
+def start_worker(
+    root: Path, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Worker:
     outputs, inputs = root / "outputs", root / "inputs"
     outputs.mkdir(parents=True, exist_ok=True)
     inputs.mkdir(parents=True, exist_ok=True)
     port, uds, log = free_port(), root / "api.sock", root / "worker.log"
     cmd = [
-        sys.executable, "-m", "framewire.service", "serve",
+        sys.executable, "-P", "-m", "framewire.service", "serve",
         "--port", str(port), "--uds", str(uds), "--fd-socket", str(root / "fd.sock"),
         "--output-roots", str(outputs), "--input-roots", str(inputs),
         "--log-level", "warning", *args,
     ]  # fmt: skip
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     worker = Worker(proc, port, uds, outputs, inputs, log)
     deadline = time.monotonic() + 60
     while True:
@@ -128,9 +130,13 @@ class Workers:
         self.started: list[Worker] = []
 
     def start(
-        self, *args: str, root: Path | None = None, env: dict[str, str] | None = None
+        self,
+        *args: str,
+        root: Path | None = None,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> Worker:
-        worker = start_worker(root or self._new_root(), *args, env=env)
+        worker = start_worker(root or self._new_root(), *args, env=env, cwd=cwd)
         self.started.append(worker)
         return worker
 

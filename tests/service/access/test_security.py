@@ -302,16 +302,17 @@ def test_missing_or_wrong_token_is_unauthorized(worker, segment):
 def test_fd_socket_peer_with_a_disallowed_uid(workers):
     w = workers.start("--allowed-uids", "12345")
     (w.inputs / "v.mp4").write_bytes(b"not a video")
-    with RawConnection(w.fd_socket) as conn:
-        decode = {"op": "decode", "path": str(w.inputs / "v.mp4"), "fps": 5}
-        for message in (
-            {"op": "ping"},
-            decode | {"width": 8, "height": 8},
-            b"{not json\n",
-            b"x" * (100 << 10) + b"\n",
-        ):
+    decode = {"op": "decode", "path": str(w.inputs / "v.mp4"), "fps": 5}
+    for message in (
+        {"op": "ping"},
+        decode | {"width": 8, "height": 8},
+        b"{not json\n",
+        b"x" * (100 << 10) + b"\n",
+    ):
+        with RawConnection(w.fd_socket) as conn:
             header, fds = conn.call(message)
             assert (header["ok"], header["code"], fds) == (False, "forbidden", [])
+            assert conn.sock.recv(1) == b""  # told once, then closed
     assert tree(w.outputs) == set()
     healthy(w)
 

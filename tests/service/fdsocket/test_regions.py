@@ -235,25 +235,22 @@ def wait_for(condition: Callable[[], bool], timeout: float = 5) -> None:
         time.sleep(0.02)
 
 
-def test_a_name_freed_over_http_is_not_taken_back_from_its_next_owner(worker):
-    """The HTTP routes may unregister a connection's region; another connection may then
-    register that name. The first connection's unregister, or its closing, removes only
-    what it registered itself."""
+def test_the_http_routes_never_free_a_connections_region(worker):
+    """Only the registering connection frees its region (or its closing does): the /v2
+    unregister routes leave it, so its name cannot be taken over meanwhile."""
     data = raw_bytes(make_clip(frames=2, height=16, width=16))
-    first, second = RawConnection(worker.fd_socket), RawConnection(worker.fd_socket)
-    with second:
-        for conn in (first, second):
-            fd = memfd(data)
-            assert register(conn, "frames", fd, len(data))["ok"]
-            os.close(fd)
-            if conn is first:
-                with worker.http() as h:
-                    assert h.post("/v2/systemsharedmemory/unregister").status_code == 200
+    with RawConnection(worker.fd_socket) as first, RawConnection(worker.fd_socket) as second:
+        fd = memfd(data)
+        assert register(first, "frames", fd, len(data))["ok"]
+        with worker.http() as h:
+            assert h.post("/v2/systemsharedmemory/unregister").status_code == 200
+            r = h.post("/v2/systemsharedmemory/region/frames/unregister")
+            assert (r.status_code, r.json()["code"]) == (403, "caller_not_permitted")
+        assert register(second, "frames", fd, len(data))["reason"] == "region_exists"
+        os.close(fd)
+        assert [r["name"] for r in statuses(worker)] == ["frames"]
         assert first.call({"op": "unregister", "name": "frames"})[0]["ok"]
-        first.close()
-        time.sleep(0.2)  # the first connection's end is handled
-        assert [r["name"] for r in statuses(worker)] == ["frames"]  # the second's, still
-    wait_for(lambda: statuses(worker) == [])
+        assert statuses(worker) == []
 
 
 def test_an_unsealed_memfd_truncated_mid_encode_is_a_400(worker):
