@@ -89,6 +89,7 @@ class Client(BaseClient, Closing):
         audio_sample_rate: int | None = None,
         profile: str = "imageio",
         value_range: tuple[float, float] | None = None,
+        presign_s: int | None = None,
         validate: bool = True,
         layout: Layout | str | None = None,
     ) -> list[OutputResult]:
@@ -118,6 +119,7 @@ class Client(BaseClient, Closing):
                 threads=threads,
                 profile=profile,
                 value_range=value_range,
+                presign_s=presign_s,
             )
             return self._send(call)
 
@@ -137,6 +139,7 @@ class Client(BaseClient, Closing):
         audio_sample_rate: int | None = None,
         profile: str = "imageio",
         value_range: tuple[float, float] | None = None,
+        presign_s: int | None = None,
         validate: bool = True,
         layout: Layout | str | None = None,
     ) -> VideoWriter:
@@ -156,6 +159,7 @@ class Client(BaseClient, Closing):
             audio_sample_rate=audio_sample_rate,
             profile=profile,
             value_range=value_range,
+            presign_s=presign_s,
             validate=validate,
             layout=layout,
         )
@@ -244,6 +248,7 @@ class AsyncClient(BaseClient):
         audio_sample_rate: int | None = None,
         profile: str = "imageio",
         value_range: tuple[float, float] | None = None,
+        presign_s: int | None = None,
         validate: bool = True,
         layout: Layout | str | None = None,
     ) -> list[OutputResult]:
@@ -272,6 +277,7 @@ class AsyncClient(BaseClient):
                 threads=threads,
                 profile=profile,
                 value_range=value_range,
+                presign_s=presign_s,
             )
             return await self._send(call)
 
@@ -292,6 +298,7 @@ class AsyncClient(BaseClient):
         audio_sample_rate: int | None = None,
         profile: str = "imageio",
         value_range: tuple[float, float] | None = None,
+        presign_s: int | None = None,
         validate: bool = True,
         layout: Layout | str | None = None,
     ) -> AsyncVideoWriter:
@@ -307,6 +314,7 @@ class AsyncClient(BaseClient):
             audio_sample_rate=audio_sample_rate,
             profile=profile,
             value_range=value_range,
+            presign_s=presign_s,
             validate=validate,
             layout=layout,
         )

@@ -84,6 +84,7 @@ class _WriterBase:
         audio_sample_rate: int | None,
         profile: str,
         value_range: tuple[float, float] | None,
+        presign_s: int | None,
         validate: bool,
         layout: Layout | str | None,
     ):
@@ -101,6 +102,7 @@ class _WriterBase:
             "audio": None if audio is None else os.fspath(audio),
             "profile": profile,
             "value_range": value_range,
+            "presign_s": presign_s,
             "validate": validate,
         }
         self._layout = layout

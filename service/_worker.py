@@ -23,6 +23,7 @@ from framewire.service._ops.logs import configure_logging
 from framewire.service._parts import Parts
 from framewire.service._settings import Settings
 from framewire.service._sockets import Listeners, UnixListener
+from framewire.service._store import spool
 from uvicorn.config import LOG_LEVELS
 
 log = logging.getLogger("framewire.worker")
@@ -61,7 +62,7 @@ class Worker:
     async def start(self) -> None:
         """Sweep what killed workers and clients left, warn about the host, open the fd socket."""
         parts, settings = self._built(), self.settings
-        for path in remove_stale_temps(settings.output_roots):
+        for path in remove_stale_temps(settings.output_roots) + spool.sweep(settings.output_roots):
             log.warning("removed %s, left by a worker that was killed", path)
         for key in remove_abandoned_segments():
             log.warning("removed shm segment %s, left by a client that was killed", key)
