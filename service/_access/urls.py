@@ -65,7 +65,7 @@ def parse_url(raw: str) -> ObjectUrl:
     if url.suffix not in OUTPUT_EXTENSIONS:
         raise BadRequest(
             f"output URL {raw!r}: the key must end in one of {', '.join(OUTPUT_EXTENSIONS)}",
-            code="bad_extension",
+            code="unsupported_output_format",
         )
     return url
 

@@ -82,6 +82,9 @@ class S3Store:
                 "this worker cannot write object URLs: install framewire[s3] (boto3)",
                 code="s3_not_installed",
             ) from exc
+        # Their debug lines carry request headers (the key id among them): never logged.
+        for name in ("boto3", "botocore", "urllib3"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         config = Config(
             connect_timeout=self._timeout,
             read_timeout=self._timeout,
