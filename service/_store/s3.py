@@ -23,6 +23,7 @@ bound (the GIL is released while sockets send). The parts of one upload go out
 ``PARTS_IN_FLIGHT`` at a time; memory held is that many parts, whatever the
 file's size.
 """
+
 from __future__ import annotations
 
 import base64
