@@ -64,7 +64,7 @@ class Settings(BaseSettings):
     # Object URL prefixes outputs may be uploaded to (s3://bucket/prefix/); none: no URLs.
     output_urls: CommaList = Field(default_factory=list)
     # Uploads of this size or more go multipart, in parts of this size (S3: >= 5 MiB).
-    upload_part_bytes: int = Field(default=16 << 20, ge=1024, le=5 << 30)
+    upload_part_bytes: int = Field(default=8 << 20, ge=1024, le=5 << 30)
     # A request to the object store that gets no answer this long is a timeout.
     store_timeout_s: float = Field(default=30.0, gt=0)
     # Attempts per request to the object store (backoff with jitter between them).

@@ -10,6 +10,7 @@ release everything. ``start``, ``drain`` and ``stop`` are its three steps.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -64,6 +65,11 @@ class Worker:
         parts, settings = self._built(), self.settings
         for path in remove_stale_temps(settings.output_roots) + spool.sweep(settings.output_roots):
             log.warning("removed %s, left by a worker that was killed", path)
+        if settings.output_urls:
+            # boto3's import and client (half a second) are paid here, not by the first upload.
+            threading.Thread(
+                target=parts.jobs.uploads.warm, name="framewire-s3", daemon=True
+            ).start()
         for key in remove_abandoned_segments():
             log.warning("removed shm segment %s, left by a client that was killed", key)
         exposure = exposure_note(settings.host, settings.port, settings.token)

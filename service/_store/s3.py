@@ -123,7 +123,7 @@ class S3Store:
         kind = {"ContentType": CONTENT_TYPES.get(url.suffix, "application/octet-stream")}
         if size < self.part_bytes:
             return self._put(client, fd, size, sha256, url, kind, check)
-        return self._multipart(client, fd, size, sha256, url, kind, check)
+        return self._multipart(client, fd, size, url, kind, check)
 
     def _put(
         self,
@@ -154,7 +154,6 @@ class S3Store:
         client: Any,
         fd: int,
         size: int,
-        sha256: str,
         url: ObjectUrl,
         kind: dict[str, str],
         check: Callable[[], None],
@@ -168,7 +167,7 @@ class S3Store:
             raise store_error(exc, "CreateMultipartUpload") from None
         upload_id = started["UploadId"]
         try:
-            return self._parts_of(client, fd, size, sha256, url, upload_id, check)
+            return self._parts_of(client, fd, size, url, upload_id, check)
         except BaseException:
             self._abort(client, url, upload_id)
             raise
@@ -178,18 +177,17 @@ class S3Store:
         client: Any,
         fd: int,
         size: int,
-        sha256: str,
         url: ObjectUrl,
         upload_id: str,
         check: Callable[[], None],
     ) -> Uploaded:
-        whole = hashlib.sha256()
-        digests: list[bytes] = []
-        md5s: list[bytes] = []
-        done: list[dict[str, Any]] = []
-        pending: deque[Future[dict[str, Any]]] = deque()
+        Part = tuple[dict[str, Any], bytes, bytes]  # (what Complete lists, sha256, md5)
+        parts: list[Part] = []
+        pending: deque[Future[Part]] = deque()
 
-        def send(number: int, body: bytes, digest: str) -> dict[str, Any]:
+        def send(number: int, body: bytes) -> Part:
+            # Hashed on the part's own thread: hashlib lets go of the GIL, parts hash at once.
+            sha, md5 = hashlib.sha256(body).digest(), hashlib.md5(body).digest()
             try:
                 answer = client.upload_part(
                     Bucket=url.bucket,
@@ -197,47 +195,47 @@ class S3Store:
                     UploadId=upload_id,
                     PartNumber=number,
                     Body=body,
-                    ChecksumSHA256=digest,
+                    ChecksumSHA256=_b64(sha),
                 )
             except Exception as exc:
                 raise store_error(exc, "UploadPart") from None
-            return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumSHA256": digest}
+            entry = {"PartNumber": number, "ETag": answer["ETag"], "ChecksumSHA256": _b64(sha)}
+            return entry, sha, md5
 
         try:
             for number, at in enumerate(range(0, size, self.part_bytes), start=1):
                 check()
                 while len(pending) >= PARTS_IN_FLIGHT:
-                    done.append(pending.popleft().result())
+                    parts.append(pending.popleft().result())
                 body = os.pread(fd, min(self.part_bytes, size - at), at)
-                whole.update(body)
-                digest = hashlib.sha256(body).digest()
-                digests.append(digest)
-                md5s.append(hashlib.md5(body).digest())
-                pending.append(self._parts.submit(send, number, body, _b64(digest)))
+                if not body:
+                    raise StoreError(
+                        "the encoded file shrank before its upload", code="upload_failed"
+                    )
+                pending.append(self._parts.submit(send, number, body))
                 del body
             while pending:
-                done.append(pending.popleft().result())
+                parts.append(pending.popleft().result())
         finally:
             for future in pending:  # a part failed or the upload was stopped
                 future.cancel()
             for future in pending:
                 if not future.cancelled():
                     future.exception()  # wait: no part may land after the abort
-        if whole.hexdigest() != sha256:
-            raise StoreError("the encoded file changed before its upload", code="upload_failed")
         check()
         try:
             answer = client.complete_multipart_upload(
                 Bucket=url.bucket,
                 Key=url.key,
                 UploadId=upload_id,
-                MultipartUpload={"Parts": done},
+                MultipartUpload={"Parts": [entry for entry, _, _ in parts]},
             )
         except Exception as exc:
             raise store_error(exc, "CompleteMultipartUpload") from None
-        n = len(digests)
-        want = f"{_b64(hashlib.sha256(b''.join(digests)).digest())}-{n}"
-        self._verify(client, url, answer, want, f"{hashlib.md5(b''.join(md5s)).hexdigest()}-{n}")
+        n = len(parts)
+        want = f"{_b64(hashlib.sha256(b''.join(sha for _, sha, _ in parts)).digest())}-{n}"
+        etag = f"{hashlib.md5(b''.join(md5 for _, _, md5 in parts)).hexdigest()}-{n}"
+        self._verify(client, url, answer, want, etag)
         return Uploaded(n, want)
 
     def _verify(

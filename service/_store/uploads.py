@@ -9,19 +9,22 @@ grace) stops the upload at its next part and aborts it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from framewire.client._errors import Cancelled
+from framewire.client._errors import Cancelled, FramewireError
 from framewire.client.wire import OutputResult
 from framewire.service._access.urls import ObjectUrl, judge_url
 from framewire.service._ops.threads import in_thread
 from framewire.service._settings import Settings
 from framewire.service._store.s3 import S3Store, Uploaded
 from framewire.service._store.spool import discard, spool_path
+
+log = logging.getLogger("framewire.store")
 
 
 class Uploads:
@@ -74,6 +77,13 @@ class Uploads:
             return self.store.upload(fd, result.bytes, result.sha256, url, check)
         finally:
             os.close(fd)
+
+    def warm(self) -> None:
+        """Make the store's client now; a worker that cannot says so in its log at start."""
+        try:
+            self.store.client()
+        except FramewireError as exc:
+            log.warning("object URL outputs will fail: %s", exc.message, extra={"code": exc.code})
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
