@@ -90,8 +90,13 @@ class S3Store:
             connect_timeout=self._timeout,
             read_timeout=self._timeout,
             retries={"mode": "standard", "total_max_attempts": self._attempts},
-            # S3-compatible stores behind AWS_ENDPOINT_URL (MinIO, Ceph) expect paths.
-            s3={"addressing_style": "path" if os.environ.get("AWS_ENDPOINT_URL") else "auto"},
+            s3={
+                # S3-compatible stores behind AWS_ENDPOINT_URL (MinIO, Ceph) expect paths.
+                "addressing_style": "path" if os.environ.get("AWS_ENDPOINT_URL") else "auto",
+                # The body is covered by its x-amz-checksum-sha256, a signed header the
+                # store checks: a second SHA-256 of it for the signature buys nothing.
+                "payload_signing_enabled": False,
+            },
             signature_version="s3v4",  # presigned URLs too (SigV2 is long deprecated)
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
