@@ -342,3 +342,40 @@ def test_a_worker_without_boto3_refuses_urls_and_serves_files(workers, segments,
     ok, _ = encode(w, segments, "a.mp4", SMALL)
     assert ok.status_code == 200, ok.text
     assert framewire_temps(w.outputs) == []
+
+
+def test_the_client_passes_a_url_through(sworker, moto, tmp_path):
+    from framewire.client import Client
+
+    clip = make_clip(*SMALL)
+    with Client(sworker.uds_url) as client:
+        result = client.save_video(clip, f"s3://{BUCKET}/ok/client.mp4", fps=24, presign_s=30)
+    assert result.url == f"s3://{BUCKET}/ok/client.mp4" and result.presigned_url
+    assert result.sha256 == reference_sha(clip, tmp_path) == object_sha(moto, "ok/client.mp4")
+
+
+def test_an_upload_holds_no_cpu_slot_while_it_waits(workers, moto, proxy, segments):
+    # One CPU slot: an upload stuck on the store must not keep a file encode waiting.
+    w = workers.start(*ARGS, "--cpu-slots", "1", "--store-timeout-s", "5",
+                      env=store_env(proxy.endpoint))  # fmt: skip
+    proxy.plan = lambda m, t, n: "stall" if m == "PUT" else "pass"
+    answer: list[httpx.Response] = []
+    thread = threading.Thread(
+        target=lambda: answer.append(encode(w, segments, f"s3://{BUCKET}/ok/held.mp4", SMALL)[0])
+    )
+    thread.start()
+    deadline = time.monotonic() + 30
+    while proxy.count("PUT", "ok/held.mp4") == 0:
+        assert time.monotonic() < deadline, "the upload never started"
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    r, _ = encode(w, segments, "beside.mp4", SMALL)
+    assert r.status_code == 200, r.text
+    assert time.monotonic() - t0 < 4  # well inside the stalled upload's 5 s timeout
+    assert not answer  # the upload is still waiting on the store
+    # The store comes back: the dropped attempt is retried and the upload completes.
+    proxy.plan = lambda m, t, n: "pass"
+    proxy.release.set()
+    thread.join(timeout=60)
+    assert answer and answer[0].status_code == 200, answer[0].text
+    assert moto.leftovers(BUCKET) == (["ok/held.mp4"], [])
