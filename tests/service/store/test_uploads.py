@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -243,12 +244,11 @@ def test_the_cli_encodes_to_a_url(sworker, moto, tmp_path):
     assert object_sha(moto, "ok/cli.mp4") == reference_sha(clip, tmp_path)
 
 
-def test_sigterm_during_an_upload_aborts_it(workers, moto, proxy, segments):
-    w = workers.start(*ARGS, "--shutdown-grace", "0.5", env=store_env(proxy.endpoint))
-    proxy.plan = lambda m, t, n: "stall" if part_number(t) == 2 else "pass"
+def _upload_in_background(w: Worker, segments: Segments, key: str) -> tuple[threading.Thread, list]:
+    """POST an encode of the long clip to ``key`` from a thread; its answer lands in the list."""
     answer: list[httpx.Response] = []
     clip = make_clip(*LONG)
-    body = {"outputs": [{"source": segments.source(clip), "path": f"s3://{BUCKET}/ok/term.mp4",
+    body = {"outputs": [{"source": segments.source(clip), "path": f"s3://{BUCKET}/{key}",
                          "fps": 24}]}  # fmt: skip
 
     def post() -> None:
@@ -257,15 +257,42 @@ def test_sigterm_during_an_upload_aborts_it(workers, moto, proxy, segments):
 
     thread = threading.Thread(target=post)
     thread.start()
+    return thread, answer
+
+
+def _wait_for_part(proxy: Proxy, number: int) -> None:
     deadline = time.monotonic() + 30
-    while not any(part_number(t) == 2 for _, t in proxy.seen):
-        assert time.monotonic() < deadline, "the upload never reached its second part"
+    while not any(part_number(t) == number for _, t in proxy.seen):
+        assert time.monotonic() < deadline, f"the upload never reached part {number}"
         time.sleep(0.02)
+
+
+def test_sigterm_during_an_upload_aborts_it_past_the_grace(workers, moto, proxy, segments):
+    w = workers.start(*ARGS, "--shutdown-grace", "0.5", env=store_env(proxy.endpoint))
+    proxy.plan = lambda m, t, n: "stall" if part_number(t) == 2 else "pass"
+    thread, answer = _upload_in_background(w, segments, "ok/term.mp4")
+    _wait_for_part(proxy, 2)
     assert w.stop() == 0
     thread.join(timeout=30)
     assert answer and answer[0].status_code == 503, answer
     assert proxy.count("DELETE", "uploadId=") == 1
     assert_nothing_left(moto, w)
+
+
+def test_sigterm_during_an_upload_lets_it_finish_within_the_grace(workers, moto, proxy, segments):
+    w = workers.start(*ARGS, "--shutdown-grace", "20", env=store_env(proxy.endpoint))
+    proxy.plan = lambda m, t, n: "stall" if part_number(t) == 2 else "pass"
+    thread, answer = _upload_in_background(w, segments, "ok/drained.mp4")
+    _wait_for_part(proxy, 2)
+    w.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    proxy.plan = lambda m, t, n: "pass"  # the store answers again: the part is retried
+    proxy.release.set()
+    assert w.proc.wait(timeout=30) == 0  # one SIGTERM: drained, not forced
+    thread.join(timeout=30)
+    assert answer and answer[0].status_code == 200, answer
+    assert moto.leftovers(BUCKET) == (["ok/drained.mp4"], [])
+    assert framewire_temps(w.outputs) == []
 
 
 def test_without_credentials_and_secrets_are_never_shown(workers, moto, segments):
