@@ -47,6 +47,10 @@ log = logging.getLogger("framewire.store")
 CONTENT_TYPES = {".mp4": "video/mp4", ".m4v": "video/mp4", ".mov": "video/quicktime"}
 
 
+def _custom_endpoint() -> bool:
+    return bool(os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
+
+
 def _b64(digest: bytes) -> str:
     return base64.b64encode(digest).decode()
 
@@ -92,7 +96,7 @@ class S3Store:
             retries={"mode": "standard", "total_max_attempts": self._attempts},
             s3={
                 # S3-compatible stores behind AWS_ENDPOINT_URL (MinIO, Ceph) expect paths.
-                "addressing_style": "path" if os.environ.get("AWS_ENDPOINT_URL") else "auto",
+                "addressing_style": "path" if _custom_endpoint() else "auto",
                 # The body is covered by its x-amz-checksum-sha256, a signed header the
                 # store checks: a second SHA-256 of it for the signature buys nothing.
                 "payload_signing_enabled": False,
