@@ -23,6 +23,7 @@ from framewire.client._errors import (
     NotFound,
     Overloaded,
     Stalled,
+    StoreError,
     Unauthorized,
     Unavailable,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "Overloaded",
     "ReferenceFrames",
     "Stalled",
+    "StoreError",
     "Unauthorized",
     "Unavailable",
     "VideoWriter",

@@ -120,6 +120,7 @@ def save_options(
     audio_sample_rate: int | None,
     profile: str,
     value_range: tuple[float, float] | None,
+    presign_s: int | None,
     validate: bool,
 ) -> dict[str, Any]:
     """A save's keywords, as the worker's request and the local fallback both take them."""
@@ -132,6 +133,7 @@ def save_options(
         "audio_sample_rate": audio_sample_rate,
         "profile": profile,
         "value_range": value_range,
+        "presign_s": presign_s,
         "validate": validate,
     }
 

@@ -63,6 +63,16 @@ class InsufficientStorage(Unavailable):
     default_code = "no_space"
 
 
+class StoreError(Unavailable):
+    """The object store refused or failed an upload (after retries): a bad gateway.
+
+    A kind of Unavailable: the request was fine, the store behind the worker was not.
+    """
+
+    status = 502
+    default_code = "store_unavailable"
+
+
 class BadRequest(FramewireError):
     """The request is malformed or describes data that does not match."""
 
@@ -143,6 +153,7 @@ HIERARCHY: tuple[type[FramewireError], ...] = (
     FramewireError,
     Unavailable,
     InsufficientStorage,
+    StoreError,
     BadRequest,
     Conflict,
     Forbidden,

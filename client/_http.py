@@ -104,6 +104,7 @@ class Client(BaseClient, Closing):
         audio_sample_rate: int | None = None,
         profile: str = "imageio",
         value_range: tuple[float, float] | None = None,
+        presign_s: int | None = None,
         validate: bool = True,
         layout: Layout | str | None = None,
     ) -> list[OutputResult]:
@@ -116,8 +117,9 @@ class Client(BaseClient, Closing):
         """
         self._check_pairs(videos, paths)
         options = save_options(
-            fps, quality, preset, threads, audio, audio_sample_rate, profile, value_range, validate
-        )
+            fps, quality, preset, threads, audio, audio_sample_rate, profile, value_range,
+            presign_s, validate,
+        )  # fmt: skip
         try:
             return self._save_on_worker(videos, paths, options, layout)
         except Unavailable as exc:
@@ -160,6 +162,7 @@ class Client(BaseClient, Closing):
         audio_sample_rate: int | None = None,
         profile: str = "imageio",
         value_range: tuple[float, float] | None = None,
+        presign_s: int | None = None,
         validate: bool = True,
         layout: Layout | str | None = None,
     ) -> VideoWriter:
@@ -180,6 +183,7 @@ class Client(BaseClient, Closing):
             audio_sample_rate=audio_sample_rate,
             profile=profile,
             value_range=value_range,
+            presign_s=presign_s,
             validate=validate,
             layout=layout,
         )
@@ -282,13 +286,15 @@ class AsyncClient(BaseClient):
         audio_sample_rate: int | None = None,
         profile: str = "imageio",
         value_range: tuple[float, float] | None = None,
+        presign_s: int | None = None,
         validate: bool = True,
         layout: Layout | str | None = None,
     ) -> list[OutputResult]:
         self._check_pairs(videos, paths)
         options = save_options(
-            fps, quality, preset, threads, audio, audio_sample_rate, profile, value_range, validate
-        )
+            fps, quality, preset, threads, audio, audio_sample_rate, profile, value_range,
+            presign_s, validate,
+        )  # fmt: skip
         try:
             return await self._save_on_worker(videos, paths, options, layout)
         except Unavailable as exc:
@@ -337,6 +343,7 @@ class AsyncClient(BaseClient):
         audio_sample_rate: int | None = None,
         profile: str = "imageio",
         value_range: tuple[float, float] | None = None,
+        presign_s: int | None = None,
         validate: bool = True,
         layout: Layout | str | None = None,
     ) -> AsyncVideoWriter:
@@ -353,6 +360,7 @@ class AsyncClient(BaseClient):
             audio_sample_rate=audio_sample_rate,
             profile=profile,
             value_range=value_range,
+            presign_s=presign_s,
             validate=validate,
             layout=layout,
         )

@@ -34,6 +34,13 @@ def worker_gone(exc: BaseException) -> bool:
     return isinstance(exc, Unavailable) and exc.code in WORKER_GONE
 
 
+def _here(exc: Unavailable, paths: Sequence[str | os.PathLike[str]]) -> None:
+    """Raise ``exc`` for outputs only a worker can write: object URLs (the store and its
+    credentials are the worker's)."""
+    if any("://" in os.fspath(p) for p in paths):
+        raise exc
+
+
 class LocalFallback:
     """Encodes here while the worker is out of reach; warns once per outage."""
 
@@ -77,6 +84,7 @@ class LocalFallback:
         options: dict[str, Any],
         layout: Any,
     ) -> list[OutputResult]:
+        _here(exc, paths)
         encoder = self._take(exc)
         audios = per_output(options.get("audio"), len(paths), "audio")
         return [
@@ -88,4 +96,5 @@ class LocalFallback:
         self, exc: Unavailable, path: str | os.PathLike[str], options: dict[str, Any],
         first: Frames,
     ) -> Any:  # fmt: skip
+        _here(exc, [path])
         return self._take(exc).open(path, options, first)

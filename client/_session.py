@@ -63,6 +63,7 @@ class WriterBase:
         audio_sample_rate: int | None,
         profile: str,
         value_range: tuple[float, float] | None,
+        presign_s: int | None,
         validate: bool,
         layout: Layout | str | None,
     ):
@@ -80,6 +81,7 @@ class WriterBase:
             "audio": None if audio is None else os.fspath(audio),
             "profile": profile,
             "value_range": value_range,
+            "presign_s": presign_s,
             "validate": validate,
         }
         self._layout = layout

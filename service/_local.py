@@ -51,6 +51,7 @@ class Options:
     audio_sample_rate: int | None = None
     profile: str = "imageio"
     value_range: tuple[float, float] | None = None
+    presign_s: int | None = None  # object URLs are the worker's: never written here
     validate: bool = True
 
 
@@ -93,7 +94,8 @@ class LocalEncoder:
             params = self._params(options, stack)
             source = stack.enter_context(contextlib.closing(_source(frames)))
             _, count, height, width = frames.dims
-            check = _check(options, count, width, height, params)
+            geometry = Geometry(frames.dtype, frames.layout, count, height, width)
+            check = check_for(count, geometry, params, options.validate)
             target.parent.mkdir(parents=True, exist_ok=True)
             encoded = self.encoder.encode(source, target, params, inspect=check)
         return _result(encoded, options, check, started)
@@ -150,7 +152,7 @@ class LocalStream:
     def finish(self) -> OutputResult:
         try:
             g = self._output.geometry
-            check = _check(self.options, self.frames, g.width, g.height, self._params)
+            check = check_for(self.frames, g, self._params, self.options.validate)
             encoded = self._output.finish(_no_cancel, check)
             return _result(encoded, self.options, check, self._started)
         finally:
@@ -189,14 +191,6 @@ def memory_audio(audio: Any, options: Options) -> Any:
     raw = np.ascontiguousarray(samples).reshape(-1).view(np.uint8)
     with MemoryAudio(spec, samples_of(raw.data, spec, clamp=clamp)) as wav:
         yield wav
-
-
-def _check(
-    options: Options, frames: int, width: int, height: int, params: EncodeParams
-) -> Check | None:
-    """The worker's validation of the staged file, before it is renamed into place."""
-    audio = params.audio is not None
-    return check_for(options.validate, frames, width, height, options.fps, audio, options.profile)
 
 
 def _result(

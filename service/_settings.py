@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from framewire.client._fdsocket import runtime_dir
+from framewire.service._access.urls import check_prefix
 from framewire.service._ops.limits import usable_memory
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -64,6 +65,14 @@ class Settings(BaseSettings):
     stream_idle_s: float = Field(default=60.0, gt=0)
     # Open stream sessions; past it, opening one is a 429.
     max_streams: int = Field(default=64, ge=1)
+    # Object URL prefixes outputs may be uploaded to (s3://bucket/prefix/); none: no URLs.
+    output_urls: CommaList = Field(default_factory=list)
+    # Uploads of this size or more go multipart, in parts of this size (S3: >= 5 MiB).
+    upload_part_bytes: int = Field(default=8 << 20, ge=1024, le=5 << 30)
+    # A request to the object store that gets no answer this long is a timeout.
+    store_timeout_s: float = Field(default=30.0, gt=0)
+    # Attempts per request to the object store (backoff with jitter between them).
+    store_attempts: int = Field(default=4, ge=1, le=20)
 
     @field_validator("token")
     @classmethod
@@ -82,6 +91,18 @@ class Settings(BaseSettings):
     def _split(cls, v: object) -> object:
         if isinstance(v, str):
             return [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    @field_validator("output_urls", mode="before")
+    @classmethod
+    def _url_prefixes(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = [p.strip() for p in v.split(",") if p.strip()]
+        if isinstance(v, list):
+            try:
+                return [check_prefix(str(p)) for p in v]
+            except Exception as exc:  # BadRequest from the request-side check
+                raise ValueError(str(getattr(exc, "message", exc))) from None
         return v
 
     @field_validator("allowed_uids", "allowed_gids", mode="before")

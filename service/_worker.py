@@ -10,6 +10,7 @@ release everything. ``start``, ``drain`` and ``stop`` are its three steps.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -24,6 +25,7 @@ from framewire.service._parts import Parts
 from framewire.service._probe import PYAV_MISSING, pyav
 from framewire.service._settings import Settings
 from framewire.service._sockets import Listeners, UnixListener
+from framewire.service._store import spool
 from uvicorn.config import LOG_LEVELS
 
 log = logging.getLogger("framewire.worker")
@@ -62,8 +64,13 @@ class Worker:
     async def start(self) -> None:
         """Sweep what killed workers and clients left, warn about the host, open the fd socket."""
         parts, settings = self._built(), self.settings
-        for path in remove_stale_temps(settings.output_roots):
+        for path in remove_stale_temps(settings.output_roots) + spool.sweep(settings.output_roots):
             log.warning("removed %s, left by a worker that was killed", path)
+        if settings.output_urls:
+            # boto3's import and client (half a second) are paid here, not by the first upload.
+            threading.Thread(
+                target=parts.jobs.uploads.warm, name="framewire-s3", daemon=True
+            ).start()
         for key in remove_abandoned_segments():
             log.warning("removed shm segment %s, left by a client that was killed", key)
         exposure = exposure_note(settings.host, settings.port, settings.token)

@@ -27,8 +27,9 @@ PUBLIC_MODULES = {
 CLIENT_API = [
     "AsyncClient", "AsyncVideoWriter", "BadRequest", "Cancelled", "Client", "Conflict",
     "Forbidden", "FramewireError", "InsufficientStorage", "Layout", "MediaError", "MediaInfo",
-    "NotFound", "OutputResult", "Overloaded", "ReferenceFrames", "Stalled", "Unauthorized",
-    "Unavailable", "VideoWriter", "__version__", "decode_reference", "save_video", "save_videos",
+    "NotFound", "OutputResult", "Overloaded", "ReferenceFrames", "Stalled", "StoreError",
+    "Unauthorized", "Unavailable", "VideoWriter", "__version__", "decode_reference", "save_video",
+    "save_videos",
 ]  # fmt: skip
 SERVICE_API = [
     "AlreadyServed", "EncodeParams", "Encoder", "FileSource", "FrameSource", "LocalEncoder",

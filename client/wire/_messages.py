@@ -57,6 +57,7 @@ def profile_misfit(profile: str, fps: float, audio_rate: int | None) -> tuple[st
             f"the vllm-omni profile encodes AAC at the audio's own rate: {rates}; got {audio_rate}"
         )
     return None
+MAX_PRESIGN_S = 7 * 24 * 3600  # SigV4's own limit
 
 
 class EncodeOptions(WireModel):
@@ -75,6 +76,8 @@ class EncodeOptions(WireModel):
     audio: Audio | None = None
     profile: Profile = "imageio"
     value_range: tuple[Number, Number] | None = None  # vllm-omni: (0, 1) or (-1, 1)
+    # An s3:// path: also answer a presigned GET URL of the object, valid this long.
+    presign_s: Int | None = Field(default=None, ge=1, le=MAX_PRESIGN_S)
 
     @field_validator("fps", "quality")
     @classmethod
@@ -108,6 +111,8 @@ class EncodeOptions(WireModel):
         misfit = profile_misfit(self.profile, self.fps, audio_rate)
         if misfit is not None:
             raise PydanticCustomError(*misfit)
+        if self.presign_s is not None and "://" not in self.path:
+            raise PydanticCustomError("presign_needs_url", "presign_s is for s3:// outputs")
         if self.audio is not None and self.profile == "diffusers":
             raise PydanticCustomError(
                 "audio_unsupported", "diffusers' export_to_video writes no audio"
@@ -163,6 +168,7 @@ class Timings(BaseModel):
     queue_ms: float = 0.0
     encode_ms: float = 0.0
     validate_ms: float = 0.0
+    upload_ms: float = 0.0  # an object URL output: the encoded file to the object stored
     started_at: float = 0.0  # worker's time.time() when the encode began
     finished_at: float = 0.0
 
@@ -176,6 +182,8 @@ class ErrorInfo(BaseModel):
 class OutputResult(BaseModel):
     path: str
     ok: bool
+    url: str | None = None  # an object URL output: the object, once stored
+    presigned_url: str | None = None  # when presign_s asked for one
     bytes: int | None = None
     sha256: str | None = None
     frames: int | None = None
@@ -241,6 +249,7 @@ FIELD_CODES = {
     "sample_rate": "bad_sample_rate",
     "preset": "bad_preset",
     "threads": "bad_threads",
+    "presign_s": "bad_presign_s",
     "stride": "bad_stride",
     "tensor_offset": "bad_offset",
     "storage_offset_bytes": "bad_offset",
@@ -265,6 +274,7 @@ OUR_CODES = {
     "bad_audio_shape",
     "audio_too_large",
     "audio_unsupported",
+    "presign_needs_url",
 }
 
 

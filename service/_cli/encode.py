@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from framewire.client._errors import BadRequest
+from framewire.service._access.urls import is_url
 from framewire.service._cli.progress import Count, Meter, Output, rate
 
 CHUNK_BYTES = 64 << 20  # a chunk's host frames at most (the client stages two chunks)
@@ -33,11 +34,14 @@ def refuse_empty(path: Path, frames: int) -> None:
 
 
 def summary(fields: dict[str, Any], elapsed_s: float) -> str:
-    return (
+    line = (
         f"{fields['path']}: {fields['frames']} frames, {fields['bytes']} bytes, "
         f"sha256 {fields['sha256']}, route {fields['route']}, "
         f"{elapsed_s:.2f} s ({rate(fields['frames'], elapsed_s)})"
     )
+    if fields.get("presigned_url"):
+        line += f"\npresigned URL: {fields['presigned_url']}"
+    return line
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -73,9 +77,11 @@ def _through_worker(args: argparse.Namespace, live: bool) -> tuple[dict[str, Any
     step = chunk_frames(total, clip.nbytes // total)
     time_axis = 1 if clip.layout is Layout.CTHW else 0
     audio = None if args.audio is None else str(args.audio.absolute())
+    # An object URL goes to the worker as it is; a file path as this process sees it.
+    output = args.output if is_url(args.output) else str(Path(args.output).absolute())
     with Client(args.url, token=args.token) as client:
         writer = client.open_video(
-            str(args.output.absolute()), audio=audio, layout=clip.layout, **_options(args)
+            output, audio=audio, layout=clip.layout, presign_s=args.presign_s, **_options(args)
         )
         # The writer closes (the worker finishes the file) inside the meter's block.
         meter = Meter("encoding", total, lambda: writer.frames_received, live=live)
@@ -94,6 +100,8 @@ def _local(args: argparse.Namespace, live: bool) -> tuple[dict[str, Any], float]
     from framewire.service._encode.encoder import EncodeParams, Encoder
     from framewire.service._sources.frames import open_npy
 
+    if is_url(args.output) or args.presign_s is not None:
+        raise BadRequest("--local writes files: object URLs go through a worker", code="bad_url")
     single_threaded_conversion()
     settings = settings_from(args)
     kernels.use(settings.kernel)
@@ -104,7 +112,7 @@ def _local(args: argparse.Namespace, live: bool) -> tuple[dict[str, Any], float]
     try:
         refuse_empty(args.input, source.geometry.frames)
         with Meter("encoding", source.geometry.frames, fed.get, live=live) as meter:
-            encoded = encoder.encode(source, args.output, params, progress=fed.set)
+            encoded = encoder.encode(source, Path(args.output), params, progress=fed.set)
     finally:
         source.close()
     return dataclasses.asdict(encoded), meter.elapsed_s

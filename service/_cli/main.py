@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument(
         "input", type=Path, help=".npy file: (3,T,H,W) float in [0,1] or (T,H,W,3) uint8"
     )
-    enc.add_argument("output", type=Path)
+    enc.add_argument("output", help="a file, or an object URL (s3://bucket/key) the worker allows")
     enc.add_argument("--fps", type=float, required=True)
     enc.add_argument(
         "--quality", type=float, default=None, help="0..10, imageio's scale (default: 5)"
@@ -127,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--audio", type=Path, default=None)
     enc.add_argument("--layout", default="CTHW", choices=["CTHW", "TCHW", "THWC"])
     enc.add_argument("--local", action="store_true", help="encode in this process, no worker")
+    enc.add_argument(
+        "--presign-s",
+        dest="presign_s",
+        type=int,
+        default=None,
+        help="an s3:// output: also print a presigned GET URL valid this many seconds",
+    )
     _client_flags(enc)
     enc.add_argument("--ffmpeg", default=None)
     enc.add_argument("--chunk-bytes", dest="chunk_bytes", type=int, default=None)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
-import functools
 import logging
 import threading
 import time
@@ -36,8 +34,10 @@ from framewire.service._encode.prepare import Prepared, Preparer
 from framewire.service._encode.results import check_for, failed, written
 from framewire.service._encode.scheduler import Scheduler
 from framewire.service._ops.metrics import Metrics
+from framewire.service._ops.threads import in_thread
 from framewire.service._settings import Settings
 from framewire.service._sources.regions import RegionRegistry
+from framewire.service._store.uploads import Uploads
 
 if TYPE_CHECKING:
     from framewire.service._sources.cuda_ipc import CudaRuntime
@@ -64,7 +64,8 @@ class EncodeJobs:
         self.encoder = encoder
         self.metrics = metrics
         self.scheduler = scheduler
-        self.prepare = Preparer(settings, regions, cuda)
+        self.uploads = Uploads(settings)
+        self.prepare = Preparer(settings, regions, self.uploads, cuda)
         # Every admitted encode has its thread; the scheduler, not the pool, limits them.
         self.pool = ThreadPoolExecutor(
             max(4, settings.cpu_slots + 2), thread_name_prefix="framewire-encode"
@@ -77,10 +78,7 @@ class EncodeJobs:
     def _encode_one(self, job: Prepared, validate: bool, cancel: threading.Event) -> OutputResult:
         started = time.time()
         g = job.source.geometry
-        audio = job.params.audio is not None
-        check = check_for(
-            validate, g.frames, g.width, g.height, job.params.fps, audio, job.params.profile
-        )
+        check = check_for(g.frames, g, job.params, validate)
         encoded = self.encoder.encode(
             job.source,
             job.path,
@@ -185,6 +183,23 @@ class EncodeJobs:
     async def _run_one(
         self, job: Prepared, validate: bool, cancel: threading.Event
     ) -> tuple[int, OutputResult]:
+        status, result = await self._encode_held(job, validate, cancel)
+        if job.url is not None and result.ok:
+            # The CPU slots are free again: the upload waits on the network.
+            try:
+                presign_s = job.spec.presign_s
+                result = await self.uploads.deliver(result, job.path, job.url, presign_s, cancel)
+            except Cancelled:
+                raise
+            except FramewireError as exc:
+                status, result = exc.status, failed(job.shown, exc, result.timings.queue_ms)
+        self.metrics.outputs.labels("ok" if result.ok else "error").inc()
+        return status, result
+
+    async def _encode_held(
+        self, job: Prepared, validate: bool, cancel: threading.Event
+    ) -> tuple[int, OutputResult]:
+        """The output encoded while it holds its CPU slots (and GPU bytes)."""
         threads = self.encoder.threads_for(job.source.geometry.height, job.params)
         gpu = self.encoder.gpu_bytes(job.source)  # conversion temporaries on its GPU
         self.metrics.queue_waiting.inc()
@@ -203,14 +218,13 @@ class EncodeJobs:
                     raise
                 except FramewireError as exc:
                     # ffmpeg's stderr tail goes into the log line, with the request's id.
-                    result = failed(job.path, exc, waited * 1e3)
+                    result = failed(job.shown, exc, waited * 1e3)
                     status = exc.status
                 finally:
                     self.metrics.in_flight.dec()
         finally:
             if queued:
                 self.metrics.queue_waiting.dec()
-        self.metrics.outputs.labels("ok" if result.ok else "error").inc()
         return status, result
 
     async def _in_thread(
@@ -224,19 +238,7 @@ class EncodeJobs:
         it. A call that completed anyway is reported as done."""
         if self.stopping:
             raise Unavailable("the worker is shutting down", code="shutting_down")
-        # The thread sees this task's context (the request id its log lines carry).
-        context = contextvars.copy_context()
-        future = asyncio.get_running_loop().run_in_executor(
-            self.pool, functools.partial(context.run, fn, *args)
-        )
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            cancel.set()
-            await asyncio.wait([future])
-            if future.cancelled() or future.exception() is not None:
-                raise
-            return future.result()
+        return await in_thread(self.pool, cancel, fn, *args)
 
     async def _watch(
         self,
@@ -270,9 +272,11 @@ class EncodeJobs:
         if pending:
             await asyncio.wait(pending, timeout=wait)
         await asyncio.to_thread(self.pool.shutdown, wait=True, cancel_futures=True)
+        await asyncio.to_thread(self.uploads.close)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.uploads.close()
 
 
 def _after_stop(
@@ -281,6 +285,6 @@ def _after_stop(
     """An output's outcome once a shutdown stopped its request: done, or stopped."""
     if task.done() and not task.cancelled() and task.exception() is None:
         return task.result()
-    log.warning("output %s stopped: the worker is shutting down", job.path)
+    log.warning("output %s stopped: the worker is shutting down", job.shown)
     error = ErrorInfo(code="shutting_down", message=SHUTTING_DOWN)
-    return Unavailable.status, OutputResult(path=str(job.path), ok=False, error=error)
+    return Unavailable.status, OutputResult(path=job.shown, ok=False, error=error)

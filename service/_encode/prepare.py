@@ -35,6 +35,7 @@ from framewire.service._access.paths import (
     resolve_output,
 )
 from framewire.service._access.peers import READ, SEARCH, WRITE, Access
+from framewire.service._access.urls import ObjectUrl, is_url
 from framewire.service._encode.params import EncodeParams, check_geometry, check_params
 from framewire.service._settings import Settings
 from framewire.service._sources.audio import MemoryAudio
@@ -42,9 +43,11 @@ from framewire.service._sources.audio_store import AudioStore
 from framewire.service._sources.frames import FileSource, FrameSource, Geometry, MappedSource
 from framewire.service._sources.regions import CudaRegion, FdRegion, RegionRegistry, SystemRegion
 from framewire.service._sources.shm import open_shm
+from framewire.service._store.spool import discard
 
 if TYPE_CHECKING:
     from framewire.service._sources.cuda_ipc import CudaRuntime
+    from framewire.service._store.uploads import Uploads
 
 
 @dataclass
@@ -53,8 +56,13 @@ class Prepared:
     path: Path
     source: FrameSource
     params: EncodeParams
+    url: ObjectUrl | None = None  # an object URL output: ``path`` is its spool file
     directory: int = -1  # fd of path's directory, opened without following links
     made: list[Path] = field(default_factory=list)  # directories made for it, outermost first
+
+    @property
+    def shown(self) -> str:  # the output as its caller named it
+        return str(self.url or self.path)
 
 
 def _geometry(src: ShmSource | RegionSource) -> Geometry:
@@ -70,15 +78,18 @@ class OutputClaims:
     """
 
     def __init__(self) -> None:
-        self._held: set[tuple[int, int, str]] = set()
+        self._held: set[tuple[object, ...]] = set()
 
     def claim(self, directory: int, name: str, stack: contextlib.AsyncExitStack) -> None:
         st = os.fstat(directory)
-        key = (st.st_dev, st.st_ino, name)
+        self._claim((st.st_dev, st.st_ino, name), f"{name!r} in that directory", stack)
+
+    def claim_url(self, url: ObjectUrl, stack: contextlib.AsyncExitStack) -> None:
+        self._claim(("s3", url.bucket, url.key), str(url), stack)
+
+    def _claim(self, key: tuple[object, ...], what: str, stack: contextlib.AsyncExitStack) -> None:
         if key in self._held:
-            raise Conflict(
-                f"another encode is writing {name!r} in that directory now", code="output_busy"
-            )
+            raise Conflict(f"another encode is writing {what} now", code="output_busy")
         self._held.add(key)
         stack.callback(self._held.discard, key)
 
@@ -87,10 +98,15 @@ class Preparer:
     """Turns an output spec into a :class:`Prepared` job: judged, opened, placed."""
 
     def __init__(
-        self, settings: Settings, regions: RegionRegistry, cuda: CudaRuntime | None = None
+        self,
+        settings: Settings,
+        regions: RegionRegistry,
+        uploads: Uploads,
+        cuda: CudaRuntime | None = None,
     ):
         self.settings = settings
         self.regions = regions
+        self.uploads = uploads
         self.cuda = cuda  # None: no usable GPU, cuda_ipc sources are refused
         self.claims = OutputClaims()
         self.audio = AudioStore(settings.audio_budget_bytes)
@@ -99,18 +115,26 @@ class Preparer:
         self, spec: OutputSpec, access: Access, stack: contextlib.AsyncExitStack
     ) -> Prepared:
         """Everything about one output that can be refused, before anything is made."""
-        path, params = await self.judge_options(spec, access, stack)
+        path, params, url = await self.judge_options(spec, access, stack)
         check_geometry(params, spec.source.width, spec.source.height, spec.source.dtype)
         source = await self.open_source(spec.source, access, stack)
-        return Prepared(spec, path, source, params)
+        return Prepared(spec, path, source, params, url)
 
     async def judge_options(
         self, options: EncodeOptions, access: Access, stack: contextlib.AsyncExitStack
-    ) -> tuple[Path, EncodeParams]:
-        """Where the output goes (judged, nothing made) and how it is encoded (the audio
-        opened, closed with ``stack``)."""
-        # Off the event loop: judging paths is the filesystem's time.
-        path = await asyncio.to_thread(self._judge_path, options.path, access)
+    ) -> tuple[Path, EncodeParams, ObjectUrl | None]:
+        """Where the output goes (judged, nothing made; an object URL's spool file) and
+        how it is encoded (the audio opened, closed with ``stack``)."""
+        url: ObjectUrl | None = None
+        if is_url(options.path):
+            # The allow-list is the caller's right here; the spool is the worker's own.
+            target = await asyncio.to_thread(self.uploads.target, options.path)
+            url, path = target
+            self.claims.claim_url(target[0], stack)
+            stack.push_async_callback(asyncio.to_thread, discard, path)  # whatever happens
+        else:
+            # Off the event loop: judging paths is the filesystem's time.
+            path = await asyncio.to_thread(self._judge_path, options.path, access)
         audio: InputFile | None = None
         if isinstance(options.audio, str):
             audio = await asyncio.to_thread(self._open_input, options.audio, access)
@@ -128,7 +152,7 @@ class Preparer:
             value_range=options.value_range,
         )
         check_params(params)
-        return path, params
+        return path, params, url
 
     async def _memory_audio(self, src: AudioSource, profile: str, access: Access) -> MemoryAudio:
         """The samples ``src`` names, read now (the caller's memory is free again once the

@@ -13,9 +13,11 @@ from pathlib import Path
 from framewire.client._errors import FramewireError
 from framewire.client.wire import ErrorInfo, MediaInfo, OutputResult, Timings
 from framewire.service._encode.encoder import Encoded
+from framewire.service._encode.params import EncodeParams
 from framewire.service._encode.validate import validate_output
 from framewire.service._ops.metrics import Metrics
 from framewire.service._probe import pyav
+from framewire.service._sources.frames import Geometry
 
 log = logging.getLogger("framewire.outputs")
 
@@ -49,14 +51,13 @@ class Check:
             self.ms = (time.perf_counter() - t0) * 1e3
 
 
-def check_for(
-    validate: bool, frames: int, width: int, height: int, fps: float, audio: bool, profile: str
-) -> Check | None:
-    """The check of an output asked to be validated; None where it was not asked, or
-    where PyAV is not installed (the worker says so when it starts)."""
+def check_for(frames: int, g: Geometry, params: EncodeParams, validate: bool) -> Check | None:
+    """The checks ``frames`` frames of ``g``'s size encoded with ``params`` must pass; None
+    where none was asked for, or where PyAV is not installed (the worker says so when it
+    starts)."""
     if not validate or pyav() is None:
         return None
-    return Check(frames, width, height, fps, audio, profile)
+    return Check(frames, g.width, g.height, params.fps, params.audio is not None, params.profile)
 
 
 def written(
@@ -102,7 +103,7 @@ def output_result(
     )
 
 
-def failed(path: Path, exc: FramewireError, queue_ms: float = 0.0) -> OutputResult:
+def failed(path: Path | str, exc: FramewireError, queue_ms: float = 0.0) -> OutputResult:
     """The answer for an output that failed; logged with its code and ffmpeg's tail."""
     fields = {"code": exc.code} | ({"detail": exc.detail} if exc.detail else {})
     log.warning("output %s failed: %s", path, exc.message, extra=fields)

@@ -63,6 +63,8 @@ def info(parts: WorkerParts) -> dict[str, object]:
         "output_roots": settings.output_roots,
         "input_roots": settings.input_roots,
         "shm_prefixes": settings.shm_prefixes,
+        # Where outputs may be uploaded; never the store's endpoint or credentials.
+        "output_urls": settings.output_urls,
     }
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from framewire.client._errors import Cancelled, Conflict, FramewireError
 from framewire.client.wire import StreamOpen
 from framewire.client.wire._streams import StreamStateName
+from framewire.service._access.urls import ObjectUrl
 from framewire.service._encode.params import EncodeParams
 from framewire.service._sources.frames import Geometry
 from framewire.service._stream.output import StreamOutput
@@ -30,7 +31,9 @@ class Session:
     geometry: Geometry  # frames: 0 (the chunks say how many)
     directory: int
     made: list[Path]
-    stack: contextlib.AsyncExitStack  # the claim, the directory, the audio, the slots
+    stack: contextlib.AsyncExitStack  # the claim, the directory, the audio
+    url: ObjectUrl | None = None  # an object URL output: ``path`` is its spool file
+    admission: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     state: StreamStateName = "open"
     received: int = 0
     error: FramewireError | None = None
@@ -49,6 +52,10 @@ class Session:
         self.aborted_by = self.aborted_by or cause
         self.cancel.set()
         self.stopped.set()
+
+    @property
+    def shown(self) -> str:  # the output as its caller named it
+        return str(self.url or self.path)
 
     def touch(self) -> None:
         self.active_at = time.monotonic()

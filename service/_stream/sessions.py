@@ -1,18 +1,19 @@
 """Stream sessions: open, chunks in order, finish or abort; idle ones reaped.
 
-A session is judged when it opens (the output path, the caller's rights, the
-audio) and its directory made and its name claimed then, so nothing else can
-write that file meanwhile. Its first chunk waits for CPU (and GPU) admission
-like an encode and starts ffmpeg; the session holds those slots until it ends.
-Each chunk is answered once it has been read: the producer may reuse the
-buffer at once. One request of a session runs at a time.
+A session is judged when it opens (the output path or URL, the caller's rights,
+the audio) and its directory made and its name claimed then, so nothing else
+can write that file meanwhile. Its first chunk waits for CPU (and GPU) admission
+like an encode and starts ffmpeg; the session holds those slots until its file
+is complete (an object URL's upload then runs without them). Each chunk is
+answered once it has been read: the producer may reuse the buffer at once. One
+request of a session runs at a time.
 
-Ends: ``finish`` (the file appears, atomically), ``abort`` (``DELETE``, nothing
-remains), idle for ``FRAMEWIRE_STREAM_IDLE_S`` (aborted; a first chunk that has
-waited that long for admission counts as idle: nothing of it was read), a failed chunk (the
-session fails with that code, nothing remains), a client that goes away in the
-middle of a chunk (aborted), or the worker stopping (aborted once the drain's
-grace is over).
+Ends: ``finish`` (the file or object appears, whole), ``abort`` (``DELETE``,
+nothing remains), idle for ``FRAMEWIRE_STREAM_IDLE_S`` (aborted; a first chunk
+that has waited that long for admission counts as idle: nothing of it was read),
+a failed chunk (the session fails with that code), a client gone in the middle
+of a chunk (aborted), or the worker stopping (aborted once the drain's grace is
+over).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class Sessions:
         made: list[Path] = []
         try:
             prepare = self.jobs.prepare
-            path, params = await prepare.judge_options(spec, access, stack)
+            path, params, url = await prepare.judge_options(spec, access, stack)
             check_geometry(params, spec.width, spec.height, spec.dtype)
             directory = await prepare.place_at(path, made, stack)
         except BaseException:
@@ -92,12 +93,12 @@ class Sessions:
             raise
         geometry = Geometry(spec.dtype, spec.layout, 0, spec.height, spec.width)
         session = Session(
-            secrets.token_hex(8), spec, path, params, geometry, directory, made, stack
+            secrets.token_hex(8), spec, path, params, geometry, directory, made, stack, url
         )
         self._owners[session.id] = access.owner("a stream session")
         self._open[session.id] = session
         self.metrics.streams_open.set(len(self._open))
-        log.info("stream opened for %s", path, extra={"stream_id": session.id})
+        log.info("stream opened for %s", session.shown, extra={"stream_id": session.id})
         self._start_reaper()
         return session
 
@@ -123,13 +124,13 @@ class Sessions:
         error = session.error
         return StreamState(
             id=session.id,
-            path=str(session.path),
+            path=session.shown,
             state=session.state,
             frames_received=session.received,
             frames=session.spec.frames,
             idle_timeout_s=self.settings.stream_idle_s,
             idle_s=round(session.idle_s(), 3),
-            error=None if error is None else failed(session.path, error).error,
+            error=None if error is None else failed(session.shown, error).error,
         )
 
     # --- chunks -------------------------------------------------------------------------------
@@ -224,7 +225,7 @@ class Sessions:
         an abort must not wait for another session to let go of the CPU."""
         session.waiting_since = time.monotonic()
         self.metrics.queue_waiting.inc()
-        entered = asyncio.ensure_future(session.stack.enter_async_context(slots))
+        entered = asyncio.ensure_future(session.admission.enter_async_context(slots))
         stopped = asyncio.ensure_future(session.stopped.wait())
         try:
             await asyncio.wait((entered, stopped), return_when=asyncio.FIRST_COMPLETED)
@@ -269,24 +270,25 @@ class Sessions:
                 )
             if problem is not None:
                 await self._end(session, "failed", "error", problem)
-                return problem.status, failed(session.path, problem)
+                return problem.status, failed(session.shown, problem)
             assert session.output is not None
             session.state = "finishing"
-            g, fps = session.geometry, session.params.fps
-            audio = session.params.audio is not None
-            check = check_for(
-                session.spec.validate_,
-                session.received, g.width, g.height, fps, audio, session.params.profile,
-            )  # fmt: skip
+            fps, validate = session.params.fps, session.spec.validate_
+            check = check_for(session.received, session.geometry, session.params, validate)
             try:
                 encoded = await self.jobs.in_pool(
                     session.cancel, session.output.finish, session.check, check
                 )
+                result = written(encoded, fps, check, session.started, self.metrics)
+                if session.url is not None:
+                    await session.admission.aclose()  # the upload needs no CPU slots
+                    result = await self.jobs.uploads.deliver(
+                        result, session.path, session.url, session.spec.presign_s, session.cancel
+                    )
             except (FramewireError, asyncio.CancelledError) as exc:
                 error = _as_error(exc)
                 await self._end_by(session, exc)
-                return error.status, failed(session.path, error)
-            result = written(encoded, fps, check, session.started, self.metrics)
+                return error.status, failed(session.shown, error)
             await self._end(session, "done", None, None)
             self.metrics.outputs.labels("ok").inc()
             return 200, result
@@ -318,7 +320,8 @@ class Sessions:
             self.metrics.stream_aborts.labels(cause).inc()
         if session.output is not None and state != "done":
             await asyncio.to_thread(session.output.abort)
-        await session.stack.aclose()  # slots, claim, directory, audio
+        await session.admission.aclose()  # the slots
+        await session.stack.aclose()  # claim, directory, audio
         (keep_made if state == "done" else remove_made)(session.made)
         self._open.pop(session.id, None)
         self._closed[session.id] = self._state_of(session)
@@ -329,7 +332,7 @@ class Sessions:
         fields: dict[str, object] = {"stream_id": session.id, "frames": session.received}
         if error is not None:
             fields["code"] = error.code
-        log.info("stream %s for %s%s", state, session.path, f" ({cause})" if cause else "",
+        log.info("stream %s for %s%s", state, session.shown, f" ({cause})" if cause else "",
                  extra=fields)  # fmt: skip
 
     # --- idle sessions, shutdown ---------------------------------------------------------------

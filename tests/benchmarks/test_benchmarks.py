@@ -126,3 +126,14 @@ def test_routes_benchmark(tmp_path: Path) -> None:
     assert len({row["sha256"] for row in rows}) == 1
     assert all(row["worker_cpu_s"] >= 0 for row in rows if row["variant"] != "bare ffmpeg")
     assert "same bytes for every route and run: True" in r.stdout
+
+
+def test_objects_benchmark(tmp_path: Path) -> None:
+    out = tmp_path / "objects.json"
+    r = bench("objects.py", "--frames", "4", "--width", "64", "--height", "48", "--big-mib", "16",
+              "--repeat", "1", "--json", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "framewire s" in r.stdout and "16 MiB file" in r.stdout
+    rows = json.loads(out.read_text())
+    assert [row["same"] for row in rows] == [True, True]
+    assert rows[1]["bytes"] == 16 << 20

@@ -130,7 +130,8 @@ def _container_env(tmp_path: Path) -> dict[str, str]:
     under ``tmp_path`` (one directory per volume)."""
     df, worker = dockerfile(), compose()["services"]["worker"]
     env = {k: v for k, v in df.env.items() if k.startswith("FRAMEWIRE_")}
-    env |= {k: str(v) for k, v in worker["environment"].items()}
+    # A variable without a value comes from the shell when set there: unset here.
+    env |= {k: str(v) for k, v in worker["environment"].items() if v is not None}
     env = moved(env, {target: tmp_path / volume for target, (volume, _) in _mounts(worker).items()})
     # The container has its loopback to itself; here 7700 may be taken.
     env["FRAMEWIRE_PORT"] = str(free_port())

@@ -94,6 +94,11 @@ def environment(
     """The container's environment: the image's, its ConfigMaps', then its own entries."""
     env = dict(image.env)
     for source in c.get("envFrom", []):
+        if "secretRef" in source:
+            # The object store's credentials: an optional Secret, absent here as in a
+            # cluster without one; the worker must start without it.
+            assert source["secretRef"]["optional"] is True
+            continue
         configmap = the("ConfigMap")
         assert source["configMapRef"]["name"] == configmap["metadata"]["name"]
         env |= configmap["data"]

@@ -28,8 +28,15 @@ def _daemon(pid: int) -> bool:
     return comm.startswith("torch_shm_manag") or b"multiprocessing.resource_tracker" in cmdline
 
 
+SPOOL = ".framewire-tmp-spool"  # the worker's upload spool: it stays, its contents may not
+
+
 def framewire_temps(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if p.name.startswith(".framewire-tmp-")]
+    return [
+        p
+        for p in root.rglob("*")
+        if (p.name.startswith(".framewire-tmp-") and p.name != SPOOL) or p.parent.name == SPOOL
+    ]
 
 
 def gone(pid: int) -> bool:

@@ -1,0 +1,59 @@
+"""What a failed call to the object store means for the caller: a stable code.
+
+botocore has already retried what is worth retrying (its ``standard`` mode:
+exponential backoff with full jitter, on 5xx, throttling and broken
+connections, ``FRAMEWIRE_STORE_ATTEMPTS`` attempts in all), so what reaches
+here is final. Messages name the operation and the store's error code only:
+never the store's own message, the endpoint or anything from the credentials.
+"""
+
+from __future__ import annotations
+
+from framewire.client._errors import FramewireError, Stalled, StoreError, Unavailable
+
+_DENIED = {
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+}
+_BUSY = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}
+_DIGEST = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"}
+
+
+def store_error(exc: Exception, op: str) -> FramewireError:
+    """The error a failed ``op`` (after its retries) is answered with."""
+    from botocore import exceptions as bx
+
+    if isinstance(exc, FramewireError):
+        return exc
+    if isinstance(exc, bx.ReadTimeoutError | bx.ConnectTimeoutError):
+        return Stalled(f"the object store did not answer {op} in time", code="store_timeout")
+    if isinstance(exc, bx.NoCredentialsError | bx.PartialCredentialsError):
+        return StoreError(
+            f"{op}: the worker has no usable credentials for the object store",
+            code="store_denied",
+        )
+    if isinstance(exc, bx.ClientError):
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code", "unknown"))
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        said = f"the object store answered {op} with {code} ({status})"
+        if code in _DENIED or status in (401, 403):
+            return StoreError(f"{said}: it refused the worker's credentials", code="store_denied")
+        if code == "NoSuchBucket":
+            return StoreError(f"{said}: the bucket does not exist", code="store_no_bucket")
+        if code in _DIGEST:
+            return StoreError(f"{said}: the bytes it got differ", code="store_checksum_mismatch")
+        if code in _BUSY:
+            return Unavailable(f"{said}, after retries", code="store_unavailable")
+        if status >= 500:
+            return StoreError(f"{said}, after retries", code="store_unavailable")
+        return StoreError(said, code="store_refused")
+    # Connection refused or reset, DNS, a broken answer: the store is not there.
+    return Unavailable(
+        f"the object store could not be reached for {op} ({type(exc).__name__})",
+        code="store_unavailable",
+    )

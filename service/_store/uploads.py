@@ -1,0 +1,90 @@
+"""An encoded output delivered to object storage: uploaded, reported, and its spool file gone.
+
+Runs after the encode has given back its CPU slots: an upload waits on the
+network, not the cores, and runs on its own pool so it never takes an encode's
+thread. A cancelled request (client gone, session aborted, shutdown past its
+grace) stops the upload at its next part and aborts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from framewire.client._errors import Cancelled, FramewireError
+from framewire.client.wire import OutputResult
+from framewire.service._access.urls import ObjectUrl, judge_url
+from framewire.service._ops.threads import in_thread
+from framewire.service._settings import Settings
+from framewire.service._store.s3 import S3Store, Uploaded
+from framewire.service._store.spool import discard, spool_path
+
+log = logging.getLogger("framewire.store")
+
+
+class Uploads:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.store = S3Store(settings)
+        self.pool = ThreadPoolExecutor(
+            max(4, settings.cpu_slots * 2), thread_name_prefix="framewire-upload"
+        )
+
+    def target(self, raw: str) -> tuple[ObjectUrl, Path]:
+        """The object ``raw`` names (judged) and the spool file it is encoded to first."""
+        url = judge_url(raw, self.settings.output_urls)
+        return url, spool_path(self.settings.output_roots, url.suffix)
+
+    async def deliver(
+        self,
+        result: OutputResult,
+        local: Path,
+        url: ObjectUrl,
+        presign_s: int | None,
+        cancel: threading.Event,
+    ) -> OutputResult:
+        """The result once the encoded ``local`` file is stored at ``url`` (raises what
+        failed: nothing stored); ``local`` is removed either way."""
+        t0 = time.perf_counter()
+        try:
+            await in_thread(self.pool, cancel, self._upload, local, result, url, cancel)
+            presigned = None
+            if presign_s is not None:
+                presigned = await asyncio.to_thread(self.store.presign, url, presign_s)
+        finally:
+            await asyncio.to_thread(discard, local)
+        result.path = result.url = str(url)
+        result.presigned_url = presigned
+        result.timings.upload_ms = (time.perf_counter() - t0) * 1e3
+        result.timings.finished_at = time.time()
+        return result
+
+    def _upload(
+        self, local: Path, result: OutputResult, url: ObjectUrl, cancel: threading.Event
+    ) -> Uploaded:
+        def check() -> None:
+            if cancel.is_set():
+                raise Cancelled(f"the upload to {url} was stopped")
+
+        assert result.bytes is not None and result.sha256 is not None
+        fd = os.open(local, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            return self.store.upload(fd, result.bytes, result.sha256, url, check)
+        finally:
+            os.close(fd)
+
+    def warm(self) -> None:
+        """Make the store's client now; a worker that cannot says so in its log at start."""
+        try:
+            self.store.client()
+        except FramewireError as exc:
+            log.warning("object URL outputs will fail: %s", exc.message, extra={"code": exc.code})
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.store.close()
