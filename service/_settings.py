@@ -60,6 +60,8 @@ class Settings(BaseSettings):
     stream_idle_s: float = Field(default=60.0, gt=0)
     # Open stream sessions; past it, opening one is a 429.
     max_streams: int = Field(default=64, ge=1)
+    # Live viewers of stream sessions, all sessions together; past it a viewer gets 429.
+    max_viewers: int = Field(default=64, ge=0)
 
     @field_validator("token")
     @classmethod

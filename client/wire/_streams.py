@@ -29,6 +29,8 @@ class StreamOpen(EncodeOptions):
     width: Int = Field(ge=1, le=MAX_SIDE)
     frames: Int | None = Field(default=None, ge=1, le=MAX_FRAMES)  # the expected total
     validate_: Flag = Field(default=True, alias="validate")
+    # A live view: viewers watch the encode as it goes (the answer's ``watch_url``).
+    live: Flag = False
 
     model_config = EncodeOptions.model_config | {"populate_by_name": True}
 
@@ -38,6 +40,8 @@ class StreamOpened(BaseModel):
 
     id: str
     idle_timeout_s: float
+    # The watch page, with a short-lived signature in its query (when ``live`` was asked).
+    watch_url: str | None = None
 
 
 class StreamChunk(WireModel):

@@ -14,14 +14,22 @@ from framewire.client.wire import (
 )
 from framewire.service._http.deps import Caller, WorkerParts
 from framewire.service._http.errors import error_body
+from framewire.service._http.live import watch_url_of
 
 router = APIRouter()
 
 
 @router.post("/v1/streams", status_code=201, response_model=StreamOpened)
-async def open_stream(body: StreamOpen, parts: WorkerParts, caller: Caller) -> StreamOpened:
+async def open_stream(
+    body: StreamOpen, request: Request, parts: WorkerParts, caller: Caller
+) -> StreamOpened:
     session = await parts.sessions.open(body, caller)
-    return StreamOpened(id=session.id, idle_timeout_s=parts.settings.stream_idle_s)
+    watch_url = None
+    if session.live is not None:
+        watch_url = watch_url_of(request, parts, session.id)
+    return StreamOpened(
+        id=session.id, idle_timeout_s=parts.settings.stream_idle_s, watch_url=watch_url
+    )
 
 
 @router.post("/v1/streams/{stream_id}/frames", response_model=StreamChunkAck)

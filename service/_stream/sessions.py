@@ -40,12 +40,15 @@ from framewire.client.wire import OutputResult, StreamChunk, StreamOpen, StreamS
 from framewire.client.wire._streams import StreamStateName
 from framewire.service._access.paths import remove_made
 from framewire.service._access.peers import Access
+from framewire.service._access.signed import ViewSigner
 from framewire.service._encode.jobs import EncodeJobs
 from framewire.service._encode.params import EncodeParams, check_geometry
 from framewire.service._encode.results import Check, failed, written
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
 from framewire.service._sources.frames import FrameSource, Geometry
+from framewire.service._stream.live import LiveFeed
+from framewire.service._stream.misfit import refuse_misfit
 from framewire.service._stream.output import StreamOutput
 
 log = logging.getLogger("framewire.streams")
@@ -77,6 +80,7 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     cancel: threading.Event = field(default_factory=threading.Event)
     aborted_by: str | None = None  # why it is being aborted, while a request still runs
+    live: LiveFeed | None = None  # its live view, when it asked for one
 
     def touch(self) -> None:
         self.active_at = time.monotonic()
@@ -101,6 +105,7 @@ class Sessions:
         self._open: dict[str, Session] = {}
         self._closed: OrderedDict[str, StreamState] = OrderedDict()
         self._reaper: asyncio.Task[None] | None = None
+        self.signer = ViewSigner()
 
     # --- open ---------------------------------------------------------------------------------
 
@@ -120,6 +125,12 @@ class Sessions:
             prepare = self.jobs.prepare
             path, params = await prepare.judge_options(spec, access, stack)
             check_geometry(params, spec.width, spec.height)
+            if spec.live and params.profile == "vllm-omni":
+                raise BadRequest(
+                    "the vllm-omni profile is muxed by PyAV, which has no second output for a "
+                    "live view: open the stream without live, or with an ffmpeg profile",
+                    code="live_unsupported",
+                )
             directory = await prepare.place_at(path, made, stack)
         except BaseException:
             await stack.aclose()
@@ -129,6 +140,8 @@ class Sessions:
         session = Session(
             secrets.token_hex(8), spec, path, params, geometry, directory, made, stack
         )
+        if spec.live:
+            session.live = LiveFeed(session.id, self.metrics, self._admit_viewer)
         self._open[session.id] = session
         self.metrics.streams_open.set(len(self._open))
         log.info("stream opened for %s", path, extra={"stream_id": session.id})
@@ -176,7 +189,7 @@ class Sessions:
             if session.state not in ("open", "streaming"):
                 raise _not_open(session.id, session.state)
             session.touch()
-            self._refuse_misfit(session, chunk)
+            refuse_misfit(session.received, session.geometry, session.spec, chunk)
             if session.output is None:
                 self.jobs.scheduler.admit(1)  # a full queue is a 429 to retry, not an end
             try:
@@ -185,6 +198,8 @@ class Sessions:
                     if session.output is None:
                         await self._start(session, source)
                     assert session.output is not None
+                    if session.live is not None:
+                        session.live.handed(session.received + source.geometry.frames)
                     watcher = asyncio.create_task(self._watch(is_disconnected, session))
                     try:
                         await self.jobs.in_pool(
@@ -204,31 +219,6 @@ class Sessions:
             self.metrics.stream_bytes.inc(source.geometry.nbytes)
             return session.received
 
-    def _refuse_misfit(self, session: Session, chunk: StreamChunk) -> None:
-        """A chunk out of order or of another geometry is refused; the session goes on."""
-        src, g = chunk.source, session.geometry
-        if chunk.first_frame != session.received:
-            raise Conflict(
-                f"chunk starts at frame {chunk.first_frame}; the stream has received "
-                f"{session.received} frames, so the next chunk starts at {session.received}",
-                code="out_of_order",
-            )
-        if src.dtype is not g.dtype:
-            raise BadRequest(f"chunk of {src.dtype}; the stream is {g.dtype}", code="bad_dtype")
-        if src.layout is not g.layout or (src.height, src.width) != (g.height, g.width):
-            raise BadRequest(
-                f"chunk of {src.width}x{src.height} in {src.layout}; the stream is "
-                f"{g.width}x{g.height} in {g.layout}",
-                code="bad_shape",
-            )
-        expected = session.spec.frames
-        if expected is not None and session.received + src.frames > expected:
-            raise BadRequest(
-                f"the stream was opened for {expected} frames; this chunk would make "
-                f"{session.received + src.frames}",
-                code="too_many_frames",
-            )
-
     async def _start(self, session: Session, source: FrameSource) -> None:
         """The first chunk: admission (held until the session ends), then ffmpeg."""
         encoder = self.jobs.encoder
@@ -245,6 +235,7 @@ class Sessions:
             session.params,
             session.geometry,
             session.directory,
+            session.live,
         )
 
     async def _watch(
@@ -328,6 +319,8 @@ class Sessions:
             self.metrics.stream_aborts.labels(cause).inc()
         if session.output is not None and state != "done":
             await asyncio.to_thread(session.output.abort)
+        if session.live is not None:  # ffmpeg is gone: what it wrote goes out, then the end
+            await session.live.close("finished" if state == "done" else state)
         await session.stack.aclose()  # slots, claim, directory, audio
         if state != "done":
             remove_made(session.made)
@@ -341,6 +334,17 @@ class Sessions:
             fields["code"] = error.code
         log.info("stream %s for %s%s", state, session.path, f" ({cause})" if cause else "",
                  extra=fields)  # fmt: skip
+
+    def _admit_viewer(self) -> None:
+        """One more viewer, unless the worker has ``FRAMEWIRE_MAX_VIEWERS`` already."""
+        limit = self.settings.max_viewers
+        watching = sum(len(s.live.viewers) for s in self._open.values() if s.live is not None)
+        if watching >= limit:
+            raise Overloaded(
+                f"{watching} live viewers are watching (FRAMEWIRE_MAX_VIEWERS={limit})",
+                code="too_many_viewers",
+                retry_after=5,
+            )
 
     # --- idle sessions, shutdown ---------------------------------------------------------------
 
