@@ -139,11 +139,14 @@ class Client(BaseClient, Closing):
         value_range: tuple[float, float] | None = None,
         validate: bool = True,
         layout: Layout | str | None = None,
+        live: bool = False,
     ) -> VideoWriter:
         """A writer for one video made chunk by chunk: ``write`` each chunk as it is
         generated, then ``close`` for the result (or ``abort``). Use it as a context
         manager: an exception inside the block aborts, and nothing of the output remains.
-        The file is byte-identical to :meth:`save_video` of the concatenated frames."""
+        The file is byte-identical to :meth:`save_video` of the concatenated frames.
+        ``live=True`` asks for a live view: ``writer.watch_url`` (after the first write)
+        is a page that plays the video as it is encoded; the file's bytes stay the same."""
         return VideoWriter(
             self._send,
             self._writer_route,
@@ -158,6 +161,7 @@ class Client(BaseClient, Closing):
             value_range=value_range,
             validate=validate,
             layout=layout,
+            live=live,
         )
 
     def decode_reference(
@@ -294,6 +298,7 @@ class AsyncClient(BaseClient):
         value_range: tuple[float, float] | None = None,
         validate: bool = True,
         layout: Layout | str | None = None,
+        live: bool = False,
     ) -> AsyncVideoWriter:
         return AsyncVideoWriter(
             self._send,
@@ -309,6 +314,7 @@ class AsyncClient(BaseClient):
             value_range=value_range,
             validate=validate,
             layout=layout,
+            live=live,
         )
 
     @twin(Client.decode_reference)

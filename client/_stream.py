@@ -86,6 +86,7 @@ class _WriterBase:
         value_range: tuple[float, float] | None,
         validate: bool,
         layout: Layout | str | None,
+        live: bool = False,
     ):
         if audio is not None and not isinstance(audio, (str, os.PathLike)):
             # Samples are judged when the session opens, before any chunk: hand them to
@@ -102,9 +103,13 @@ class _WriterBase:
             "profile": profile,
             "value_range": value_range,
             "validate": validate,
+            "live": live,
         }
         self._layout = layout
         self.id: str | None = None
+        # The live view's watch page (signed, short-lived), once the session is open: it
+        # opens at the first write.
+        self.watch_url: str | None = None
         self.result: OutputResult | None = None
         self.frames_sent = 0
         # Frames the worker has answered for (read into its encoder): a progress count
@@ -145,6 +150,9 @@ class _WriterBase:
         except ValidationError as exc:
             raise refusal(exc) from None
         return Call("POST", "/v1/streams", body, StreamOpened.model_validate)
+
+    def _opened(self, answer: StreamOpened) -> None:
+        self.id, self.watch_url = answer.id, answer.watch_url
 
     def _chunk_call(self, source: Any, frames: Frames) -> Call[StreamChunkAck]:
         assert self.id is not None
@@ -215,7 +223,7 @@ class VideoWriter(_WriterBase):
         chunk = self._describe(frames)
         if self.id is None:
             self._regions = self._route()
-            self.id = self._send(self._open_call(chunk)).id
+            self._opened(self._send(self._open_call(chunk)))
         if is_cuda(chunk.video):
             from framewire.client._sharing.cuda import CudaShare  # imports torch
 
@@ -313,7 +321,7 @@ class AsyncVideoWriter(_WriterBase):
         chunk = self._describe(frames)
         if self.id is None:
             self._regions = await self._route()
-            self.id = (await self._send(self._open_call(chunk))).id
+            self._opened(await self._send(self._open_call(chunk)))
         if is_cuda(chunk.video):
             from framewire.client._sharing.cuda import CudaShare  # imports torch
 

@@ -345,8 +345,8 @@ class Encoder:
         its live view goes into, when ``argv`` has one)."""
         # The private directory's fd (and the audio's): ffmpeg names them through
         # /proc/self/fd, so it opens exactly what was judged.
-        fds = (staged.fd,) if params.audio is None else (staged.fd, _audio(params).fd)
-        fds += () if live_fd is None else (live_fd,)
+        fds = [staged.fd] if params.audio is None else [staged.fd, _audio(params).fd]
+        fds += [] if live_fd is None else [live_fd]
         return FfmpegProcess(argv, pass_fds=fds, stall_s=self.stall_s)
 
 

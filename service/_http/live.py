@@ -49,7 +49,7 @@ def _feed(request: Request, parts: Parts, stream_id: str) -> LiveFeed:
         )
     if session.live is None:
         raise Conflict(
-            f"stream {stream_id} was opened without a live view (\"live\": true)",
+            f'stream {stream_id} was opened without a live view ("live": true)',
             code="live_not_enabled",
         )
     return session.live

@@ -84,7 +84,10 @@ b {{ color: #fff; font-variant-numeric: tabular-nums; }}
   const take = (box, name) => {{
     if (name === "free") {{
       const text = new TextDecoder().decode(box.subarray(8));
-      if (text.startsWith('{{"framewire"')) {{ live.reason = JSON.parse(text).reason; ended = true; }}
+      if (text.startsWith('{{"framewire"')) {{
+        live.reason = JSON.parse(text).reason;
+        ended = true;
+      }}
     }} else if (buffer === null && (name === "ftyp" || name === "moov")) {{
       init.push(box);
       if (name === "moov") {{

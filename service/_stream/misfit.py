@@ -7,9 +7,7 @@ from framewire.client.wire import StreamChunk, StreamOpen
 from framewire.service._sources.frames import Geometry
 
 
-def refuse_misfit(
-    received: int, g: Geometry, spec: StreamOpen, chunk: StreamChunk
-) -> None:
+def refuse_misfit(received: int, g: Geometry, spec: StreamOpen, chunk: StreamChunk) -> None:
     """A chunk out of order or of another geometry is refused; the session goes on."""
     src = chunk.source
     if chunk.first_frame != received:

@@ -60,10 +60,12 @@ class StreamOutput(Closing):
         try:
             self._staged = self._stack.enter_context(atomic_output(directory, path.name))
             g = geometry
-            view = {} if live is None else {"live_fd": live.open_pipe()}
-            argv = encoder.argv(self._staged, g.width, g.height, params, threads=self.threads, **view)
+            live_fd = None if live is None else live.open_pipe()
+            argv = encoder.argv(
+                self._staged, g.width, g.height, params, threads=self.threads, live_fd=live_fd
+            )
             try:
-                ff = encoder.start(argv, self._staged, params, view.get("live_fd"))
+                ff = encoder.start(argv, self._staged, params, live_fd)
             finally:
                 if live is not None:
                     live.started()  # the worker's copy of the write end goes either way
