@@ -4,6 +4,7 @@ and the view's bounds and access rules hold."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -209,3 +210,52 @@ def test_a_signed_url_opens_the_view_without_the_token(workers, segments):
     assert (
         "framewire_live_bytes_total" in metrics and "framewire_live_delay_seconds_count" in metrics
     )
+
+
+def test_the_async_writer_exposes_the_watch_url(worker):
+    from framewire.client import AsyncClient
+
+    clip = make_clip(frames=16, height=48, width=64)
+
+    async def run() -> tuple[str | None, Any]:
+        async with AsyncClient(worker.uds_url) as client:
+            writer = client.open_video("async-live.mp4", fps=24, live=True)
+            async with writer:
+                await writer.write(clip[:, :8])
+                url = writer.watch_url
+                page = await asyncio.to_thread(httpx.get, url or "", timeout=30)
+                assert page.status_code == 200 and "<video" in page.text
+                await writer.write(clip[:, 8:])
+            return url, writer.result
+
+    url, result = asyncio.run(run())
+    assert url is not None and url.startswith(f"http://127.0.0.1:{worker.port}/v1/streams/")
+    assert result is not None and result.ok
+
+
+def test_a_viewer_that_goes_away_is_let_go_at_once(worker, segments):
+    clip = make_clip(frames=8, height=48, width=64)
+    with worker.http() as h:
+        sid = _open(h, clip, "left.mp4", live=True)["id"]
+        drops = _drops(h, "gone")
+        with worker.http() as v, v.stream("GET", f"/v1/streams/{sid}/live.mp4") as r:
+            assert r.status_code == 200
+            deadline = time.monotonic() + 30
+            while metric(h, "framewire_live_viewers") < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        deadline = time.monotonic() + 10
+        while metric(h, "framewire_live_viewers") > 0:  # while the session still runs
+            assert time.monotonic() < deadline, "the viewer's response outlived its client"
+            time.sleep(0.02)
+        assert _drops(h, "gone") == drops + 1
+        assert h.get(f"/v1/streams/{sid}").json()["state"] == "open"
+        assert h.delete(f"/v1/streams/{sid}").status_code == 204
+
+
+def _drops(h: httpx.Client, cause: str) -> float:
+    text = h.get("/metrics").text
+    for line in text.splitlines():
+        if line.startswith(f'framewire_live_drops_total{{cause="{cause}"}}'):
+            return float(line.split()[-1])
+    return 0.0
