@@ -68,3 +68,5 @@ class StreamState(BaseModel):
     idle_timeout_s: float
     idle_s: float  # since the last chunk (or the open)
     error: ErrorInfo | None = None
+    # A live session's watch page, freshly signed (a viewer's URL expires; the session may not).
+    watch_url: str | None = None

@@ -34,7 +34,10 @@ def watch_url_of(request: Request, parts: Parts, stream_id: str) -> str:
     if server is not None and isinstance(server[1], int):
         base = str(request.base_url).rstrip("/")
     else:
-        base = f"http://{parts.settings.host}:{parts.settings.port}"
+        host, port = getattr(request.app.state, "tcp_address", (parts.settings.host, 0))
+        host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        host = f"[{host}]" if ":" in host else host
+        base = f"http://{host}:{port or parts.settings.port}"
     query = parts.sessions.signer.query(stream_id)
     return f"{base}/v1/streams/{stream_id}/watch?{query}"
 

@@ -58,5 +58,8 @@ async def abort_stream(stream_id: str, parts: WorkerParts) -> Response:
 
 
 @router.get("/v1/streams/{stream_id}", response_model=StreamState)
-async def stream_state(stream_id: str, parts: WorkerParts) -> StreamState:
-    return parts.sessions.state(stream_id)
+async def stream_state(stream_id: str, request: Request, parts: WorkerParts) -> StreamState:
+    state = parts.sessions.state(stream_id)
+    if state.state in ("open", "streaming") and parts.sessions.get(stream_id).live is not None:
+        state = state.model_copy(update={"watch_url": watch_url_of(request, parts, stream_id)})
+    return state

@@ -38,4 +38,7 @@ def test_demo_starts_its_own_worker_when_none_answers(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "started one" in run.stdout
+    # Its own worker listens on a port the system picked: the URL names that port.
+    assert "watch it while it is encoded: http://127.0.0.1:" in run.stdout
+    assert "http://127.0.0.1:0/" not in run.stdout
     assert run.stdout.count("via worker") == 2, run.stdout

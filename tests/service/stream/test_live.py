@@ -188,6 +188,8 @@ def test_a_signed_url_opens_the_view_without_the_token(workers, segments):
         opened = _open(h, clip, "signed.mp4", live=True)
         sid, url = opened["id"], urlsplit(opened["watch_url"])
         assert url.path == f"/v1/streams/{sid}/watch"
+        fresh = h.get(f"/v1/streams/{sid}").json()["watch_url"]  # signed anew, for later
+        assert urlsplit(fresh).path == url.path and "sig=" in fresh
         assert anonymous.get(url.path).status_code == 401
         page = anonymous.get(f"{url.path}?{url.query}")
         assert page.status_code == 200
