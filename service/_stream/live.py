@@ -184,7 +184,7 @@ class LiveFeed:
                         self._publish_soon(bytes(pending[cut:b]), video_samples(moof))
                         cut = b
                 del pending[:cut]
-        except OSError:
+        except (OSError, RuntimeError):  # the pipe failed; the loop closed (worker stopping)
             pass
         finally:
             os.close(fd)

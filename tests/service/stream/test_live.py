@@ -261,3 +261,22 @@ def _drops(h: httpx.Client, cause: str) -> float:
         if line.startswith(f'framewire_live_drops_total{{cause="{cause}"}}'):
             return float(line.split()[-1])
     return 0.0
+
+
+def test_a_viewer_that_does_not_read_is_dropped_and_the_encode_goes_on(worker, segments):
+    # Noise at CRF 0: some 12 MiB of video, past a viewer's 8 MiB queue and the sockets.
+    frames, side = 128, 256
+    clip = torch.rand(3, frames, side, side, generator=torch.Generator().manual_seed(3))
+    with worker.http() as h:
+        sid = _open(h, clip, "unwatched.mp4", live=True, quality=10)["id"]
+        drops = _drops(h, "too_slow")
+        with worker.http() as v, v.stream("GET", f"/v1/streams/{sid}/live.mp4") as r:
+            assert r.status_code == 200
+            for t0 in range(0, frames, 8):  # the viewer reads nothing meanwhile
+                _send(h, segments, sid, clip, t0, t0 + 8)
+            finished = h.post(f"/v1/streams/{sid}/finish")
+            assert finished.status_code == 200, finished.text
+            data = b"".join(r.iter_bytes())
+        assert _end_reason(data) == "too_slow"
+        assert finished.json()["bytes"] > 8 << 20  # more than the queue holds
+        assert _drops(h, "too_slow") == drops + 1
