@@ -2,14 +2,15 @@
 costs the encode.
 
     .venv/bin/python benchmarks/live.py [--frames 120] [--chunk 8] [--width 1344 --height 768]
-                                        [--viewers 0 1 8] [--json OUT]
+                                        [--viewers 0 1 8] [--http-only] [--json OUT]
 
 One worker; a producer hands it a float32 clip in chunks through ``open_video(...,
 live=True)``. A calibration run (no live view, chunks as fast as the worker takes
 them) gives the encoder's own frame rate on this host; each measured run then
 produces at that rate, with 0, 1 or 8 viewers: the first viewer is the watch page
 in headless Chromium (tests/support/browser.py), the others read ``live.mp4`` over
-HTTP. Per run:
+HTTP (``--http-only``: all of them, so the wall shows the live view's own cost, not
+a browser decoding video on the same cores). Per run:
 
   file wall  the worker's encode_ms for the file (first chunk -> file complete)
   sha256     of the file: every run's must equal the calibration's
@@ -64,13 +65,14 @@ def until(page: Any, expression: str, timeout: float = 120) -> None:
 
 
 def one_run(worker: Any, chunks: list[np.ndarray], fps: float, rate: float | None,
-            viewers: int, name: str) -> dict[str, Any]:  # fmt: skip
-    """Stream ``chunks`` (at ``rate`` frames/s; None: as fast as taken) with ``viewers``."""
+            viewers: int, name: str, browser: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Stream ``chunks`` (at ``rate`` frames/s; None: as fast as taken) with ``viewers``
+    (the first in Chromium when ``browser``)."""
     from framewire.client import Client
 
     handed: list[float] = []  # ms since the epoch, per chunk
     frames_after: list[int] = []
-    with Client(worker.uds_url, timeout=600) as client, ViewerPage(viewers) as page:
+    with Client(worker.uds_url, timeout=600) as client, ViewerPage(viewers and browser) as page:
         writer = client.open_video(name, fps=fps, live=viewers > 0)
         handed.append(time.time() * 1e3)
         writer.write(chunks[0])
@@ -79,10 +81,11 @@ def one_run(worker: Any, chunks: list[np.ndarray], fps: float, rate: float | Non
         read: list[int] = []
         if viewers:
             assert writer.watch_url is not None
-            page.goto(writer.watch_url)
-            until(page, "window.framewireLive !== undefined")
+            if page is not None:
+                page.goto(writer.watch_url)
+                until(page, "window.framewireLive !== undefined")
             live_url = writer.watch_url.replace("/watch?", "/live.mp4?")
-            for _ in range(viewers - 1):
+            for _ in range(viewers - (page is not None)):
                 readers.append(threading.Thread(target=read_live, args=(live_url, read)))
                 readers[-1].start()
         start = time.monotonic()
@@ -96,7 +99,7 @@ def one_run(worker: Any, chunks: list[np.ndarray], fps: float, rate: float | Non
             frames_after.append(sent)
         result = writer.close()
         delays: list[float] = []
-        if viewers:
+        if page is not None:
             until(page, f"(window.framewireLive.playable.at(-1) || [0])[0] >= {sent}")
             playable = page.evaluate("window.framewireLive.playable")
             for k in range(1, len(chunks)):
@@ -114,7 +117,7 @@ def one_run(worker: Any, chunks: list[np.ndarray], fps: float, rate: float | Non
 class ViewerPage:
     """The Chromium page when there are viewers, else nothing."""
 
-    def __init__(self, viewers: int):
+    def __init__(self, viewers: int | bool):
         self.viewers = viewers
         self._cm: Any = None
 
@@ -144,6 +147,11 @@ def main() -> int:
     p.add_argument("--height", type=int, default=768)
     p.add_argument("--fps", type=float, default=24)
     p.add_argument("--viewers", type=int, nargs="+", default=[0, 1, 8])
+    p.add_argument(
+        "--http-only",
+        action="store_true",
+        help="every viewer a plain HTTP reader: the live view's own cost, no browser",
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 
@@ -163,7 +171,8 @@ def main() -> int:
             calib = one_run(worker, chunks, args.fps, None, 0, "calibrate.mp4")
             rate = args.frames / (calib["wall_ms"] / 1e3)
             for v in args.viewers:
-                rows.append(one_run(worker, chunks, args.fps, rate, v, f"live-{v}.mp4"))
+                rows.append(one_run(worker, chunks, args.fps, rate, v, f"live-{v}.mp4",
+                                    not args.http_only))  # fmt: skip
         except BaseException:
             print(worker.log.read_text()[-3000:], file=sys.stderr)
             raise
