@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -19,6 +21,8 @@ import pytest
 import torch
 
 from tests.support.media import FFMPEG, make_clip, sha256
+from tests.support.processes import wait_gone
+from tests.support.requests import wait_for_ffmpeg
 from tests.support.segments import Segments
 from tests.support.worker import Worker, metric
 
@@ -153,10 +157,7 @@ def test_what_a_live_view_refuses(worker, segments):
         assert h.delete(f"/v1/streams/{other['id']}").status_code == 204
         # Viewers past the worker's cap (3 here) are refused; the others go on.
         watchers = [Watcher(worker, sid) for _ in range(3)]
-        deadline = time.monotonic() + 30
-        while metric(h, "framewire_live_viewers") < 3:  # each joins on its own thread
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        _viewers_reach(h, 3)  # each joins on its own thread
         r = h.get(f"/v1/streams/{sid}/live.mp4")
         assert (r.status_code, r.json()["code"]) == (429, "too_many_viewers")
         _send(h, segments, sid, clip, 0, 8)
@@ -175,6 +176,13 @@ def test_what_a_live_view_refuses(worker, segments):
         assert h.delete(f"/v1/streams/{another}").status_code == 204
         assert _pipes(worker) == pipes_then
         assert metric(h, "framewire_live_viewers") == 0
+
+
+def _viewers_reach(h: httpx.Client, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while metric(h, "framewire_live_viewers") < n:
+        assert time.monotonic() < deadline, f"{n} viewers never joined"
+        time.sleep(0.02)
 
 
 def _pipes(worker: Worker) -> int:
@@ -242,10 +250,7 @@ def test_a_viewer_that_goes_away_is_let_go_at_once(worker, segments):
         drops = _drops(h, "gone")
         with worker.http() as v, v.stream("GET", f"/v1/streams/{sid}/live.mp4") as r:
             assert r.status_code == 200
-            deadline = time.monotonic() + 30
-            while metric(h, "framewire_live_viewers") < 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            _viewers_reach(h, 1)
         deadline = time.monotonic() + 10
         while metric(h, "framewire_live_viewers") > 0:  # while the session still runs
             assert time.monotonic() < deadline, "the viewer's response outlived its client"
@@ -280,3 +285,23 @@ def test_a_viewer_that_does_not_read_is_dropped_and_the_encode_goes_on(worker, s
         assert _end_reason(data) == "too_slow"
         assert finished.json()["bytes"] > 8 << 20  # more than the queue holds
         assert _drops(h, "too_slow") == drops + 1
+
+
+def test_a_killed_encode_ends_its_viewers_and_leaves_nothing(worker, segments):
+    clip = make_clip(frames=8, height=64, width=64)
+    with worker.http() as h:
+        sid = _open(h, clip, "killed.mp4", live=True)["id"]
+        pipes = _pipes(worker)
+        viewer = Watcher(worker, sid)
+        _viewers_reach(h, 1)
+        _send(h, segments, sid, clip, 0, 4)
+        [ffmpeg] = wait_for_ffmpeg(worker)
+        os.kill(ffmpeg, signal.SIGKILL)
+        wait_gone({ffmpeg})
+        source = segments.source(clip[:, 4:].contiguous())
+        r = h.post(f"/v1/streams/{sid}/frames", json={"first_frame": 4, "source": source})
+        assert (r.status_code, r.json()["code"]) == (422, "ffmpeg_killed")
+        viewer.join(30)
+        assert viewer.status == 200 and _end_reason(bytes(viewer.data)) == "failed"
+        assert _pipes(worker) <= pipes and metric(h, "framewire_live_viewers") == 0
+    assert not (worker.outputs / "killed.mp4").exists()
