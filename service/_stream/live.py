@@ -6,10 +6,12 @@ pause, so ffmpeg never waits on viewers; it cuts the bytes into the init segment
 (``ftyp`` + ``moov``) and fragments (``moof`` + ``mdat``) and hands them to the
 event loop, which keeps them for late joiners and queues them for each viewer.
 
-Bounds: the history kept for late joiners is at most ``HISTORY_BYTES``; past it
-it is released and new viewers are refused (``409 live_history_full``: a view
-from the middle would need a keyframe, and the GOP is 250 frames), while those
-already watching go on. A viewer's queue holds at most ``VIEWER_QUEUE_BYTES``
+Bounds: the history kept for late joiners is about ``HISTORY_BYTES``: past it,
+it starts again at a later fragment that begins with a keyframe (a late viewer
+then sees the video from there, not from its start; the GOP is 250 frames). If
+it reaches ``HISTORY_MAX_BYTES`` with no keyframe to start at, it is released and
+new viewers are refused (``409 live_history_full``), while those already watching
+go on. A viewer's queue holds at most ``VIEWER_QUEUE_BYTES``
 beyond what it has taken; a viewer that falls further behind is dropped.
 
 Every viewer's byte stream ends with a ``free`` box naming why it ended
@@ -22,9 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import json
 import os
-import struct
 import threading
 import time
 from collections import deque
@@ -32,51 +32,16 @@ from collections.abc import AsyncIterator, Callable
 
 from framewire.client._errors import Conflict, Overloaded
 from framewire.service._ops.metrics import Metrics
+from framewire.service._stream.fmp4 import boxes, end_box, starts_with_keyframe, video_samples
 
-HISTORY_BYTES = 64 << 20
+HISTORY_BYTES = 32 << 20  # past it the history is cut back to a keyframe fragment ...
+HISTORY_MAX_BYTES = 64 << 20  # ... and past this with none to cut to, released
 VIEWER_QUEUE_BYTES = 8 << 20
 VIEWERS_PER_STREAM = 16
 PIPE_BYTES = 1 << 20  # the pipe ffmpeg writes the fragments into (F_SETPIPE_SZ)
 READ_BYTES = 1 << 16
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 EOF_WAIT_S = 10.0  # ffmpeg has exited or been killed when this is awaited
-
-_BOX = struct.Struct(">I4s")
-
-
-def end_box(reason: str) -> bytes:
-    """A ``free`` box that tells a viewer why its stream ended."""
-    payload = json.dumps({"framewire": "end", "reason": reason}).encode()
-    return _BOX.pack(_BOX.size + len(payload), b"free") + payload
-
-
-def _boxes(data: bytes | bytearray, start: int = 0) -> list[tuple[bytes, int, int]]:
-    """(type, start, end) of the whole boxes in ``data`` from ``start``."""
-    out = []
-    while start + _BOX.size <= len(data):
-        size, kind = _BOX.unpack_from(data, start)
-        header = _BOX.size
-        if size == 1:  # a 64-bit size follows
-            if start + 16 > len(data):
-                break
-            size, header = struct.unpack_from(">Q", data, start + 8)[0], 16
-        if size < header or start + size > len(data):
-            break
-        out.append((kind, start, start + size))
-        start += size
-    return out
-
-
-def video_samples(moof: bytes) -> int:
-    """Samples of the first track fragment (the video: it is mapped first) in ``moof``."""
-    for kind, a, b in _boxes(moof, _BOX.size):
-        if kind != b"traf":
-            continue
-        for inner, c, _ in _boxes(moof[a:b], _BOX.size):
-            if inner == b"trun":
-                return int(struct.unpack_from(">I", moof, a + c + 12)[0])
-        return 0
-    return 0
 
 
 class Viewer:
@@ -132,7 +97,8 @@ class LiveFeed:
         self._admit = admit  # raises past the worker's viewer cap
         self._loop = asyncio.get_running_loop()
         self.viewers: set[Viewer] = set()
-        self.history: list[bytes] | None = []
+        self.history: list[bytes] | None = []  # the init segment, then fragments
+        self._keys: list[bool] = []  # whether each begins with a keyframe
         self._history_bytes = 0
         self._init = False
         self._frames = 0  # video frames in the fragments so far
@@ -172,16 +138,19 @@ class LiveFeed:
         try:
             while block := os.read(fd, READ_BYTES):
                 pending += block
-                boxes = _boxes(pending)
+                found = boxes(pending)
                 cut = 0
-                for i, (kind, a, b) in enumerate(boxes):
+                for i, (kind, a, b) in enumerate(found):
                     # The init segment goes out whole at the first moof; a fragment, at its mdat.
                     if kind == b"moof" and not self._init and a > 0:
                         self._publish_soon(bytes(pending[cut:a]), 0)
                         cut = a
-                    if kind == b"mdat" and i > 0 and boxes[i - 1][0] == b"moof":
-                        moof = bytes(pending[boxes[i - 1][1] : boxes[i - 1][2]])
-                        self._publish_soon(bytes(pending[cut:b]), video_samples(moof))
+                    if kind == b"mdat" and i > 0 and found[i - 1][0] == b"moof":
+                        moof = bytes(pending[found[i - 1][1] : found[i - 1][2]])
+                        fragment = bytes(pending[cut:b])
+                        self._publish_soon(
+                            fragment, video_samples(moof), starts_with_keyframe(moof)
+                        )
                         cut = b
                 del pending[:cut]
         except (OSError, RuntimeError):  # the pipe failed; the loop closed (worker stopping)
@@ -191,25 +160,47 @@ class LiveFeed:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody watches
                 self._loop.call_soon_threadsafe(self._eof.set)
 
-    def _publish_soon(self, data: bytes, frames: int) -> None:
+    def _publish_soon(self, data: bytes, frames: int, key: bool = False) -> None:
         self._init = True
-        self._loop.call_soon_threadsafe(self._publish, data, frames)
+        self._loop.call_soon_threadsafe(self._publish, data, frames, key)
 
-    def _publish(self, data: bytes, frames: int) -> None:
+    def _publish(self, data: bytes, frames: int, key: bool = False) -> None:
         if frames:
             self._frames += frames
             while self._handed and self._handed[0][0] <= self._frames:
                 _, at = self._handed.popleft()
                 self.metrics.live_delay.observe(time.monotonic() - at)
-        if self.history is not None:
-            self._history_bytes += len(data)
-            if self._history_bytes > HISTORY_BYTES:
-                self.history = None  # released: late joiners are refused from now on
-            else:
-                self.history.append(data)
+        self._keep(data, key)
         for viewer in list(self.viewers):
             if not viewer.push(data):
                 self._drop(viewer, "too_slow", drop_queued=True)
+
+    def _keep(self, data: bytes, key: bool) -> None:
+        """Keep ``data`` for late joiners. Past ``HISTORY_BYTES`` the history (the init
+        segment, then fragments) starts again at the earliest keyframe fragment that
+        brings it under, else the latest one; past ``HISTORY_MAX_BYTES`` with no
+        keyframe to start at, it is released and joiners are refused."""
+        history = self.history
+        if history is None:
+            return
+        history.append(data)
+        self._keys.append(key)
+        self._history_bytes += len(data)
+        if self._history_bytes <= HISTORY_BYTES:
+            return
+        dropped, cut = 0, None
+        for i in range(2, len(history)):
+            dropped += len(history[i - 1])
+            if self._keys[i]:
+                cut = (i, dropped)
+                if self._history_bytes - dropped <= HISTORY_BYTES:
+                    break
+        if cut is not None:
+            i, dropped = cut
+            self.history, self._keys = [history[0], *history[i:]], [False, *self._keys[i:]]
+            self._history_bytes -= dropped
+        if self._history_bytes > HISTORY_MAX_BYTES:
+            self.history = None
 
     # --- viewers -----------------------------------------------------------------------------
 
@@ -218,8 +209,8 @@ class LiveFeed:
             raise Conflict(f"stream {self.stream_id} has ended", code="stream_closed")
         if self.history is None:
             raise Conflict(
-                f"the live view of stream {self.stream_id} is over {HISTORY_BYTES} bytes: "
-                "it is no longer kept for viewers who join now",
+                f"the live view of stream {self.stream_id} has gone over {HISTORY_MAX_BYTES} "
+                "bytes since a keyframe: it is no longer kept for viewers who join now",
                 code="live_history_full",
             )
         if len(self.viewers) >= VIEWERS_PER_STREAM:

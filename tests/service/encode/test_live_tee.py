@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from framewire.client._media.argv import encode_argv
+from framewire.service._stream.fmp4 import boxes, starts_with_keyframe, video_samples
 
 from tests.support.media import FFMPEG, sha256
 
@@ -94,6 +95,10 @@ def test_tee_keeps_the_file_bytes(tmp_path, wav, profile, size, name, audio, slo
     live = _run(encode_argv(FFMPEG, output=teed, live_fd=write, **kw), frames, read, slow)
     assert sha256(teed) == sha256(plain)
     assert live[4:8] == b"ftyp" and b"moof" in live and b"mdat" in live
+    # Cut by time: many fragments, only the first begins with a keyframe (GOP 250).
+    moofs = [live[a:b] for kind, a, b in boxes(live) if kind == b"moof"]
+    assert len(moofs) > 4 and sum(video_samples(m) for m in moofs) == FRAMES
+    assert [starts_with_keyframe(m) for m in moofs] == [True] + [False] * (len(moofs) - 1)
     fragmented = tmp_path / "live.mp4"
     fragmented.write_bytes(live)
     # The viewer's copy holds the same pictures (the pixels, not only the packets).
