@@ -165,11 +165,14 @@ class Client(BaseClient, Closing):
         presign_s: int | None = None,
         validate: bool = True,
         layout: Layout | str | None = None,
+        live: bool = False,
     ) -> VideoWriter:
         """A writer for one video made chunk by chunk: ``write`` each chunk as it is
         generated, then ``close`` for the result (or ``abort``). Use it as a context
         manager: an exception inside the block aborts, and nothing of the output remains.
-        The file is byte-identical to :meth:`save_video` of the concatenated frames."""
+        The file is byte-identical to :meth:`save_video` of the concatenated frames.
+        ``live=True`` asks for a live view: ``writer.watch_url`` (after the first write)
+        is a page that plays the video as it is encoded; the file's bytes stay the same."""
         return VideoWriter(
             self._send,
             self._writer_route,
@@ -186,6 +189,7 @@ class Client(BaseClient, Closing):
             presign_s=presign_s,
             validate=validate,
             layout=layout,
+            live=live,
         )
 
     def decode_reference(
@@ -346,6 +350,7 @@ class AsyncClient(BaseClient):
         presign_s: int | None = None,
         validate: bool = True,
         layout: Layout | str | None = None,
+        live: bool = False,
     ) -> AsyncVideoWriter:
         return AsyncVideoWriter(
             self._send,
@@ -363,6 +368,7 @@ class AsyncClient(BaseClient):
             presign_s=presign_s,
             validate=validate,
             layout=layout,
+            live=live,
         )
 
     @twin(Client.decode_reference)

@@ -66,6 +66,7 @@ class WriterBase:
         presign_s: int | None,
         validate: bool,
         layout: Layout | str | None,
+        live: bool = False,
     ):
         if audio is not None and not isinstance(audio, (str, os.PathLike)):
             # Samples are judged when the session opens, before any chunk: hand them to
@@ -83,9 +84,13 @@ class WriterBase:
             "value_range": value_range,
             "presign_s": presign_s,
             "validate": validate,
+            "live": live,
         }
         self._layout = layout
         self.id: str | None = None
+        # The live view's watch page (signed, short-lived), once the session is open: it
+        # opens at the first write (a stream written locally has none).
+        self.watch_url: str | None = None
         self.result: OutputResult | None = None
         self.frames_sent = 0
         # Frames the worker has answered for (read into its encoder): a progress count
@@ -156,7 +161,7 @@ class WriterBase:
         return Call("DELETE", f"/v1/streams/{self.id}", None, _nothing, idempotent=True)
 
     def _opened(self, opened: StreamOpened) -> None:
-        self.id, self._instance = opened.id, opened.instance
+        self.id, self._instance, self.watch_url = opened.id, opened.instance, opened.watch_url
 
     def _open_here(self, exc: Unavailable, first: Frames) -> None:
         """No worker took the session: write it in this process, or raise ``exc``."""

@@ -52,6 +52,7 @@ class Options:
     profile: str = "imageio"
     value_range: tuple[float, float] | None = None
     presign_s: int | None = None  # object URLs are the worker's: never written here
+    live: bool = False  # a live view is the worker's: a local stream has no viewers
     validate: bool = True
 
 

@@ -73,6 +73,8 @@ class Settings(BaseSettings):
     store_timeout_s: float = Field(default=30.0, gt=0)
     # Attempts per request to the object store (backoff with jitter between them).
     store_attempts: int = Field(default=4, ge=1, le=20)
+    # Live viewers of stream sessions, all sessions together; past it a viewer gets 429.
+    max_viewers: int = Field(default=64, ge=0)
 
     @field_validator("token")
     @classmethod

@@ -111,6 +111,7 @@ class Worker:
         raise_open_files_limit()
         with StopSignals() as stop, Listeners(self.settings) as listeners:
             app = self.build(listeners.fd)
+            app.state.tcp_address = listeners.tcp.getsockname()[:2]  # the port, when it was 0
             server = Server(uvicorn_config(app, self.settings), on_drain=self.drain)
             stop.watch(server)
             server.run(sockets=listeners.http)

@@ -138,6 +138,7 @@ def encode_argv(
     stdin_name: str = "pipe:0",
     guard: bool = True,
     profile: str = "imageio",
+    live_fd: int | None = None,
 ) -> list[str]:
     """The encode command of docs/byte-exactness.md (``profile="imageio"``) or of an
     engine's own save path (``sglang``, ``diffusers``; docs/engines.md).
@@ -147,7 +148,8 @@ def encode_argv(
     output_params=["-preset", preset])``; ``threads`` goes after the preset, as
     ``output_params=["-preset", preset, "-threads", n]`` would put it. ``preset=None``
     passes none (diffusers' ``export_to_video``). ``guard`` adds each input's protocol
-    and demuxer whitelist (the worker always does).
+    and demuxer whitelist (the worker always does). ``live_fd``: the same encode also
+    muxes a fragmented MP4 into that fd (:func:`live_output`); the file keeps its bytes.
     """
     if profile not in ("imageio", "sglang", "diffusers"):
         raise ValueError(f"profile {profile!r} is not encoded by an ffmpeg command")
@@ -174,8 +176,40 @@ def encode_argv(
         argv += ["-vcodec", "libx264", "-pix_fmt", "yuv420p", *crf, *scale, "-v", "warning"]
         argv += [] if preset is None else ["-preset", preset]
         argv += [*threads_arg, *audio_out]
-    argv.append(os.fspath(output))
+    if live_fd is None:
+        argv.append(os.fspath(output))
+    else:
+        argv += live_output(os.fspath(output), live_fd, mapped=audio is not None)
     return argv
+
+
+# The live view's fragments: cut by time, since the file's GOP (x264's default, 250
+# frames) is far longer than a viewer can wait. Fragments after the first may start
+# on a non-keyframe; Media Source Extensions take them.
+LIVE_FRAGMENT_US = 100_000
+LIVE_MOVFLAGS = "frag_keyframe+empty_moov+default_base_moof"
+
+
+def _tee_quoted(name: str) -> str:
+    """``name`` as one slave of the tee muxer: quoted, so ``|``, ``[``, ``\\`` and
+    spaces in it are the file's own."""
+    return "'" + name.replace("'", "'\\''") + "'"
+
+
+def live_output(output: str, fd: int, *, mapped: bool) -> list[str]:
+    """The output options that write ``output`` as before and a fragmented MP4 of the
+    same packets to ``pipe:{fd}``.
+
+    ``+global_header`` makes the encoders put their headers out of band, as the file's
+    muxer alone would have asked: without it x264's bitstream (and so the file)
+    changes. The tee muxer has no default streams, so the video is mapped when nothing
+    else maps it (``-map 0:v:0`` alone selects what ffmpeg would). ``onfail=ignore``:
+    a viewer pipe that breaks never fails the file.
+    """
+    live = f"[f=mp4:movflags={LIVE_MOVFLAGS}:frag_duration={LIVE_FRAGMENT_US}:onfail=ignore]"
+    out = [] if mapped else ["-map", "0:v:0"]
+    out += ["-flags", "+global_header", "-f", "tee"]
+    return [*out, f"{_tee_quoted(output)}|{live}pipe:{fd}"]
 
 
 def pyav_argv(

@@ -29,6 +29,8 @@ class StreamOpen(EncodeOptions):
     width: Int = Field(ge=1, le=MAX_SIDE)
     frames: Int | None = Field(default=None, ge=1, le=MAX_FRAMES)  # the expected total
     validate_: Flag = Field(default=True, alias="validate")
+    # A live view: viewers watch the encode as it goes (the answer's ``watch_url``).
+    live: Flag = False
 
     model_config = EncodeOptions.model_config | {"populate_by_name": True}
 
@@ -41,6 +43,8 @@ class StreamOpened(BaseModel):
     # The worker process holding the session (``/v1/info``'s ``instance``): an answer
     # from another one means the session is gone with the worker that held it.
     instance: str | None = None
+    # The watch page, with a short-lived signature in its query (when ``live`` was asked).
+    watch_url: str | None = None
 
 
 class StreamChunk(WireModel):
@@ -67,3 +71,5 @@ class StreamState(BaseModel):
     idle_timeout_s: float
     idle_s: float  # since the last chunk (or the open)
     error: ErrorInfo | None = None
+    # A live session's watch page, freshly signed (a viewer's URL expires; the session may not).
+    watch_url: str | None = None

@@ -102,13 +102,18 @@ def synthetic_clip(frames: int, height: int, width: int, seed: int) -> np.ndarra
     return np.clip(clip, 0, 1, out=clip)
 
 
-def stream_clip(client: Client, clip: np.ndarray, path: str, opts: DemoOptions) -> OutputResult:
-    """Write ``clip`` as a VAE hands it over, ``opts.chunk`` frames at a time."""
-    with client.open_video(path, fps=opts.fps) as writer:
+def stream_clip(
+    client: Client, clip: np.ndarray, path: str, opts: DemoOptions
+) -> tuple[OutputResult, str | None]:
+    """Write ``clip`` as a VAE hands it over, ``opts.chunk`` frames at a time, with a live
+    view (its watch page's URL is printed as soon as the session is open)."""
+    with client.open_video(path, fps=opts.fps, live=True) as writer:
         for t0 in range(0, clip.shape[1], opts.chunk):
             writer.write(clip[:, t0 : t0 + opts.chunk])
+            if t0 == 0:
+                print(f"watch it while it is encoded: {writer.watch_url}", flush=True)
     assert writer.result is not None
-    return writer.result
+    return writer.result, writer.watch_url
 
 
 def _worker_info(url: str, token: str | None) -> dict[str, Any] | None:
@@ -299,7 +304,9 @@ def run_demo(opts: DemoOptions) -> int:
         routes = {"fd": "as sealed memfds over the fd socket (no /dev/shm name)",
                "shm": "as named /dev/shm segments (no fd socket reachable)"}  # fmt: skip
         table.add("  frames handed over", routes[client.host_route])
-        streamed = stream_clip(client, clips[0], f"framewire-demo/{stamp}-a-streamed.mp4", opts)
+        streamed, watch_url = stream_clip(
+            client, clips[0], f"framewire-demo/{stamp}-a-streamed.mp4", opts
+        )
         same = streamed.sha256 == results[0].sha256
         table.add(
             f"open_video: {-(-opts.frames // opts.chunk)} chunks of {opts.chunk} frames",
@@ -307,6 +314,7 @@ def run_demo(opts: DemoOptions) -> int:
             + ("the same bytes as save_video" if same else "DIFFERENT bytes from save_video"),
             streamed.timings.encode_ms,
         )
+        table.add("  its live view", f"{watch_url} (while it ran)")
 
         t0 = time.perf_counter()
         reference = make_reference(

@@ -341,11 +341,15 @@ class Encoder:
         """The profile's converter for ``source``; None: the reference conversion."""
         return profile_writer(source, params.profile, params.value_range)
 
-    def start(self, argv: list[str], staged: Staged, params: EncodeParams) -> FfmpegProcess:
-        """ffmpeg running ``argv``, frames to be fed on its stdin."""
+    def start(
+        self, argv: list[str], staged: Staged, params: EncodeParams, live_fd: int | None = None
+    ) -> FfmpegProcess:
+        """ffmpeg running ``argv``, frames to be fed on its stdin (``live_fd``: the pipe
+        its live view goes into, when ``argv`` has one)."""
         # The private directory's fd (and the audio's): ffmpeg names them through
         # /proc/self/fd, so it opens exactly what was judged.
-        fds = (staged.fd,) if params.audio is None else (staged.fd, _audio(params).fd)
+        fds = [staged.fd] if params.audio is None else [staged.fd, _audio(params).fd]
+        fds += [] if live_fd is None else [live_fd]
         # cwd "/": nothing a child resolves relative to it (an empty PYTHONPATH entry)
         # lies in whatever directory the worker was started from.
         return FfmpegProcess(argv, pass_fds=fds, stall_s=self.stall_s, cwd="/")

@@ -7,7 +7,7 @@ from contextlib import AbstractAsyncContextManager
 
 from fastapi import FastAPI
 from framewire.client import __version__
-from framewire.service._http import errors, health, streams, triton, videos
+from framewire.service._http import errors, health, live, streams, triton, videos
 from framewire.service._http.middleware import (
     BearerAuth,
     BodyGuard,
@@ -25,12 +25,12 @@ def create_app(parts: Parts, lifespan: Lifespan | None = None) -> FastAPI:
     settings = parts.settings
     app = FastAPI(title="framewire", version=__version__, lifespan=lifespan)
     app.state.parts = parts  # read by the routes' dependencies (deps.py) alone
-    for router in (health.router, videos.router, streams.router, triton.router):
+    for router in (health.router, videos.router, streams.router, live.router, triton.router):
         app.include_router(router)
     errors.install(app)
     app.add_middleware(errors.Unexpected)  # innermost: an unexpected error keeps the connection
     app.add_middleware(BodyGuard, limit=settings.max_body_bytes, idle_s=settings.idle_timeout_s)
-    app.add_middleware(BearerAuth, token=settings.token)
+    app.add_middleware(BearerAuth, token=settings.token, signed=parts.sessions.signer.allows)
     app.add_middleware(RequestCounter, metrics=parts.metrics)
     app.add_middleware(InstanceHeader, instance=parts.instance)
     app.add_middleware(RequestIds)  # outermost: whatever runs inside logs with the id

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Callable
 
 from fastapi.responses import JSONResponse
 from framewire.service._http.errors import error_body
@@ -128,18 +129,25 @@ class BodyGuard:
 
 class BearerAuth:
     """Every route but ``OPEN_ROUTES`` needs ``Authorization: Bearer <token>`` when a token
-    is set: the API, ``/metrics``, and the docs and schema (``/docs``, ``/openapi.json``)."""
+    is set: the API, ``/metrics``, and the docs and schema (``/docs``, ``/openapi.json``).
+    ``signed(path, query)`` lets a live view's routes go with a signed URL instead."""
 
-    def __init__(self, app: ASGIApp, token: str | None):
+    def __init__(
+        self, app: ASGIApp, token: str | None, signed: Callable[[str, str], bool] | None = None
+    ):
         self.app = app
         self.expected = None if token is None else f"Bearer {token}".encode()
+        self.signed = signed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.expected is None or scope["path"] in OPEN_ROUTES:
             await self.app(scope, receive, send)
             return
         given = Headers(scope=scope).get("authorization", "").encode("latin-1", "replace")
-        if hmac.compare_digest(given, self.expected):
+        query = scope.get("query_string", b"").decode("latin-1")
+        if hmac.compare_digest(given, self.expected) or (
+            self.signed is not None and self.signed(scope["path"], query)
+        ):
             await self.app(scope, receive, send)
             return
         body = error_body("unauthorized", "missing or wrong bearer token")

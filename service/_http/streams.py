@@ -14,15 +14,24 @@ from framewire.client.wire import (
 )
 from framewire.service._http.deps import Caller, WorkerParts
 from framewire.service._http.errors import error_body
+from framewire.service._http.live import watch_url_of
 
 router = APIRouter()
 
 
 @router.post("/v1/streams", status_code=201, response_model=StreamOpened)
-async def open_stream(body: StreamOpen, parts: WorkerParts, caller: Caller) -> StreamOpened:
+async def open_stream(
+    body: StreamOpen, request: Request, parts: WorkerParts, caller: Caller
+) -> StreamOpened:
     session = await parts.sessions.open(body, caller)
+    watch_url = None
+    if session.live is not None:
+        watch_url = watch_url_of(request, parts, session.id)
     return StreamOpened(
-        id=session.id, idle_timeout_s=parts.settings.stream_idle_s, instance=parts.instance
+        id=session.id,
+        idle_timeout_s=parts.settings.stream_idle_s,
+        instance=parts.instance,
+        watch_url=watch_url,
     )
 
 
@@ -55,6 +64,11 @@ async def abort_stream(stream_id: str, parts: WorkerParts, caller: Caller) -> Re
 
 
 @router.get("/v1/streams/{stream_id}", response_model=StreamState)
-async def stream_state(stream_id: str, parts: WorkerParts, caller: Caller) -> StreamState:
+async def stream_state(
+    stream_id: str, request: Request, parts: WorkerParts, caller: Caller
+) -> StreamState:
     parts.sessions.check_owner(stream_id, caller)
-    return parts.sessions.state(stream_id)
+    state = parts.sessions.state(stream_id)
+    if state.state in ("open", "streaming") and parts.sessions.get(stream_id).live is not None:
+        state = state.model_copy(update={"watch_url": watch_url_of(request, parts, stream_id)})
+    return state

@@ -51,6 +51,24 @@ class Metrics:
             ["cause"],  # deleted, idle, client, error, shutdown
             registry=r,
         )
+        # Live views of stream sessions.
+        self.live_viewers = Gauge("framewire_live_viewers", "Live viewers watching now", registry=r)
+        self.live_bytes = Counter(
+            "framewire_live_bytes", "Bytes sent to live viewers (counted as each one leaves)",
+            registry=r,
+        )  # fmt: skip
+        self.live_drops = Counter(
+            "framewire_live_drops",
+            "Live viewers that ended before their stream did, by cause",
+            ["cause"],  # too_slow (its queue overflowed), gone (it went away)
+            registry=r,
+        )
+        self.live_delay = Histogram(
+            "framewire_live_delay_seconds",
+            "From a chunk handed to the encoder to the fragment holding its last frame",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
+            registry=r,
+        )
         # Reference decodes (the fd socket).
         self.fd_requests = Counter(
             "framewire_fd_requests",

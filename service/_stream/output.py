@@ -31,6 +31,7 @@ from framewire.service._encode.encoder import (
 from framewire.service._encode.outputs import atomic_output
 from framewire.service._encode.pump import Pump
 from framewire.service._sources.frames import FrameSource, Geometry
+from framewire.service._stream.live import LiveFeed
 
 
 class _Aborted(Exception):
@@ -47,6 +48,7 @@ class StreamOutput(Closing):
         params: EncodeParams,
         geometry: Geometry,
         directory: int,
+        live: LiveFeed | None = None,
     ):
         self.path = path
         self.geometry = geometry
@@ -58,8 +60,16 @@ class StreamOutput(Closing):
         try:
             self._staged = self._stack.enter_context(atomic_output(directory, path.name))
             g = geometry
-            argv = encoder.argv(self._staged, g.width, g.height, params, threads=self.threads)
-            self._ff = self._stack.enter_context(encoder.start(argv, self._staged, params))
+            live_fd = None if live is None else live.open_pipe()
+            argv = encoder.argv(
+                self._staged, g.width, g.height, params, threads=self.threads, live_fd=live_fd
+            )
+            try:
+                ff = encoder.start(argv, self._staged, params, live_fd)
+            finally:
+                if live is not None:
+                    live.started()  # the worker's copy of the write end goes either way
+            self._ff = self._stack.enter_context(ff)
             assert self._ff.input is not None
             per_chunk = encoder.frames_per_chunk(g)
             self._pump = self._stack.enter_context(

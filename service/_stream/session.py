@@ -15,6 +15,7 @@ from framewire.client.wire._streams import StreamStateName
 from framewire.service._access.urls import ObjectUrl
 from framewire.service._encode.params import EncodeParams
 from framewire.service._sources.frames import Geometry
+from framewire.service._stream.live import LiveFeed
 from framewire.service._stream.output import StreamOutput
 
 
@@ -45,6 +46,7 @@ class Session:
     stopped: asyncio.Event = field(default_factory=asyncio.Event)  # cancel, for the loop
     aborted_by: str | None = None  # why it is being aborted, while a request still runs
     waiting_since: float | None = None  # monotonic, while its first chunk waits for slots
+    live: LiveFeed | None = None  # its live view, when it asked for one
 
     def stop(self, cause: str) -> None:
         """Abort from outside the request in progress: it stops at its next step, or

@@ -30,7 +30,6 @@ from pathlib import Path
 from framewire.client._errors import (
     BadRequest,
     Cancelled,
-    Conflict,
     FramewireError,
     NotFound,
     Overloaded,
@@ -40,12 +39,15 @@ from framewire.client.wire import OutputResult, StreamChunk, StreamOpen, StreamS
 from framewire.client.wire._streams import StreamStateName
 from framewire.service._access.paths import keep_made, remove_made
 from framewire.service._access.peers import Access
+from framewire.service._access.signed import ViewSigner
 from framewire.service._encode.jobs import EncodeJobs
 from framewire.service._encode.params import check_geometry
 from framewire.service._encode.results import check_for, failed, written
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
 from framewire.service._sources.frames import FrameSource, Geometry
+from framewire.service._stream.live import LiveFeed
+from framewire.service._stream.misfit import refuse_misfit
 from framewire.service._stream.output import StreamOutput
 from framewire.service._stream.session import Session, not_open
 
@@ -67,6 +69,7 @@ class Sessions:
         self._closed: OrderedDict[str, StreamState] = OrderedDict()
         self._owners: dict[str, int | None] = {}  # of the open and the remembered sessions
         self._reaper: asyncio.Task[None] | None = None
+        self.signer = ViewSigner()
 
     # --- open ---------------------------------------------------------------------------------
 
@@ -86,6 +89,12 @@ class Sessions:
             prepare = self.jobs.prepare
             path, params, url = await prepare.judge_options(spec, access, stack)
             check_geometry(params, spec.width, spec.height, spec.dtype)
+            if spec.live and params.profile == "vllm-omni":
+                raise BadRequest(
+                    "the vllm-omni profile is muxed by PyAV, which has no second output for a "
+                    "live view: open the stream without live, or with an ffmpeg profile",
+                    code="live_unsupported",
+                )
             directory = await prepare.place_at(path, made, stack)
         except BaseException:
             await stack.aclose()
@@ -96,6 +105,8 @@ class Sessions:
             secrets.token_hex(8), spec, path, params, geometry, directory, made, stack, url
         )
         self._owners[session.id] = access.owner("a stream session")
+        if spec.live:
+            session.live = LiveFeed(session.id, self.metrics, self._admit_viewer)
         self._open[session.id] = session
         self.metrics.streams_open.set(len(self._open))
         log.info("stream opened for %s", session.shown, extra={"stream_id": session.id})
@@ -148,7 +159,7 @@ class Sessions:
             if session.state not in ("open", "streaming"):
                 raise not_open(session.id, session.state)
             session.touch()
-            self._refuse_misfit(session, chunk)
+            refuse_misfit(session.received, session.geometry, session.spec, chunk)
             if session.output is None:
                 self.jobs.scheduler.admit(1)  # a full queue is a 429 to retry, not an end
             # Watched from the start: a producer gone while the chunk waits for
@@ -160,6 +171,8 @@ class Sessions:
                     if session.output is None:
                         await self._start(session, source)
                     assert session.output is not None
+                    if session.live is not None:
+                        session.live.handed(session.received + source.geometry.frames)
                     await self.jobs.in_pool(
                         session.cancel, session.output.feed, source, session.check
                     )
@@ -177,31 +190,6 @@ class Sessions:
             self.metrics.stream_bytes.inc(source.geometry.nbytes)
             return session.received
 
-    def _refuse_misfit(self, session: Session, chunk: StreamChunk) -> None:
-        """A chunk out of order or of another geometry is refused; the session goes on."""
-        src, g = chunk.source, session.geometry
-        if chunk.first_frame != session.received:
-            raise Conflict(
-                f"chunk starts at frame {chunk.first_frame}; the stream has received "
-                f"{session.received} frames, so the next chunk starts at {session.received}",
-                code="out_of_order",
-            )
-        if src.dtype is not g.dtype:
-            raise BadRequest(f"chunk of {src.dtype}; the stream is {g.dtype}", code="bad_dtype")
-        if src.layout is not g.layout or (src.height, src.width) != (g.height, g.width):
-            raise BadRequest(
-                f"chunk of {src.width}x{src.height} in {src.layout}; the stream is "
-                f"{g.width}x{g.height} in {g.layout}",
-                code="bad_shape",
-            )
-        expected = session.spec.frames
-        if expected is not None and session.received + src.frames > expected:
-            raise BadRequest(
-                f"the stream was opened for {expected} frames; this chunk would make "
-                f"{session.received + src.frames}",
-                code="too_many_frames",
-            )
-
     async def _start(self, session: Session, source: FrameSource) -> None:
         """The first chunk: admission (held until the session ends), then ffmpeg."""
         encoder = self.jobs.encoder
@@ -216,6 +204,7 @@ class Sessions:
             session.params,
             session.geometry,
             session.directory,
+            session.live,
         )
 
     async def _admitted(
@@ -321,6 +310,8 @@ class Sessions:
         if session.output is not None and state != "done":
             await asyncio.to_thread(session.output.abort)
         await session.admission.aclose()  # the slots
+        if session.live is not None:  # ffmpeg is gone: what it wrote goes out, then the end
+            await session.live.close("finished" if state == "done" else state)
         await session.stack.aclose()  # claim, directory, audio
         (keep_made if state == "done" else remove_made)(session.made)
         self._open.pop(session.id, None)
@@ -334,6 +325,17 @@ class Sessions:
             fields["code"] = error.code
         log.info("stream %s for %s%s", state, session.shown, f" ({cause})" if cause else "",
                  extra=fields)  # fmt: skip
+
+    def _admit_viewer(self) -> None:
+        """One more viewer, unless the worker has ``FRAMEWIRE_MAX_VIEWERS`` already."""
+        limit = self.settings.max_viewers
+        watching = sum(len(s.live.viewers) for s in self._open.values() if s.live is not None)
+        if watching >= limit:
+            raise Overloaded(
+                f"{watching} live viewers are watching (FRAMEWIRE_MAX_VIEWERS={limit})",
+                code="too_many_viewers",
+                retry_after=5,
+            )
 
     # --- idle sessions, shutdown ---------------------------------------------------------------
 

@@ -137,3 +137,19 @@ def test_objects_benchmark(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())
     assert [row["same"] for row in rows] == [True, True]
     assert rows[1]["bytes"] == 16 << 20
+def test_live_benchmark(tmp_path: Path) -> None:
+    from tests.support.browser import browser_missing
+
+    missing = browser_missing()
+    if missing is not None:
+        pytest.skip(f"no browser can be installed here: {missing}")
+    out = tmp_path / "live.json"
+    r = bench("live.py", "--frames", "32", "--width", "64", "--height", "48",
+              "--viewers", "0", "2", "--json", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = json.loads(out.read_text())
+    assert [row["viewers"] for row in results["rows"]] == [0, 2]
+    assert len({row["sha256"] for row in results["rows"]}) == 1
+    watched = results["rows"][1]
+    assert len(watched["delays_ms"]) == 3 and all(d > 0 for d in watched["delays_ms"])
+    assert len(watched["http_viewer_bytes"]) == 1 and watched["http_viewer_bytes"][0] > 0

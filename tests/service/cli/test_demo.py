@@ -17,7 +17,8 @@ def test_demo_against_a_running_worker(workers):
     assert out.count("via worker") == 4, out
     assert "1 for 4 requests" in out  # one ffmpeg decode, shared by every process
     assert "open_video: 6 chunks of 8 frames" in out
-    assert "the same bytes as save_video" in out
+    assert "the same bytes as save_video" in out  # with its live view on
+    assert f"watch it while it is encoded: http://127.0.0.1:{w.port}/v1/streams/" in out
     assert "as sealed memfds over the fd socket" in out
     saved = sorted(p.name for p in (w.outputs / "framewire-demo").iterdir())
     assert len(saved) == 3 and all(name.endswith(".mp4") for name in saved)
@@ -37,4 +38,7 @@ def test_demo_starts_its_own_worker_when_none_answers(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "started one" in run.stdout
+    # Its own worker listens on a port the system picked: the URL names that port.
+    assert "watch it while it is encoded: http://127.0.0.1:" in run.stdout
+    assert "http://127.0.0.1:0/" not in run.stdout
     assert run.stdout.count("via worker") == 2, run.stdout

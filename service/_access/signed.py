@@ -1,0 +1,49 @@
+"""Short-lived signed view URLs: what a browser, which cannot send the bearer token,
+presents instead to watch one stream session.
+
+The signature is an HMAC-SHA256 of the session id and the expiry under a secret
+drawn when the worker starts: a URL names one session, stops working at its
+expiry, and no URL outlives the worker that signed it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from urllib.parse import parse_qs, urlencode
+
+VIEW_URL_TTL_S = 900
+# The routes a signed URL opens: the watch page and the byte stream it plays.
+VIEW_PATH = re.compile(r"/v1/streams/([0-9a-f]{16})/(?:watch|live\.mp4)")
+
+
+class ViewSigner:
+    def __init__(self, ttl_s: float = VIEW_URL_TTL_S):
+        self._key = secrets.token_bytes(32)
+        self.ttl_s = ttl_s
+
+    def _sig(self, stream_id: str, expires: int) -> str:
+        message = f"{stream_id}.{expires}".encode()
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()
+
+    def query(self, stream_id: str, now: float | None = None) -> str:
+        """``exp=...&sig=...`` for ``stream_id``, valid for ``ttl_s`` from now."""
+        expires = int((time.time() if now is None else now) + self.ttl_s)
+        return urlencode({"exp": expires, "sig": self._sig(stream_id, expires)})
+
+    def valid(self, stream_id: str, query_string: str) -> bool:
+        """Whether ``query_string`` carries an unexpired signature for ``stream_id``."""
+        query = parse_qs(query_string)
+        exp, sig = query.get("exp", [""])[-1], query.get("sig", [""])[-1]
+        if not exp.isdigit() or int(exp) < time.time():
+            return False
+        return hmac.compare_digest(sig.encode(), self._sig(stream_id, int(exp)).encode())
+
+    def allows(self, path: str, query_string: str) -> bool:
+        """Whether a request for ``path`` may go without the token: a view route of a
+        session, with that session's valid signature."""
+        match = VIEW_PATH.fullmatch(path)
+        return match is not None and self.valid(match.group(1), query_string)

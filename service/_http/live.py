@@ -1,0 +1,86 @@
+"""The live view over HTTP: the byte stream of a session's encode, and its watch page.
+
+``GET /v1/streams/{id}/live.mp4`` answers one continuous fragmented MP4 in a
+chunked response: the init segment, every fragment so far, then each new one as
+ffmpeg writes it, and a ``free`` box naming why it ended (live.py). Plain HTTP
+on purpose: the bearer token and peer rules apply as to every route, any HTTP
+client or player reads it (``ffplay``, ``curl``), and the page reads it with
+``fetch`` streams; a WebSocket would add a protocol, a dependency and a second
+set of access rules for nothing a viewer needs.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, StreamingResponse
+from framewire.client._errors import Conflict, Forbidden
+from framewire.service._http.deps import WorkerParts
+from framewire.service._http.watch_page import watch_page
+from framewire.service._parts import Parts
+from framewire.service._stream.live import LiveFeed
+
+router = APIRouter()
+
+NO_STORE = {"cache-control": "no-store", "x-content-type-options": "nosniff"}
+
+
+def watch_url_of(request: Request, parts: Parts, stream_id: str) -> str:
+    """The signed watch page URL, on the address this request came to (TCP), else on
+    the worker's TCP listener (a Unix socket is no address for a browser)."""
+    server = request.scope.get("server")
+    if server is not None and isinstance(server[1], int):
+        base = str(request.base_url).rstrip("/")
+    else:
+        host, port = getattr(request.app.state, "tcp_address", (parts.settings.host, 0))
+        host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        host = f"[{host}]" if ":" in host else host
+        base = f"http://{host}:{port or parts.settings.port}"
+    query = parts.sessions.signer.query(stream_id)
+    return f"{base}/v1/streams/{stream_id}/watch?{query}"
+
+
+def _feed(request: Request, parts: Parts, stream_id: str) -> LiveFeed:
+    session = parts.sessions.get(stream_id)  # 404 stream_not_found, 409 stream_closed
+    query = request.url.query
+    if "sig=" in query and not parts.sessions.signer.valid(stream_id, query):
+        raise Forbidden(
+            "the view URL's signature is wrong or has expired: ask for a new one",
+            code="view_url_invalid",
+        )
+    if session.live is None:
+        raise Conflict(
+            f'stream {stream_id} was opened without a live view ("live": true)',
+            code="live_not_enabled",
+        )
+    return session.live
+
+
+@router.get("/v1/streams/{stream_id}/live.mp4", response_class=StreamingResponse)
+async def live_mp4(stream_id: str, request: Request, parts: WorkerParts) -> StreamingResponse:
+    feed = _feed(request, parts, stream_id)
+    viewer = feed.join()  # 429 too_many_viewers, 409 live_history_full
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for data in viewer.stream():
+                yield data
+        finally:
+            feed.leave(viewer)
+
+    return StreamingResponse(body(), media_type="video/mp4", headers=NO_STORE)
+
+
+@router.get("/v1/streams/{stream_id}/watch", response_class=HTMLResponse)
+async def watch(stream_id: str, request: Request, parts: WorkerParts) -> HTMLResponse:
+    _feed(request, parts, stream_id)
+    nonce = secrets.token_urlsafe(16)
+    policy = (
+        f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; "
+        "connect-src 'self'; media-src blob:; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'"
+    )
+    headers = NO_STORE | {"content-security-policy": policy, "referrer-policy": "no-referrer"}
+    return HTMLResponse(watch_page(stream_id, nonce), headers=headers)

@@ -1,0 +1,257 @@
+"""The live view of a stream session: the encode's fragmented MP4, fanned out to viewers.
+
+ffmpeg's tee writes the file and, from the same packets, a fragmented MP4 into a
+pipe (client/_media/argv.py ``live_output``). A thread reads that pipe without
+pause, so ffmpeg never waits on viewers; it cuts the bytes into the init segment
+(``ftyp`` + ``moov``) and fragments (``moof`` + ``mdat``) and hands them to the
+event loop, which keeps them for late joiners and queues them for each viewer.
+
+Bounds: the history kept for late joiners is about ``HISTORY_BYTES``: past it,
+it starts again at a later fragment that begins with a keyframe (a late viewer
+then sees the video from there, not from its start; the GOP is 250 frames). If
+it reaches ``HISTORY_MAX_BYTES`` with no keyframe to start at, it is released and
+new viewers are refused (``409 live_history_full``), while those already watching
+go on. A viewer's queue holds at most ``VIEWER_QUEUE_BYTES``
+beyond what it has taken; a viewer that falls further behind is dropped.
+
+Every viewer's byte stream ends with a ``free`` box naming why it ended
+(``{"framewire": "end", "reason": ...}``): players skip ``free`` boxes, and the
+watch page reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+
+from framewire.client._errors import Conflict, Overloaded
+from framewire.service._ops.metrics import Metrics
+from framewire.service._stream.fmp4 import boxes, end_box, starts_with_keyframe, video_samples
+
+HISTORY_BYTES = 32 << 20  # past it the history is cut back to a keyframe fragment ...
+HISTORY_MAX_BYTES = 64 << 20  # ... and past this with none to cut to, released
+VIEWER_QUEUE_BYTES = 8 << 20
+VIEWERS_PER_STREAM = 16
+PIPE_BYTES = 1 << 20  # the pipe ffmpeg writes the fragments into (F_SETPIPE_SZ)
+READ_BYTES = 1 << 16
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+EOF_WAIT_S = 10.0  # ffmpeg has exited or been killed when this is awaited
+
+
+class Viewer:
+    """One viewer's queue: the bytes it has not taken yet, bounded."""
+
+    def __init__(self, history: list[bytes]):
+        self._queue: deque[bytes] = deque(history)  # shared bytes, not copies
+        self._queued = 0  # live bytes waiting (the history does not count)
+        self._wake = asyncio.Event()
+        self._wake.set()
+        self.reason: str | None = None
+        self.sent = 0
+
+    def push(self, data: bytes) -> bool:
+        """Queue ``data``; False if that takes the viewer past its bound."""
+        if self.reason is not None:
+            return True
+        if self._queued + len(data) > VIEWER_QUEUE_BYTES:
+            return False
+        self._queue.append(data)
+        self._queued += len(data)
+        self._wake.set()
+        return True
+
+    def end(self, reason: str, *, drop_queued: bool = False) -> None:
+        if self.reason is not None:
+            return
+        if drop_queued:
+            self._queue.clear()
+        self.reason = reason
+        self._queue.append(end_box(reason))
+        self._wake.set()
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                data = self._queue.popleft()
+                self._queued = max(0, self._queued - len(data))
+                self.sent += len(data)
+                yield data
+            if self.reason is not None:
+                return
+
+
+class LiveFeed:
+    """One session's live view: the pipe from ffmpeg, what it said so far, its viewers."""
+
+    def __init__(self, stream_id: str, metrics: Metrics, admit: Callable[[], None]):
+        self.stream_id = stream_id
+        self.metrics = metrics
+        self._admit = admit  # raises past the worker's viewer cap
+        self._loop = asyncio.get_running_loop()
+        self.viewers: set[Viewer] = set()
+        self.history: list[bytes] | None = []  # the init segment, then fragments
+        self._keys: list[bool] = []  # whether each begins with a keyframe
+        self._history_bytes = 0
+        self._init = False
+        self._frames = 0  # video frames in the fragments so far
+        self._handed: deque[tuple[int, float]] = deque()  # (frames received by then, when)
+        self._fds: tuple[int, int] | None = None
+        self._thread: threading.Thread | None = None
+        self._eof = asyncio.Event()
+        self.reason: str | None = None
+
+    # --- the encoder's side ------------------------------------------------------------------
+
+    def open_pipe(self) -> int:
+        """The write end ffmpeg gets; the worker's copy closes once ffmpeg runs."""
+        read, write = os.pipe()
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(write, F_SETPIPE_SZ, PIPE_BYTES)
+        self._fds = (read, write)
+        return write
+
+    def started(self) -> None:
+        """ffmpeg holds the write end (or failed to start): read until it closes it."""
+        assert self._fds is not None
+        read, write = self._fds
+        os.close(write)
+        self._fds = (read, -1)
+        self._thread = threading.Thread(
+            target=self._read, args=(read,), name="framewire-live", daemon=True
+        )
+        self._thread.start()
+
+    def handed(self, received: int) -> None:
+        """Frames up to ``received`` were handed to the encoder now (for the delay)."""
+        self._handed.append((received, time.monotonic()))
+
+    def _read(self, fd: int) -> None:
+        pending = bytearray()
+        try:
+            while block := os.read(fd, READ_BYTES):
+                pending += block
+                found = boxes(pending)
+                cut = 0
+                for i, (kind, a, b) in enumerate(found):
+                    # The init segment goes out whole at the first moof; a fragment, at its mdat.
+                    if kind == b"moof" and not self._init and a > 0:
+                        self._publish_soon(bytes(pending[cut:a]), 0)
+                        cut = a
+                    if kind == b"mdat" and i > 0 and found[i - 1][0] == b"moof":
+                        moof = bytes(pending[found[i - 1][1] : found[i - 1][2]])
+                        fragment = bytes(pending[cut:b])
+                        self._publish_soon(
+                            fragment, video_samples(moof), starts_with_keyframe(moof)
+                        )
+                        cut = b
+                del pending[:cut]
+        except (OSError, RuntimeError):  # the pipe failed; the loop closed (worker stopping)
+            pass
+        finally:
+            os.close(fd)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody watches
+                self._loop.call_soon_threadsafe(self._eof.set)
+
+    def _publish_soon(self, data: bytes, frames: int, key: bool = False) -> None:
+        self._init = True
+        self._loop.call_soon_threadsafe(self._publish, data, frames, key)
+
+    def _publish(self, data: bytes, frames: int, key: bool = False) -> None:
+        if frames:
+            self._frames += frames
+            while self._handed and self._handed[0][0] <= self._frames:
+                _, at = self._handed.popleft()
+                self.metrics.live_delay.observe(time.monotonic() - at)
+        self._keep(data, key)
+        for viewer in list(self.viewers):
+            if not viewer.push(data):
+                self._drop(viewer, "too_slow", drop_queued=True)
+
+    def _keep(self, data: bytes, key: bool) -> None:
+        """Keep ``data`` for late joiners. Past ``HISTORY_BYTES`` the history (the init
+        segment, then fragments) starts again at the earliest keyframe fragment that
+        brings it under, else the latest one; past ``HISTORY_MAX_BYTES`` with no
+        keyframe to start at, it is released and joiners are refused."""
+        history = self.history
+        if history is None:
+            return
+        history.append(data)
+        self._keys.append(key)
+        self._history_bytes += len(data)
+        if self._history_bytes <= HISTORY_BYTES:
+            return
+        dropped, cut = 0, None
+        for i in range(2, len(history)):
+            dropped += len(history[i - 1])
+            if self._keys[i]:
+                cut = (i, dropped)
+                if self._history_bytes - dropped <= HISTORY_BYTES:
+                    break
+        if cut is not None:
+            i, dropped = cut
+            self.history, self._keys = [history[0], *history[i:]], [False, *self._keys[i:]]
+            self._history_bytes -= dropped
+        if self._history_bytes > HISTORY_MAX_BYTES:
+            self.history = None
+
+    # --- viewers -----------------------------------------------------------------------------
+
+    def join(self) -> Viewer:
+        if self.reason is not None:
+            raise Conflict(f"stream {self.stream_id} has ended", code="stream_closed")
+        if self.history is None:
+            raise Conflict(
+                f"the live view of stream {self.stream_id} has gone over {HISTORY_MAX_BYTES} "
+                "bytes since a keyframe: it is no longer kept for viewers who join now",
+                code="live_history_full",
+            )
+        if len(self.viewers) >= VIEWERS_PER_STREAM:
+            raise Overloaded(
+                f"stream {self.stream_id} has {len(self.viewers)} viewers "
+                f"(at most {VIEWERS_PER_STREAM} a stream)",
+                code="too_many_viewers",
+                retry_after=5,
+            )
+        self._admit()
+        viewer = Viewer(list(self.history))
+        self.viewers.add(viewer)
+        self.metrics.live_viewers.inc()
+        return viewer
+
+    def leave(self, viewer: Viewer) -> None:
+        """The viewer's response is over (ended, dropped, or the viewer went away)."""
+        if viewer in self.viewers:
+            self.viewers.discard(viewer)
+            self.metrics.live_viewers.dec()
+            if viewer.reason is None:
+                self.metrics.live_drops.labels("gone").inc()
+        self.metrics.live_bytes.inc(viewer.sent)
+        viewer.sent = 0
+
+    def _drop(self, viewer: Viewer, cause: str, *, drop_queued: bool = False) -> None:
+        viewer.end(cause, drop_queued=drop_queued)
+        self.metrics.live_drops.labels(cause).inc()
+
+    async def close(self, reason: str) -> None:
+        """The session ended (``finished``, ``aborted``, ``failed``): after what ffmpeg
+        wrote has gone out, every viewer's stream ends with ``reason``."""
+        if self._fds is not None and self._fds[1] >= 0:
+            os.close(self._fds[1])  # ffmpeg never started: nothing was read
+            os.close(self._fds[0])
+        elif self._thread is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(EOF_WAIT_S):
+                    await self._eof.wait()
+        self._fds = None
+        self.reason = reason
+        for viewer in self.viewers:
+            viewer.end(reason)
+        self.history = None

@@ -1,0 +1,307 @@
+"""The live view of stream sessions against a real worker: the file keeps its bytes
+whether anyone watches, viewers get the whole video (late ones too) and a clean end,
+and the view's bounds and access rules hold."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import torch
+
+from tests.support.media import FFMPEG, make_clip, sha256
+from tests.support.processes import wait_gone
+from tests.support.requests import wait_for_ffmpeg
+from tests.support.segments import Segments
+from tests.support.worker import Worker, metric
+
+WORKER_ARGS = ("--max-viewers", "3")
+END = b'{"framewire": "end"'
+
+
+def _open(h: httpx.Client, clip: torch.Tensor, path: str, **over: Any) -> dict[str, Any]:
+    _, _, height, width = clip.shape
+    body = {"path": path, "fps": 24, "dtype": "float32", "height": height, "width": width}
+    r = h.post("/v1/streams", json=body | over)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def _send(h: httpx.Client, segments: Segments, sid: str, clip: torch.Tensor, t0: int, t1: int):
+    source = segments.source(clip[:, t0:t1].contiguous())
+    r = h.post(f"/v1/streams/{sid}/frames", json={"first_frame": t0, "source": source})
+    assert r.status_code == 200, r.text
+
+
+class Watcher(threading.Thread):
+    """A viewer reading ``live.mp4`` to its end, over its own connection."""
+
+    def __init__(self, worker: Worker, sid: str, query: str = ""):
+        super().__init__()
+        self.worker, self.sid, self.query = worker, sid, query
+        self.data = bytearray()
+        self.status = 0
+        self.start()
+
+    def run(self) -> None:
+        with self.worker.http() as h, h.stream("GET", self.url()) as r:
+            self.status = r.status_code
+            for block in r.iter_bytes():
+                self.data += block
+
+    def url(self) -> str:
+        return f"/v1/streams/{self.sid}/live.mp4" + (f"?{self.query}" if self.query else "")
+
+    def until(self, predicate: Any, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate(bytes(self.data)):
+            assert time.monotonic() < deadline, "the viewer got nothing in time"
+            time.sleep(0.02)
+
+
+def _end_reason(data: bytes) -> str:
+    at = data.rindex(END)
+    return json.loads(data[at:])["reason"]
+
+
+def _decoded(path: Path) -> bytes:
+    return subprocess.run(
+        [FFMPEG, "-v", "error", "-i", str(path), "-map", "0:v:0", "-fps_mode", "passthrough",
+         "-f", "rawvideo", "-pix_fmt", "rgb24", "-"],
+        check=True, capture_output=True,
+    ).stdout  # fmt: skip
+
+
+def _stream(worker: Worker, segments: Segments, clip: torch.Tensor, path: str,
+            viewers: int, **over: Any) -> tuple[dict[str, Any], list[Watcher]]:  # fmt: skip
+    """Stream ``clip`` in chunks of 8 frames; ``viewers`` watch, the last one joining late
+    (once fragments went out: x264's lookahead holds some 35 frames back at first)."""
+    frames = clip.shape[1]
+    watchers: list[Watcher] = []
+    with worker.http() as h:
+        opened = _open(h, clip, path, **over)
+        sid = opened["id"]
+        for _ in range(max(0, viewers - 1)):
+            watchers.append(Watcher(worker, sid))
+        for t0 in range(0, frames, 8):
+            _send(h, segments, sid, clip, t0, min(t0 + 8, frames))
+        if viewers:
+            if watchers:  # the early ones have had fragments already
+                watchers[0].until(lambda d: b"moof" in d)
+            watchers.append(Watcher(worker, sid))
+            watchers[-1].until(lambda d: b"moof" in d)  # it has joined: it got the history
+        r = h.post(f"/v1/streams/{sid}/finish")
+        assert r.status_code == 200, r.text
+    for w in watchers:
+        w.join(60)
+        assert not w.is_alive() and w.status == 200
+    return opened | {"result": r.json()}, watchers
+
+
+@pytest.mark.parametrize(
+    ("profile", "audio"), [("imageio", True), ("sglang", False), ("diffusers", False)]
+)
+def test_the_file_keeps_its_bytes_with_and_without_viewers(
+    worker, segments, tmp_path, wav, profile, audio
+):
+    clip = make_clip(frames=64, height=60, width=100)
+    over: dict[str, Any] = {"profile": profile}
+    if audio:
+        shutil.copy(wav, worker.inputs / "tone.wav")
+        over["audio"] = str(worker.inputs / "tone.wav")
+    plain, _ = _stream(worker, segments, clip, f"{profile}-plain.mp4", 0, **over)
+    alone, _ = _stream(worker, segments, clip, f"{profile}-alone.mp4", 0, live=True, **over)
+    watched, watchers = _stream(worker, segments, clip, f"{profile}-watched.mp4", 2, live=True,
+                                **over)  # fmt: skip
+    assert plain["watch_url"] is None and alone["watch_url"] and watched["watch_url"]
+    digests = {sha256(worker.outputs / f"{profile}-{n}.mp4") for n in ("plain", "alone", "watched")}
+    assert len(digests) == 1
+    assert plain["result"]["sha256"] in digests
+    early, late = (bytes(w.data) for w in watchers)
+    assert early == late, "a late viewer gets everything from the start"
+    assert _end_reason(early) == "finished"
+    fmp4 = tmp_path / "live.mp4"
+    fmp4.write_bytes(early)
+    assert _decoded(fmp4) == _decoded(worker.outputs / f"{profile}-plain.mp4")
+
+
+def test_what_a_live_view_refuses(worker, segments):
+    clip = make_clip(frames=8, height=48, width=64)
+    with worker.http() as h:
+        r = h.post("/v1/streams", json={"path": "o.mp4", "fps": 24, "dtype": "float32",
+                   "height": 48, "width": 64, "profile": "vllm-omni", "live": True})  # fmt: skip
+        assert (r.status_code, r.json()["code"]) == (400, "live_unsupported")
+        assert not (worker.outputs / "o.mp4").exists()
+        plain = _open(h, clip, "plain.mp4")["id"]
+        for route in ("live.mp4", "watch"):
+            r = h.get(f"/v1/streams/{plain}/{route}")
+            assert (r.status_code, r.json()["code"]) == (409, "live_not_enabled")
+        r = h.get("/v1/streams/0123456789abcdef/live.mp4")
+        assert (r.status_code, r.json()["code"]) == (404, "stream_not_found")
+        opened = _open(h, clip, "live.mp4", live=True)
+        sid = opened["id"]
+        other = _open(h, clip, "other.mp4", live=True)
+        r = h.get(f"/v1/streams/{sid}/live.mp4?{urlsplit(other['watch_url']).query}")
+        assert (r.status_code, r.json()["code"]) == (403, "view_url_invalid")  # not its own
+        assert h.delete(f"/v1/streams/{other['id']}").status_code == 204
+        # Viewers past the worker's cap (3 here) are refused; the others go on.
+        watchers = [Watcher(worker, sid) for _ in range(3)]
+        _viewers_reach(h, 3)  # each joins on its own thread
+        r = h.get(f"/v1/streams/{sid}/live.mp4")
+        assert (r.status_code, r.json()["code"]) == (429, "too_many_viewers")
+        _send(h, segments, sid, clip, 0, 8)
+        assert h.delete(f"/v1/streams/{sid}").status_code == 204
+        for w in watchers:
+            w.join(30)
+            assert _end_reason(bytes(w.data)) == "aborted"
+        r = h.get(f"/v1/streams/{sid}/watch")
+        assert (r.status_code, r.json()["code"]) == (409, "stream_closed")
+        assert h.delete(f"/v1/streams/{plain}").status_code == 204
+        pipes_then = _pipes(worker)
+        # Nothing of a live session remains after it ends: its pipe is closed.
+        another = _open(h, clip, "gone.mp4", live=True)["id"]
+        _send(h, segments, another, clip, 0, 8)
+        assert _pipes(worker) > pipes_then  # its ffmpeg's input, its live view
+        assert h.delete(f"/v1/streams/{another}").status_code == 204
+        assert _pipes(worker) == pipes_then
+        assert metric(h, "framewire_live_viewers") == 0
+
+
+def _viewers_reach(h: httpx.Client, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while metric(h, "framewire_live_viewers") < n:
+        assert time.monotonic() < deadline, f"{n} viewers never joined"
+        time.sleep(0.02)
+
+
+def _pipes(worker: Worker) -> int:
+    return sum(p.startswith("pipe:") for p in worker.open_fds())
+
+
+def test_a_signed_url_opens_the_view_without_the_token(workers, segments):
+    w = workers.start("--token", "s3cret")
+    clip = make_clip(frames=16, height=48, width=64)
+    with w.http("s3cret") as h, w.http() as anonymous:
+        opened = _open(h, clip, "signed.mp4", live=True)
+        sid, url = opened["id"], urlsplit(opened["watch_url"])
+        assert url.path == f"/v1/streams/{sid}/watch"
+        fresh = h.get(f"/v1/streams/{sid}").json()["watch_url"]  # signed anew, for later
+        assert urlsplit(fresh).path == url.path and "sig=" in fresh
+        assert anonymous.get(url.path).status_code == 401
+        page = anonymous.get(f"{url.path}?{url.query}")
+        assert page.status_code == 200
+        policy = page.headers["content-security-policy"]
+        nonce = policy.split("'nonce-")[1].split("'")[0]
+        assert "default-src 'none'" in policy and f'<script nonce="{nonce}">' in page.text
+        assert "<script src" not in page.text
+        bad = url.query.replace("sig=", "sig=0")
+        assert anonymous.get(f"{url.path}?{bad}").status_code == 401
+        # The signature opens this session's view routes, nothing else.
+        assert anonymous.get(f"/v1/streams/{sid}?{url.query}").status_code == 401
+        viewer = Watcher(w, sid, url.query)
+        for t0 in (0, 8):
+            _send(h, segments, sid, clip, t0, t0 + 8)
+        assert h.post(f"/v1/streams/{sid}/finish").status_code == 200
+        viewer.join(30)
+        assert viewer.status == 200 and _end_reason(bytes(viewer.data)) == "finished"
+        metrics = h.get("/metrics").text
+    assert "framewire_live_viewers 0.0" in metrics
+    assert (
+        "framewire_live_bytes_total" in metrics and "framewire_live_delay_seconds_count" in metrics
+    )
+
+
+def test_the_async_writer_exposes_the_watch_url(worker):
+    from framewire.client import AsyncClient
+
+    clip = make_clip(frames=16, height=48, width=64)
+
+    async def run() -> tuple[str | None, Any]:
+        async with AsyncClient(worker.uds_url) as client:
+            writer = client.open_video("async-live.mp4", fps=24, live=True)
+            async with writer:
+                await writer.write(clip[:, :8])
+                url = writer.watch_url
+                page = await asyncio.to_thread(httpx.get, url or "", timeout=30)
+                assert page.status_code == 200 and "<video" in page.text
+                await writer.write(clip[:, 8:])
+            return url, writer.result
+
+    url, result = asyncio.run(run())
+    assert url is not None and url.startswith(f"http://127.0.0.1:{worker.port}/v1/streams/")
+    assert result is not None and result.ok
+
+
+def test_a_viewer_that_goes_away_is_let_go_at_once(worker, segments):
+    clip = make_clip(frames=8, height=48, width=64)
+    with worker.http() as h:
+        sid = _open(h, clip, "left.mp4", live=True)["id"]
+        drops = _drops(h, "gone")
+        with worker.http() as v, v.stream("GET", f"/v1/streams/{sid}/live.mp4") as r:
+            assert r.status_code == 200
+            _viewers_reach(h, 1)
+        deadline = time.monotonic() + 10
+        while metric(h, "framewire_live_viewers") > 0:  # while the session still runs
+            assert time.monotonic() < deadline, "the viewer's response outlived its client"
+            time.sleep(0.02)
+        assert _drops(h, "gone") == drops + 1
+        assert h.get(f"/v1/streams/{sid}").json()["state"] == "open"
+        assert h.delete(f"/v1/streams/{sid}").status_code == 204
+
+
+def _drops(h: httpx.Client, cause: str) -> float:
+    text = h.get("/metrics").text
+    for line in text.splitlines():
+        if line.startswith(f'framewire_live_drops_total{{cause="{cause}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_viewer_that_does_not_read_is_dropped_and_the_encode_goes_on(worker, segments):
+    # Noise at CRF 0: some 12 MiB of video, past a viewer's 8 MiB queue and the sockets.
+    frames, side = 128, 256
+    clip = torch.rand(3, frames, side, side, generator=torch.Generator().manual_seed(3))
+    with worker.http() as h:
+        sid = _open(h, clip, "unwatched.mp4", live=True, quality=10)["id"]
+        drops = _drops(h, "too_slow")
+        with worker.http() as v, v.stream("GET", f"/v1/streams/{sid}/live.mp4") as r:
+            assert r.status_code == 200
+            for t0 in range(0, frames, 8):  # the viewer reads nothing meanwhile
+                _send(h, segments, sid, clip, t0, t0 + 8)
+            finished = h.post(f"/v1/streams/{sid}/finish")
+            assert finished.status_code == 200, finished.text
+            data = b"".join(r.iter_bytes())
+        assert _end_reason(data) == "too_slow"
+        assert finished.json()["bytes"] > 8 << 20  # more than the queue holds
+        assert _drops(h, "too_slow") == drops + 1
+
+
+def test_a_killed_encode_ends_its_viewers_and_leaves_nothing(worker, segments):
+    clip = make_clip(frames=8, height=64, width=64)
+    with worker.http() as h:
+        sid = _open(h, clip, "killed.mp4", live=True)["id"]
+        pipes = _pipes(worker)
+        viewer = Watcher(worker, sid)
+        _viewers_reach(h, 1)
+        _send(h, segments, sid, clip, 0, 4)
+        [ffmpeg] = wait_for_ffmpeg(worker)
+        os.kill(ffmpeg, signal.SIGKILL)
+        wait_gone({ffmpeg})
+        source = segments.source(clip[:, 4:].contiguous())
+        r = h.post(f"/v1/streams/{sid}/frames", json={"first_frame": 4, "source": source})
+        assert (r.status_code, r.json()["code"]) == (422, "ffmpeg_killed")
+        viewer.join(30)
+        assert viewer.status == 200 and _end_reason(bytes(viewer.data)) == "failed"
+        assert _pipes(worker) <= pipes and metric(h, "framewire_live_viewers") == 0
+    assert not (worker.outputs / "killed.mp4").exists()

@@ -1,0 +1,60 @@
+"""Headless Chromium for the watch page's tests and benchmark: Debian's package, driven
+by Playwright's Python API (which cannot download browsers here, so it is pointed at
+the installed one). Whatever is missing is installed from the package registries."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+CHROMIUM = "/usr/bin/chromium"
+INSTALL_TIMEOUT_S = 900
+
+
+def _install_chromium() -> str | None:
+    """Install Debian's chromium if it is not there; why not, when that fails."""
+    if os.path.exists(CHROMIUM):
+        return None
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        return "no chromium, and no apt-get run as root to install it"
+    env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "chromium"]):
+        done = subprocess.run(cmd, env=env, capture_output=True, timeout=INSTALL_TIMEOUT_S)
+        if done.returncode != 0:
+            return f"{' '.join(cmd)} failed: {done.stderr.decode(errors='replace')[-300:]}"
+    return None if os.path.exists(CHROMIUM) else "apt-get installed no /usr/bin/chromium"
+
+
+def _install_playwright() -> str | None:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "playwright"]
+        done = subprocess.run(cmd, capture_output=True, timeout=INSTALL_TIMEOUT_S)
+        if done.returncode != 0:
+            return f"pip install playwright failed: {done.stderr.decode(errors='replace')[-300:]}"
+    return None
+
+
+def browser_missing() -> str | None:
+    """None once Chromium and Playwright are installed; else why they cannot be."""
+    return _install_playwright() or _install_chromium()
+
+
+@contextmanager
+def chromium_page() -> Iterator[Any]:
+    """A page of a fresh headless Chromium (autoplay allowed: the video is muted anyway)."""
+    from playwright.sync_api import sync_playwright
+
+    args = ["--no-sandbox", "--autoplay-policy=no-user-gesture-required"]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        try:
+            yield browser.new_page()
+        finally:
+            browser.close()
