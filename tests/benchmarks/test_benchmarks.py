@@ -137,6 +137,8 @@ def test_objects_benchmark(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())
     assert [row["same"] for row in rows] == [True, True]
     assert rows[1]["bytes"] == 16 << 20
+
+
 def test_live_benchmark(tmp_path: Path) -> None:
     from tests.support.browser import browser_missing
 
