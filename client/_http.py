@@ -37,10 +37,9 @@ class Client(BaseClient, Closing):
     """Synchronous client. ``url`` is ``http://host:port`` or ``unix:///path/api.sock``.
 
     Made to live as long as the process: connections the worker closed, or that a
-    restarted worker no longer answers, are replaced before use. With
-    ``local_fallback`` (the default) a save or stream that finds no worker is encoded
-    in this process with the same bytes (``route == "local"``); relative paths then go
-    under ``output_root`` (else ``FRAMEWIRE_OUTPUT_ROOTS``' first root)."""
+    restarted worker no longer answers, are replaced before use. With ``local_fallback``
+    (the default) a save or stream that finds no worker is encoded here with the same
+    bytes (``route == "local"``), relative paths under ``output_root``."""
 
     def __init__(
         self,
