@@ -40,6 +40,7 @@ class Tally:
     restart_ms: list[float] = field(default_factory=list)  # saves in a restart window
     gaps_s: list[float] = field(default_factory=list)  # signal -> a save served by a worker
     starts_s: list[float] = field(default_factory=list)  # the worker's own start time
+    stops_s: list[float] = field(default_factory=list)  # signal -> the old worker gone
 
     def call(self, what: str, fn: Callable[[], object], timed: list[float] | None = None) -> object:
         t0 = time.perf_counter()
@@ -73,7 +74,10 @@ class Tally:
             f"{max(self.gaps_s):.2f}"
             if self.gaps_s
             else "-",
-            "worker start s (median)": f"{statistics.median(self.starts_s):.2f}"
+            "old worker gone s (median)": f"{statistics.median(self.stops_s):.2f}"
+            if self.stops_s
+            else "-",
+            "new worker start s (median)": f"{statistics.median(self.starts_s):.2f}"
             if self.starts_s
             else "-",
         }
@@ -127,6 +131,7 @@ class Soak:
                 self.tally.restart_ms,
             )  # fmt: skip
         old.proc.wait(timeout=60)
+        self.tally.stops_s.append(time.monotonic() - signalled)
         started: list[Worker] = []
         thread = threading.Thread(target=lambda: started.append(self.start()))
         t0 = time.monotonic()
