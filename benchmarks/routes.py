@@ -153,7 +153,7 @@ def one_length(w: Worker, work: Path, frames: int, repeat: int, width: int, heig
                     }
                     # Registered afresh each time, as save_video does: the worker maps it anew.
                     region = regions.register(memfd, 0, size)
-                    fd_source = {"kind": "region", "region": region, "offset": 0,
+                    fd_source = {"kind": "region", "region": region.name, "offset": 0,
                                  "byte_size": size, "dtype": "float32", "shape": shape}  # fmt: skip
                     runs[VARIANTS[2]] = through_worker(h, w, fd_source, threads)
                     regions.unregister(region)
