@@ -134,8 +134,10 @@ def test_a_memfd_holds_the_frames_bytes_on_first_and_later_writes(video):
     from framewire.client._sharing.video import describe
 
     frames = describe(video)
-    expected = (video.detach().contiguous().view(torch.uint8).numpy().tobytes()
-                if isinstance(video, torch.Tensor) else np.ascontiguousarray(video).tobytes())  # fmt: skip
+    if isinstance(video, torch.Tensor):
+        expected = video.detach().contiguous().view(torch.uint8).numpy().tobytes()
+    else:
+        expected = np.ascontiguousarray(video).tobytes()
     with fd_module.Memfd(frames.nbytes) as memfd:
         for _ in range(2):  # fresh pages (pwrite when contiguous), then reused (mapping)
             memfd.write(frames)
