@@ -115,8 +115,10 @@ def settle(
 
 
 def still_serving(worker: Worker, segments: Segments, tmp_path: Path) -> None:
-    """A small encode right after the fault: answered, and byte-exact."""
-    clip = make_clip(frames=3, height=32, width=32, seed=7)
+    """A small encode right after the fault: answered, and byte-exact. Just past the small
+    lane's size (278 KiB of rgb24 frames): it needs a CPU slot, so a slot never given back
+    shows as a wait that never ends."""
+    clip = make_clip(frames=3, height=176, width=176, seed=7)
     with worker.http() as http:
         r = http.post("/v1/videos:encode", json=encode_body(segments.source(clip), "after.mp4"))
     assert r.status_code == 200, r.text
