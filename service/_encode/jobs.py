@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -212,6 +213,8 @@ class EncodeJobs:
         queued = True
         try:
             small = self._small(job)
+            if small:  # a few ms of x264: it goes first, as the event loop does
+                job.params = dataclasses.replace(job.params, nice=0)
             async with self.scheduler.hold(
                 threads, gpu, job.source.gpu_index, small=small
             ) as waited:

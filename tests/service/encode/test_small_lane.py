@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -108,6 +109,30 @@ def test_tiny_encodes_do_not_wait_for_a_big_one(workers, tmp_path):
     assert statistics.median(times) <= 4 * idle + 100, (times, idle)
     clip = make_clip(**TINY, seed=0)
     assert tinies[0]["sha256"] == reference_mp4(clip, tmp_path / "ref.mp4", threads=1)
+
+
+def nice_of_threads(pid: int) -> set[int]:
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found.add(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+    return found
+
+
+def test_a_big_encode_runs_niced_and_yields_to_small_work(workers):
+    w = workers.start("--cpu-slots", "1", "--encode-nice", "7")
+    results: dict[str, Any] = {}
+    big = in_thread(w, make_clip(frames=96, height=256, width=256), "big.mp4", results,
+                    preset="placebo")  # fmt: skip
+    wait_for(w, RUNNING, 1)
+    [ffmpeg] = [p for p in w.children() if Path(f"/proc/{p}/comm").read_text().startswith("ff")]
+    deadline = time.monotonic() + 30
+    while len(list(Path(f"/proc/{ffmpeg}/task").iterdir())) < 2:  # its encoder is running
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert nice_of_threads(ffmpeg) == {7}, "every thread of the encoder, x264's included"
+    assert nice_of_threads(w.pid) == {0}  # the worker itself: its loop goes first
+    big.join(timeout=120)
+    assert results["big.mp4"]["ok"]
 
 
 def test_without_the_lane_a_tiny_encode_waits_for_the_slot(workers):
