@@ -24,11 +24,11 @@ medians of --repeat runs:
 
   wall           go -> the last rank has its file; and that over (a)'s at the same N
   rank p50/max   go -> each rank has its file
-  memory         peak resident memory summed over the node's processes: each rank's
-                 peak above its level at go (VmHWM reset through clear_refs), each
-                 ffmpeg's peak (VmHWM, sampled), and the worker's peak above its level
-                 at go (the worker's runs); a memfd a rank shares with the worker is
-                 counted in both, up to the worker's 32 MiB mapping batch
+  memory         what the node's processes hold beyond their level at go, sampled
+                 every 20 ms: each rank's and the worker's peak private memory, each
+                 encoder's peak (VmHWM), and the peak of the shared memory they hold
+                 (a rank's copy of its clip, the staging segments, the decoded
+                 frames), each segment once (node_ranks.Memory)
   worker CPU     the worker's own CPU time over its ffmpeg children's (x264's)
 
 Then one more run of each path with a prober beside the ranks: a GET /healthz on
@@ -60,7 +60,7 @@ import harness  # noqa: E402
 import numpy as np  # noqa: E402
 import plots  # noqa: E402
 from encode import write_clip  # noqa: E402
-from node_ranks import WORKER_PATHS, Encoders, peak_kib, prober, rank, reset_peak  # noqa: E402
+from node_ranks import WORKER_PATHS, Memory, prober, rank  # noqa: E402
 from routes import bare, cpu_s  # noqa: E402
 
 PATHS = {"bare": "(a) bare ffmpeg", "imageio": "(b) imageio", "pipe": "(c) in-process pipe",
@@ -121,9 +121,9 @@ class Node:
         for _, conn in self.ranks:
             assert conn.recv() == "ready"
         w = self.worker.pid
-        worker_base, (own0, kids0) = reset_peak(w), cpu_s(w)
-        encoders = Encoders([proc.pid for proc, _ in self.ranks] + [w])
-        encoders.start()
+        own0, kids0 = cpu_s(w)
+        memory = Memory([proc.pid for proc, _ in self.ranks], w)
+        memory.start()
         if probed:
             self.probe.send("start")
         started = time.monotonic()
@@ -134,17 +134,18 @@ class Node:
         if probed:
             self.probe.send("stop")
             probes = self.probe.recv()
-        ffmpeg_kib = encoders.stop()
+        held = memory.stop()
         own1, kids1 = cpu_s(w)
         ours = path in WORKER_PATHS
-        memory = sum(d["extra_kib"] for d in done) + ffmpeg_kib
-        memory += peak_kib(w) - worker_base if ours else 0
+        if not ours:
+            held["worker"] = 0  # idle, or serving the prober alone
         latencies = [d["done"] - started for d in done]
         same = all(d["sha256"] == ref for d, ref in zip(done, self.refs, strict=False))
         same &= all(d["decoded"] == expected for d in done)
         return {
             "ranks": len(done), "path": path, "probed": probed, "wall_s": max(latencies),
-            "latencies_s": latencies, "memory_mib": memory / MIB,
+            "latencies_s": latencies, "memory_mib": sum(held.values()) / MIB,
+            "memory_parts_mib": {k: v / MIB for k, v in held.items()},
             "worker_cpu": (own1 - own0) / (kids1 - kids0) if ours and kids1 > kids0 else None,
             "probes": probes, "same": same,
         }  # fmt: skip

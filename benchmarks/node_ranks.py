@@ -1,16 +1,17 @@
 """The processes of benchmarks/node.py: a node's ranks, the prober, and what measures them.
 
 A rank is a process started once per rank count, holding its own float32 clip
-and a connected ``Client``; for each run it is told the path, gets ready
-(resets its memory high-water mark), waits for the common start (one
-``multiprocessing.Event`` for all ranks) and saves its clip that way:
+and a connected ``Client``; for each run it is told the path, gets ready, waits
+for the common start (one ``multiprocessing.Event`` for all ranks) and saves its
+clip that way:
 
   bare      the encode argv reading the rank's rgb24 file in /dev/shm (routes.bare)
   imageio   the clip converted whole, ``imageio.mimsave`` (encode.imageio_save)
   pipe      8-frame chunks converted in process and written into its own ffmpeg's
             stdin, the shape of SGLang's direct save (stream.in_process_ffmpeg)
-  save      the reference decode through the worker, then ``save_video``
-  stream    the reference decode, then ``open_video`` and a ``write`` per 8 frames
+  save      ``save_video``, and beside it (a thread) the reference decode through the
+            worker: one ffmpeg run shared by every rank
+  stream    ``open_video`` and a ``write`` per 8 frames, the decode beside it
 
 The prober issues, every ~50 ms, a ``GET /healthz`` on the Unix socket and a
 tiny encode (2 frames 64x48) through its own ``Client``, each in its own thread.
@@ -18,6 +19,7 @@ tiny encode (2 frames 64x48) through its own ``Client``, each in its own thread.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -44,17 +46,6 @@ def sha256_of(path: Path) -> str:
     return digest
 
 
-def reset_peak(pid: int | str = "self") -> int:
-    """VmHWM := VmRSS for ``pid`` (/proc/PID/clear_refs); returns that level in KiB."""
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")
-    return status_kib(str(pid), ("VmRSS:",))[1]
-
-
-def peak_kib(pid: int | str = "self") -> int:
-    return status_kib(str(pid), ("VmHWM:",))[1]
-
-
 # ----------------------------------------------------------------------------- a rank
 
 
@@ -76,7 +67,6 @@ def rank(index: int, spec: dict[str, Any], conn: Connection, go: Event) -> None:
             path, run = order
             name = f"r{index}-{path}.mp4"
             out = outputs / name
-            baseline = reset_peak()
             conn.send("ready")
             go.wait()
             digest, decoded = "", ""
@@ -96,12 +86,9 @@ def rank(index: int, spec: dict[str, Any], conn: Connection, go: Event) -> None:
                     raise RuntimeError("the in-process ffmpeg failed")
                 digest = sha256_of(out)
             else:
-                ref = spec["reference"]
-                with client.decode_reference(
-                    ref["path"], fps=ref["fps"], width=ref["width"], height=ref["height"],
-                    start=ref["step_s"] * run, local_fallback=False,
-                ) as frames_ref:  # fmt: skip
-                    decoded = hashlib.sha256(frames_ref.frames.reshape(-1)).hexdigest()
+                got: list[str] = []  # the reference decode, at the same moment as the save
+                decode = threading.Thread(target=reference, args=(client, spec, run, got))
+                decode.start()
                 if path == "save":
                     result = client.save_video(clip, name, fps=FPS, threads=threads)
                 else:
@@ -112,9 +99,20 @@ def rank(index: int, spec: dict[str, Any], conn: Connection, go: Event) -> None:
                 assert result.sha256 is not None
                 digest = result.sha256
                 out.unlink()
+                decode.join()
+                decoded = got[0] if got else "failed"
             done = time.monotonic()
-            extra = peak_kib() - baseline
-            conn.send({"done": done, "sha256": digest, "decoded": decoded, "extra_kib": extra})
+            conn.send({"done": done, "sha256": digest, "decoded": decoded})
+
+
+def reference(client: Any, spec: dict[str, Any], run: int, got: list[str]) -> None:
+    """The run's reference decode through the worker (one ffmpeg run for every rank), hashed."""
+    ref = spec["reference"]
+    with client.decode_reference(
+        ref["path"], fps=ref["fps"], width=ref["width"], height=ref["height"],
+        start=ref["step_s"] * run, local_fallback=False,
+    ) as frames:  # fmt: skip
+        got.append(hashlib.sha256(frames.frames.reshape(-1)).hexdigest())
 
 
 # ----------------------------------------------------------------------------- the prober
@@ -178,22 +176,44 @@ class Every(threading.Thread):
 # ----------------------------------------------------------------------------- memory
 
 
-class Encoders(threading.Thread):
-    """The peak resident memory (VmHWM) of every ffmpeg child of ``parents``, sampled
-    every 20 ms: x264's memory, wherever it runs. The prober's tiny encodes (their
-    ``-s``) and the Python copies before exec (their name) are left out."""
+class Memory(threading.Thread):
+    """What the node's processes hold beyond their level at the start, sampled every 20 ms.
 
-    def __init__(self, parents: list[int]):
+    In KiB: ``ranks`` and ``worker``: the sum over the ranks, and the worker's, peak
+    private and file memory (RssAnon + RssFile) above the level at the start.
+    ``encoders``: the sum of every encoder child's peak (VmHWM) under them (the
+    prober's tiny encodes, by their ``-s``, and Python copies before exec are left
+    out). ``shared``: the peak of the shared memory the ranks and the worker hold
+    (memfds and /dev/shm segments open in them, each counted once, at its allocated
+    size) above the level at the start, every 100 ms: a rank's copy of its clip lives
+    for its whole request. Pages mapped from it are not counted again (RssShmem is left
+    out of the processes' own figures for that reason).
+    """
+
+    OWN = ("RssAnon:", "RssFile:")
+
+    def __init__(self, ranks: list[int], worker: int):
         super().__init__(daemon=True)
-        self.parents, self.peaks = parents, {}
+        self.parents, self.ranks, self.worker = [*ranks, worker], ranks, worker
+        self.peaks: dict[int, int] = {}
         self._done = threading.Event()
         self._skip: set[int] = set()
+        self._base = {pid: status_kib(str(pid), self.OWN)[1] for pid in self.parents}
+        self._top = dict(self._base)
+        self._shared_base = self.shared_top = self._shared()
 
     def run(self) -> None:
+        tick = 0
         while not self._done.wait(0.02):
             self._sample()
+            tick += 1
+            if tick % 5 == 0:
+                self.shared_top = max(self.shared_top, self._shared())
 
     def _sample(self) -> None:
+        for pid in self.parents:
+            with contextlib.suppress(OSError):
+                self._top[pid] = max(self._top[pid], status_kib(str(pid), self.OWN)[1])
         for parent in self.parents:
             for pid in _children(parent):
                 if pid in self._skip:
@@ -210,11 +230,32 @@ class Encoders(threading.Thread):
                     continue
                 self.peaks[pid] = max(self.peaks.get(pid, 0), hwm)
 
-    def stop(self) -> int:
-        """Stops sampling; the sum of the peaks, KiB."""
+    def _shared(self) -> int:
+        """KiB allocated to the distinct memfds and /dev/shm files the processes hold."""
+        seen: dict[tuple[int, int], int] = {}
+        for pid in self.parents:
+            with contextlib.suppress(OSError):
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    link = f"/proc/{pid}/fd/{fd}"
+                    with contextlib.suppress(OSError):
+                        if os.readlink(link).startswith(("/memfd:", "/dev/shm/")):
+                            st = os.stat(link)
+                            seen[(st.st_dev, st.st_ino)] = st.st_blocks // 2
+        return sum(seen.values())
+
+    def stop(self) -> dict[str, int]:
+        """Stops sampling; the three figures, KiB."""
         self._done.set()
         self.join()
-        return sum(self.peaks.values())
+        self._sample()
+        self.shared_top = max(self.shared_top, self._shared())
+        extra = {pid: self._top[pid] - self._base[pid] for pid in self.parents}
+        return {
+            "ranks": sum(extra[pid] for pid in self.ranks),
+            "worker": extra[self.worker],
+            "encoders": sum(self.peaks.values()),
+            "shared": self.shared_top - self._shared_base,
+        }
 
 
 def _children(pid: int) -> list[int]:
