@@ -111,11 +111,16 @@ def test_tiny_encodes_do_not_wait_for_a_big_one(workers, tmp_path):
     assert tinies[0]["sha256"] == reference_mp4(clip, tmp_path / "ref.mp4", threads=1)
 
 
-def comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text()
-    except OSError:
-        return ""  # gone
+def encoder_of(w: Worker) -> int | None:
+    """The worker's x264 child once it runs more than one thread (else None)."""
+    for pid in w.children():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"libx264" in argv and len(list(Path(f"/proc/{pid}/task").iterdir())) > 1:
+                return pid
+        except OSError:
+            continue  # gone (a version check, say)
+    return None
 
 
 def nice_of_threads(pid: int) -> set[int]:
@@ -131,12 +136,8 @@ def test_a_big_encode_runs_niced_and_yields_to_small_work(workers):
     big = in_thread(w, make_clip(frames=96, height=256, width=256), "big.mp4", results,
                     preset="placebo")  # fmt: skip
     deadline = time.monotonic() + 30
-    while not (ffmpegs := [p for p in w.children() if comm(p).startswith("ffmpeg")]):
+    while (ffmpeg := encoder_of(w)) is None:  # started, its threads running
         assert time.monotonic() < deadline, "no encoder started"
-        time.sleep(0.02)
-    [ffmpeg] = ffmpegs
-    while len(list(Path(f"/proc/{ffmpeg}/task").iterdir())) < 2:  # its encoder is running
-        assert time.monotonic() < deadline
         time.sleep(0.02)
     assert nice_of_threads(ffmpeg) == {7}, "every thread of the encoder, x264's included"
     assert nice_of_threads(w.pid) == {0}  # the worker itself: its loop goes first
