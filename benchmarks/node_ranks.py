@@ -165,10 +165,12 @@ class Every(threading.Thread):
 
     def run(self) -> None:
         due = time.monotonic()
-        while not self.stop.is_set():
+        while True:  # once at least, however short the load
             started = time.perf_counter()
             self.fn()
             self.times_ms.append((time.perf_counter() - started) * 1e3)
+            if self.stop.is_set():
+                return
             due = max(due + PERIOD_S, time.monotonic())
             self.stop.wait(due - time.monotonic())
 

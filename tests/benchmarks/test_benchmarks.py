@@ -171,7 +171,11 @@ def test_node_benchmark(tmp_path: Path) -> None:
     ]  # fmt: skip
     assert len(runs) == 10 and all(run["ranks"] == 2 for run in runs)  # 5 paths, timed + probed
     assert all(run["same"] for run in runs), runs
-    assert all(row["worker_cpu"] > 0 for row in rows if row["path"].startswith("framewire"))
+    # What the node held, in its four parts; the worker's only in the worker's runs.
+    for run in runs:
+        parts = run["memory_parts_mib"]
+        assert set(parts) == {"ranks", "worker", "encoders", "shared"}, parts
+        assert run["path"] in ("save", "stream") or parts["worker"] == 0, run
     # Every probed run timed its probes; the idle ones too.
     assert all(run["probes"]["health_ms"] and run["probes"]["tiny_ms"]
                for run in runs if run["probed"])  # fmt: skip
