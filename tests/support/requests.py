@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from framewire.client import Client
 
 from tests.support.media import make_clip, reference_mp4
 from tests.support.processes import framewire_temps
@@ -124,3 +125,29 @@ def still_serving(worker: Worker, segments: Segments, tmp_path: Path) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["outputs"][0]["sha256"] == reference_mp4(clip, tmp_path / "after-ref.mp4")
     (worker.outputs / "after.mp4").unlink()
+
+
+WAITING, RUNNING = "framewire_encodes_waiting", "framewire_encodes_in_flight"
+
+
+def wait_for(w: Worker, name: str, value: float, timeout: float = 30) -> None:
+    """Until the worker's metric ``name`` reaches ``value``."""
+    deadline = time.monotonic() + timeout
+    with w.http() as h:
+        while metric(h, name) < value:
+            assert time.monotonic() < deadline, f"{name} never reached {value}"
+            time.sleep(0.01)
+
+
+def saved_on_thread(
+    w: Worker, clip: Any, path: str, out: dict[str, Any], **kw: Any
+) -> threading.Thread:
+    """``save_video`` of ``clip`` (1 x264 thread) on a thread; its result into ``out[path]``."""
+
+    def run() -> None:
+        with Client(w.uds_url) as c:
+            out[path] = c.save_video(clip, path, fps=24, threads=1, **kw).model_dump()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread

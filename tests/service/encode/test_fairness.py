@@ -3,35 +3,12 @@ as soon as the one before it lets go of the slot."""
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any
 
-from framewire.client import Client
-
 from tests.support.media import make_clip
-from tests.support.worker import Worker, metric
+from tests.support.requests import RUNNING, WAITING, saved_on_thread, wait_for
 
-WAITING, RUNNING = "framewire_encodes_waiting", "framewire_encodes_in_flight"
 SLACK_S = 0.5  # a loaded 2-core host: the thread hop, the probe, the next ffmpeg's start
-
-
-def wait_for(w: Worker, name: str, value: float, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    with w.http() as h:
-        while metric(h, name) < value:
-            assert time.monotonic() < deadline, f"{name} never reached {value}"
-            time.sleep(0.01)
-
-
-def in_thread(w: Worker, clip: Any, path: str, out: dict[str, Any], **kw: Any) -> threading.Thread:
-    def run() -> None:
-        with Client(w.uds_url) as c:
-            out[path] = c.save_video(clip, path, fps=24, threads=1, **kw).model_dump()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
 
 
 def test_waiting_encodes_start_in_arrival_order_each_on_its_turn(workers):
@@ -39,13 +16,13 @@ def test_waiting_encodes_start_in_arrival_order_each_on_its_turn(workers):
     results: dict[str, Any] = {}
     # The slot is taken first; then four encodes arrive one after another, each one
     # seen waiting before the next is sent: the arrival order is known.
-    threads = [in_thread(w, make_clip(frames=48, height=256, width=256), "first.mp4", results,
-                         preset="placebo")]  # fmt: skip
+    first = make_clip(frames=48, height=256, width=256)
+    threads = [saved_on_thread(w, first, "first.mp4", results, preset="placebo")]
     wait_for(w, RUNNING, 1)
     order = [f"rank{i}.mp4" for i in range(4)]
     for i, name in enumerate(order):
         clip = make_clip(frames=24, height=240, width=320, seed=i + 1)
-        threads.append(in_thread(w, clip, name, results))
+        threads.append(saved_on_thread(w, clip, name, results))
         wait_for(w, WAITING, i + 1)
     for t in threads:
         t.join(timeout=120)

@@ -13,8 +13,8 @@ import pytest
 from framewire.client import Client
 from framewire.service._encode.scheduler import Scheduler
 
-from tests.service.encode.test_fairness import RUNNING, in_thread, wait_for
 from tests.support.media import make_clip, reference_mp4
+from tests.support.requests import RUNNING, saved_on_thread, wait_for
 from tests.support.worker import Worker
 
 # ----------------------------------------------------------------------------- unit
@@ -64,6 +64,10 @@ def test_the_lane_runs_one_at_a_time_in_order_and_survives_cancels():
 TINY = dict(frames=2, height=48, width=64)  # 18 KiB of rgb24: small
 
 
+def big_clip() -> Any:
+    return make_clip(frames=96, height=256, width=256)  # seconds of placebo x264
+
+
 def tiny_ms(c: Client, w: Worker, i: int) -> tuple[float, dict[str, Any]]:
     started = time.perf_counter()
     r = c.save_video(make_clip(**TINY, seed=i), f"tiny{i}.mp4", fps=24, threads=1)
@@ -79,8 +83,7 @@ def under_a_big_encode(w: Worker, count: int) -> tuple[list[float], list[dict], 
     results: dict[str, Any] = {}
     with Client(w.uds_url) as c, w.http() as h:
         idle = statistics.median(tiny_ms(c, w, 100 + i)[0] for i in range(5))
-        big = in_thread(w, make_clip(frames=96, height=256, width=256), "big.mp4", results,
-                        preset="placebo")  # fmt: skip
+        big = saved_on_thread(w, big_clip(), "big.mp4", results, preset="placebo")
         wait_for(w, RUNNING, 1)
         times, tinies, health = [], [], []
         for i in range(count):
@@ -133,8 +136,7 @@ def nice_of_threads(pid: int) -> set[int]:
 def test_a_big_encode_runs_niced_and_yields_to_small_work(workers):
     w = workers.start("--cpu-slots", "1", "--encode-nice", "7")
     results: dict[str, Any] = {}
-    big = in_thread(w, make_clip(frames=96, height=256, width=256), "big.mp4", results,
-                    preset="placebo")  # fmt: skip
+    big = saved_on_thread(w, big_clip(), "big.mp4", results, preset="placebo")
     deadline = time.monotonic() + 30
     while (ffmpeg := encoder_of(w)) is None:  # started, its threads running
         assert time.monotonic() < deadline, "no encoder started"
@@ -155,8 +157,7 @@ def test_without_the_lane_a_tiny_encode_waits_for_the_slot(workers):
 def test_tiny_outputs_of_one_request_share_the_lane_one_at_a_time(workers):
     w = workers.start("--cpu-slots", "1")
     results: dict[str, Any] = {}
-    big = in_thread(w, make_clip(frames=96, height=256, width=256), "big.mp4", results,
-                    preset="placebo")  # fmt: skip
+    big = saved_on_thread(w, big_clip(), "big.mp4", results, preset="placebo")
     wait_for(w, RUNNING, 1)
     with Client(w.uds_url) as c:
         a, b = c.save_videos([make_clip(**TINY, seed=1), make_clip(**TINY, seed=2)],
