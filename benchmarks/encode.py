@@ -68,8 +68,11 @@ def clip_chunk(t0: int, t1: int, height: int, width: int) -> np.ndarray:
     return np.stack(planes).astype(np.float32, copy=False)
 
 
-def write_clip(segment: Path, rgb: Path, frames: int, height: int, width: int) -> None:
-    """The float32 CTHW clip into ``segment`` and its rgb24 THWC conversion into ``rgb``."""
+def write_clip(
+    segment: Path, rgb: Path, frames: int, height: int, width: int, first: int = 0
+) -> None:
+    """The float32 CTHW clip into ``segment`` and its rgb24 THWC conversion into ``rgb``:
+    frames [first, first + frames) of the endless clip (distinct ``first``, distinct clips)."""
     import torch
 
     pixels = height * width
@@ -80,7 +83,7 @@ def write_clip(segment: Path, rgb: Path, frames: int, height: int, width: int) -
         os.ftruncate(seg_fd, 3 * plane)
         for t0 in range(0, frames, GEN_CHUNK):
             t1 = min(t0 + GEN_CHUNK, frames)
-            chunk = clip_chunk(t0, t1, height, width)
+            chunk = clip_chunk(first + t0, first + t1, height, width)
             for c in range(3):
                 os.pwrite(seg_fd, chunk[c].data, c * plane + t0 * pixels * 4)
             u8 = (torch.from_numpy(chunk) * 255).clamp(0, 255).to(torch.uint8)
@@ -166,9 +169,21 @@ class Sampler:
         return (self.peak - self.baseline) / 1024
 
 
+def imageio_save(x: Any, out: str | Path, threads: int) -> None:
+    """The imageio path in process: a (3, T, H, W) float tensor converted whole with the
+    reference formula, then ``imageio.mimsave`` with the thread count pinned."""
+    import imageio
+    import torch
+
+    u8 = (x * 255).clamp(0, 255).to(torch.uint8).permute(1, 2, 3, 0)
+    imageio.mimsave(
+        out, list(u8.numpy()), fps=FPS, codec="libx264", quality=5,
+        output_params=["-preset", "fast", "-threads", str(threads)],
+    )  # fmt: skip
+
+
 def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     """One encode in this (fresh) process: its wall time and memory figures."""
-    import imageio
     import torch
     from framewire.client._media.argv import encode_argv
     from framewire.client._media.process import resolve_ffmpeg
@@ -198,11 +213,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         x = torch.frombuffer(mapping, dtype=torch.float32).view(3, frames, height, width)
         with sampler:
             started = time.perf_counter()
-            u8 = (x * 255).clamp(0, 255).to(torch.uint8).permute(1, 2, 3, 0)
-            imageio.mimsave(
-                out, list(u8.numpy()), fps=FPS, codec="libx264", quality=5,
-                output_params=["-preset", "fast", "-threads", str(n)],
-            )  # fmt: skip
+            imageio_save(x, out, n)
             wall = time.perf_counter() - started
     else:
         from framewire.service._encode import kernels

@@ -144,6 +144,26 @@ def bars(
     _finish(ax, xlabel, ylabel)
 
 
+def pivot_bars(
+    ax: Any,
+    rows: Sequence[dict[str, Any]],
+    group: str,
+    series: str,
+    key: str,
+    *,
+    ylabel: str,
+    xlabel: str = "",
+    log_y: bool = False,
+) -> None:
+    """:func:`bars` of a table's rows: a group per value of ``rows[i][group]``, a series per
+    value of ``rows[i][series]`` (both in order of first appearance), heights ``rows[i][key]``."""
+    groups = list(dict.fromkeys(r[group] for r in rows))
+    names = list(dict.fromkeys(r[series] for r in rows))
+    cell = {(r[group], r[series]): r[key] for r in rows}
+    table = {name: [cell[(g, name)] for g in groups] for name in names}
+    bars(ax, [str(g) for g in groups], table, ylabel=ylabel, xlabel=xlabel, log_y=log_y)
+
+
 def reference(ax: Any, value: float, label: str) -> None:
     """A dashed horizontal line, named in the legend: a goal or a yardstick."""
     ax.axhline(value, linestyle="--", linewidth=1, color="#555555", label=label)

@@ -134,13 +134,15 @@ def produce(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def in_process_ffmpeg(spec: dict[str, Any]) -> subprocess.Popen[bytes]:
-    """The producer's own ffmpeg: the worker's argv, the thread count it would pick."""
+    """The producer's own ffmpeg: the worker's argv, ``spec["threads"]`` or the thread
+    count the worker would pick."""
     from framewire.client._media.argv import encode_argv, x264_auto_threads
     from framewire.client._media.process import resolve_ffmpeg
 
     h, w = spec["height"], spec["width"]
+    threads = spec.get("threads") or x264_auto_threads(h)
     argv = encode_argv(resolve_ffmpeg(None), width=w, height=h, fps=FPS, output=spec["out"],
-                       threads=x264_auto_threads(h), guard=False)  # fmt: skip
+                       threads=threads, guard=False)  # fmt: skip
     return subprocess.Popen(argv, stdin=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
 

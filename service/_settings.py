@@ -34,6 +34,13 @@ class Settings(BaseSettings):
     chunk_bytes: int = Field(default=128 << 20, ge=1)
     cpu_slots: int = Field(default_factory=lambda: len(os.sched_getaffinity(0)), ge=1)
     max_queue: int = Field(default=64, ge=0)
+    # An encode of at most this many bytes of rgb24 frames (T*H*W*3) that would wait for
+    # the CPU slots runs in the small lane instead, one at a time; 0: no small lane.
+    small_encode_bytes: int = Field(default=256 << 10, ge=0)
+    # Niceness added to the encoder (x264) of every encode but the small ones: the worker's
+    # event loop, its small lane and reference decodes go first on busy cores (and so does
+    # every other process of the host: encodes slow down beside other work); 0: none.
+    encode_nice: int = Field(default=0, ge=0, le=19)
     # An encode request is a few hundred bytes an output; anything near this is not one.
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     decode_cache_bytes: int = Field(default_factory=_eighth_of_memory, ge=0)

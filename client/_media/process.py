@@ -203,12 +203,24 @@ def _exit_watch(pid: int) -> _ExitWatch | None:
         return None
 
 
+def renice(pid: int, nice: int) -> None:
+    """Add ``nice`` to the niceness of every thread of ``pid`` (Linux's is per thread)."""
+    value = min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+    for _ in range(2):  # a thread made during the first pass by one not yet reniced
+        with contextlib.suppress(OSError):  # gone already: its exit is reported
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, int(tid), value)
+
+
 class FfmpegProcess(Closing):
     """One ffmpeg child. ``stdin=True``: frames are fed through :attr:`input`.
 
     ``stall_s``: seconds without progress before the child is killed (None: never).
     ``file_size_limit``: RLIMIT_FSIZE for the child, so the kernel stops an output
     at that size (set right after the start, before ffmpeg has opened anything).
+    ``nice``: niceness added to the child's, set right after the start too: its
+    encoder's threads, made later, inherit it.
     """
 
     def __init__(
@@ -221,6 +233,7 @@ class FfmpegProcess(Closing):
         stall_s: float | None = None,
         file_size_limit: int | None = None,
         cwd: str | None = None,
+        nice: int = 0,
     ):
         self.argv = list(argv)
         self.stall_s = stall_s
@@ -248,6 +261,8 @@ class FfmpegProcess(Closing):
             with contextlib.suppress(OSError):
                 limit = (file_size_limit, file_size_limit)
                 resource.prlimit(self.proc.pid, resource.RLIMIT_FSIZE, limit)
+        if nice:
+            renice(self.proc.pid, nice)
         self._ticks = cpu_ticks(self.proc.pid)
         self._progress_at = time.monotonic()
         self.input: PipeWriter | None = None

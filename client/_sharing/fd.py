@@ -26,7 +26,13 @@ from framewire.client._closing import Closing
 from framewire.client._errors import NotFound, Overloaded, Unavailable
 from framewire.client._fdsocket import ConnectionLost, FdSocket, error_from
 from framewire.client._sharing.shm import shared
-from framewire.client._sharing.video import Frames, MappedBuffer, describe, is_torch
+from framewire.client._sharing.video import (
+    Frames,
+    MappedBuffer,
+    contiguous_bytes,
+    describe,
+    is_torch,
+)
 from framewire.client.wire import Layout, RegionSource, ShmSource
 
 _names = itertools.count()
@@ -172,6 +178,21 @@ class Memfd(MappedBuffer, Closing):
         except BaseException:
             os.close(self.fd)
             raise
+        self._fresh = True  # no page allocated yet
+
+    def write(self, frames: Frames) -> None:
+        """Copy ``frames``' bytes to the start. Into fresh pages a contiguous clip goes
+        with ``pwrite``: the kernel fills each new page whole, where a store through the
+        mapping faults it in and zeroes it first (0.05 against 0.085 CPU-s for 140 MB).
+        Pages already there (a staging segment reused) are written through the mapping."""
+        raw = contiguous_bytes(frames.video) if self._fresh else None
+        self._fresh = False
+        if raw is None:
+            super().write(frames)
+            return
+        done = 0
+        while done < len(raw):
+            done += os.pwrite(self.fd, raw[done:], done)
 
     def close(self) -> None:
         if self._map is not None:

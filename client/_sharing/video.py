@@ -104,6 +104,21 @@ def copy_into(mapping: Any, frames: Frames) -> None:
         np.copyto(target.reshape(video.shape), video)
 
 
+def contiguous_bytes(video: Any) -> memoryview | None:
+    """The bytes of a contiguous host array or tensor, without a copy; else None."""
+    if is_torch(video):
+        if video.device.type != "cpu" or not video.is_contiguous():
+            return None
+        import torch
+
+        raw = video.detach().reshape(-1).view(torch.uint8).numpy()
+    elif isinstance(video, np.ndarray) and video.flags.c_contiguous:
+        raw = video.reshape(-1).view(np.uint8)
+    else:
+        return None
+    return memoryview(raw)
+
+
 class MappedBuffer:
     """A writable shared mapping (``_map``) that a caller's bytes are copied into: the
     memfds of the fd route and the named segments share it."""

@@ -352,7 +352,7 @@ class Encoder:
         fds += [] if live_fd is None else [live_fd]
         # cwd "/": nothing a child resolves relative to it (an empty PYTHONPATH entry)
         # lies in whatever directory the worker was started from.
-        return FfmpegProcess(argv, pass_fds=fds, stall_s=self.stall_s, cwd="/")
+        return FfmpegProcess(argv, pass_fds=fds, stall_s=self.stall_s, cwd="/", nice=params.nice)
 
 
 def _audio(params: EncodeParams) -> InputFile:

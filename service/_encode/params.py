@@ -27,6 +27,7 @@ class EncodeParams:
     audio: Path | InputFile | None = None
     profile: str = "imageio"  # the engine save path reproduced (docs/engines.md)
     value_range: tuple[float, float] | None = None  # the vllm-omni profile's
+    nice: int = 0  # niceness added to its encoder child (the worker's bulk encodes)
 
     @property
     def resolved_preset(self) -> str | None:

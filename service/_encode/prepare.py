@@ -150,6 +150,7 @@ class Preparer:
             audio=audio,
             profile=options.profile,
             value_range=options.value_range,
+            nice=self.settings.encode_nice,  # a small output runs without: jobs.py
         )
         check_params(params)
         return path, params, url

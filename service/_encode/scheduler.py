@@ -6,6 +6,11 @@ that holds its frames, for as long as it runs. Encodes start in arrival order
 as soon as what they hold fits; the rest wait in a bounded queue. Strict FIFO:
 a big encode at the head is not starved by small ones slipping past it.
 
+A small encode (its frames a few hundred KiB: see ``FRAMEWIRE_SMALL_ENCODE_BYTES``)
+that would wait for the slots runs in a lane of its own instead, one at a time:
+it never waits behind a big encode, and what it adds beside the slots is one
+encode of a few milliseconds of CPU.
+
 GPU bytes are counted per device: a full GPU holds back the encodes of its own
 frames, not those of the host's other GPUs. An encode whose device holds
 nothing of ours starts whatever the budget says (its temporaries are bounded
@@ -53,6 +58,8 @@ class Scheduler:
         self.gpu_used: dict[int, int] = {}  # by device index
         self.running = 0
         self._queue: deque[_Waiter] = deque()
+        self._small_busy = False
+        self._small_queue: deque[asyncio.Future[None]] = deque()
         self._recent_s = 1.0  # moving average of encode time, for Retry-After
 
     @property
@@ -64,14 +71,21 @@ class Scheduler:
         rounds = (len(self._queue) + 1) / max(1, self.running)
         return max(1.0, math.ceil(self._recent_s * rounds))
 
-    def admit(self, count: int) -> None:
-        """Refuse a request of ``count`` encodes that would wait behind a full queue."""
+    def admit(self, count: int, small: int = 0) -> None:
+        """Refuse a request of ``count`` encodes (and ``small`` small ones) that would wait
+        behind a full queue."""
         would_wait = bool(self._queue) or self.cpu_used >= self.cpu_slots
-        if would_wait and len(self._queue) + count > self.max_queue:
+        if would_wait and count and len(self._queue) + count > self.max_queue:
             raise Overloaded(
                 f"{len(self._queue)} encodes already wait (limit {self.max_queue})",
                 code="queue_full",
                 retry_after=self.retry_after(),
+            )
+        if small and would_wait and len(self._small_queue) + small > self.max_queue:
+            raise Overloaded(
+                f"{len(self._small_queue)} small encodes already wait (limit {self.max_queue})",
+                code="queue_full",
+                retry_after=1.0,
             )
 
     def gpu_held(self, device: int) -> int:
@@ -114,10 +128,50 @@ class Scheduler:
         self._grant_waiters()
 
     @contextlib.asynccontextmanager
-    async def hold(self, cpu: int, gpu: int = 0, device: int = 0) -> AsyncIterator[float]:
+    async def hold(
+        self, cpu: int, gpu: int = 0, device: int = 0, *, small: bool = False
+    ) -> AsyncIterator[float]:
         """Wait for ``cpu`` slots and ``gpu`` bytes on CUDA ``device``; yield the seconds
-        waited; release on exit."""
+        waited; release on exit. A ``small`` encode that would wait takes the small lane."""
         cpu = max(1, min(cpu, self.cpu_slots))
+        free = not self._queue and self._fits(cpu, gpu, device)
+        lane = self._small_lane() if small and not free else self._slots(cpu, gpu, device)
+        async with lane as waited:
+            yield waited
+
+    @contextlib.asynccontextmanager
+    async def _small_lane(self) -> AsyncIterator[float]:
+        """The small lane: one encode at a time, the others in arrival order."""
+        started = time.monotonic()
+        if self._small_busy:
+            turn = asyncio.get_running_loop().create_future()
+            self._small_queue.append(turn)
+            try:
+                await turn
+            except asyncio.CancelledError:
+                if turn.done() and not turn.cancelled():
+                    self._small_next()  # handed the lane just as we were cancelled
+                else:
+                    with contextlib.suppress(ValueError):
+                        self._small_queue.remove(turn)
+                raise
+        self._small_busy = True
+        try:
+            yield time.monotonic() - started
+        finally:
+            self._small_next()
+
+    def _small_next(self) -> None:
+        """The lane passes to the next small encode still waiting, else it is free."""
+        while self._small_queue:
+            turn = self._small_queue.popleft()
+            if not turn.done():
+                turn.set_result(None)  # the lane stays busy: handed over
+                return
+        self._small_busy = False
+
+    @contextlib.asynccontextmanager
+    async def _slots(self, cpu: int, gpu: int, device: int) -> AsyncIterator[float]:
         started = time.monotonic()
         if not self._queue and self._fits(cpu, gpu, device):
             self._take(cpu, gpu, device)

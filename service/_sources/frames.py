@@ -10,6 +10,7 @@ mapped and converted where it lies (:class:`MappedSource`).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import warnings
@@ -220,6 +221,7 @@ class MappedSource(FrameSource):
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(mapping, dtype=torch.uint8, count=g.nbytes, offset=offset)
         self._frames: torch.Tensor | None = flat.view(TORCH_DTYPES[g.dtype]).view(g.shape)
+        self._base = flat.data_ptr() - offset  # the mapping's address: fd offset 0
         self._touched: list[tuple[int, int]] = []  # byte runs read and not dropped yet
         self._touched_bytes = 0
         self._holes: FileSource | None = None  # reads blocks with holes in them
@@ -235,7 +237,7 @@ class MappedSource(FrameSource):
         if not (r0 == 0 and r1 in (None, g.height)):
             x = x[:, :, r0:r1] if g.layout is not Layout.THWC else x[:, r0:r1]
         runs = byte_runs(g, self.offset, t0, t1, r0, g.height if r1 is None else r1)
-        if _has_hole(self.fd, runs):
+        if _has_hole(self._base, runs):
             # A read fault on a hole of shared memory allocates the page: a never-written
             # memfd would be made real, page by page, by the worker. pread gives zeros.
             if self._holes is None:
@@ -265,10 +267,26 @@ class MappedSource(FrameSource):
             self._frames = None  # the region unmaps once no view is left
 
 
-def _has_hole(fd: int, runs: list[tuple[int, int]]) -> bool:
-    """Whether a run holds a hole (pages never written): a ``SEEK_HOLE`` per run (at
-    most three), no page touched. (The descriptor's file position is never used.)"""
-    return any(os.lseek(fd, start, os.SEEK_HOLE) < start + length for start, length in runs)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+
+
+def _has_hole(base: int, runs: list[tuple[int, int]]) -> bool:
+    """Whether a run (at most three) of the mapping at ``base`` holds a page that is not in
+    memory: a hole (never written) or a page swapped out, which ``pread`` reads as well.
+    ``mincore`` looks at the run's own pages and touches none; ``SEEK_HOLE`` would scan
+    on from the run to the first hole, the region's end when it has none: a scan of the
+    whole region for every block (0.07 CPU-s of 0.15 for a 140 MB clip)."""
+    page = mmap.PAGESIZE
+    for start, length in runs:
+        first = start // page * page
+        pages = (start + length - first + page - 1) // page
+        vec = ctypes.create_string_buffer(pages)
+        if _libc.mincore(base + first, pages * page, vec) != 0:
+            return True  # not known: pread is right either way
+        if not (np.frombuffer(vec.raw, np.uint8) & 1).all():
+            return True
+    return False
 
 
 def open_npy(path: str | os.PathLike[str], layout: Layout | str = Layout.CTHW) -> FileSource:

@@ -118,3 +118,28 @@ def test_a_user_the_fd_socket_refuses_uses_named_segments(workers, tmp_path):
         result = c.save_video(clip, "refused.mp4", fps=24)
         assert c.host_route == "shm" and c._route.settled()  # refused once, not asked again
     assert result.sha256 == reference_mp4(clip, tmp_path / "ref.mp4")
+
+
+@pytest.mark.parametrize(
+    "video",
+    [
+        np.arange(2 * 3 * 4 * 5, dtype=np.float32).reshape(3, 2, 4, 5) / 120,
+        torch.rand(3, 2, 4, 5, dtype=torch.bfloat16).requires_grad_(),
+        torch.rand(3, 6, 4, 5)[:, ::2],  # strided: through the mapping
+        np.asfortranarray(np.random.default_rng(0).random((3, 2, 4, 5), dtype=np.float32)),
+    ],
+    ids=["numpy", "torch-bf16-grad", "strided", "fortran"],
+)
+def test_a_memfd_holds_the_frames_bytes_on_first_and_later_writes(video):
+    from framewire.client._sharing.video import describe
+
+    frames = describe(video)
+    if isinstance(video, torch.Tensor):
+        expected = video.detach().contiguous().view(torch.uint8).numpy().tobytes()
+    else:
+        expected = np.ascontiguousarray(video).tobytes()
+    with fd_module.Memfd(frames.nbytes) as memfd:
+        for _ in range(2):  # fresh pages (pwrite when contiguous), then reused (mapping)
+            memfd.write(frames)
+            assert os.pread(memfd.fd, frames.nbytes, 0) == expected
+            os.pwrite(memfd.fd, bytes(frames.nbytes), 0)  # cleared for the next write

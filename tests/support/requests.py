@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from framewire.client import Client
 
 from tests.support.media import make_clip, reference_mp4
 from tests.support.processes import framewire_temps
@@ -115,10 +116,38 @@ def settle(
 
 
 def still_serving(worker: Worker, segments: Segments, tmp_path: Path) -> None:
-    """A small encode right after the fault: answered, and byte-exact."""
-    clip = make_clip(frames=3, height=32, width=32, seed=7)
+    """A small encode right after the fault: answered, and byte-exact. Just past the small
+    lane's size (278 KiB of rgb24 frames): it needs a CPU slot, so a slot never given back
+    shows as a wait that never ends."""
+    clip = make_clip(frames=3, height=176, width=176, seed=7)
     with worker.http() as http:
         r = http.post("/v1/videos:encode", json=encode_body(segments.source(clip), "after.mp4"))
     assert r.status_code == 200, r.text
     assert r.json()["outputs"][0]["sha256"] == reference_mp4(clip, tmp_path / "after-ref.mp4")
     (worker.outputs / "after.mp4").unlink()
+
+
+WAITING, RUNNING = "framewire_encodes_waiting", "framewire_encodes_in_flight"
+
+
+def wait_for(w: Worker, name: str, value: float, timeout: float = 30) -> None:
+    """Until the worker's metric ``name`` reaches ``value``."""
+    deadline = time.monotonic() + timeout
+    with w.http() as h:
+        while metric(h, name) < value:
+            assert time.monotonic() < deadline, f"{name} never reached {value}"
+            time.sleep(0.01)
+
+
+def saved_on_thread(
+    w: Worker, clip: Any, path: str, out: dict[str, Any], **kw: Any
+) -> threading.Thread:
+    """``save_video`` of ``clip`` (1 x264 thread) on a thread; its result into ``out[path]``."""
+
+    def run() -> None:
+        with Client(w.uds_url) as c:
+            out[path] = c.save_video(clip, path, fps=24, threads=1, **kw).model_dump()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread

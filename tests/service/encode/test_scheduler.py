@@ -245,7 +245,8 @@ def test_full_queue_429_and_cancel_frees_slots(workers, segments):
             assert time.monotonic() < deadline
             time.sleep(0.02)
         with Client(w.uds_url) as c, pytest.raises(Overloaded) as err:
-            c.save_video(make_clip(frames=2), "q/c.mp4", fps=24)
+            # Past the small lane's size (a tiny clip would not wait for the slot).
+            c.save_video(make_clip(frames=2, height=256, width=256), "q/c.mp4", fps=24)
         assert err.value.code == "queue_full" and err.value.retry_after >= 1
         with w.http() as h:
             r = h.post("/v1/videos:encode", json=shm_body(key, long, "q/d.mp4"))

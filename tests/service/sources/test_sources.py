@@ -101,3 +101,26 @@ def test_npy_refusals(tmp_path):
     with pytest.raises(BadRequest) as err:
         open_npy(path)
     assert err.value.code == "bad_dtype"
+
+
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+def test_a_hole_is_found_in_the_run_that_holds_it_and_nowhere_else():
+    import mmap
+
+    from framewire.service._sources.frames import _has_hole
+
+    page = mmap.PAGESIZE
+    fd = os.memfd_create("holes", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 64 * page)
+        os.pwrite(fd, b"x" * (16 * page), 0)  # pages 0-15 written, 16-47 a hole,
+        os.pwrite(fd, b"y" * (16 * page), 48 * page)  # 48-63 written
+        with mmap.mmap(fd, 64 * page, prot=mmap.PROT_READ) as mapping:
+            base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+            assert not _has_hole(base, [(0, 16 * page)])
+            assert not _has_hole(base, [(100, 10 * page), (48 * page + 5, 16 * page - 5)])
+            assert _has_hole(base, [(0, 16 * page + 1)])  # one byte into the hole
+            assert _has_hole(base, [(0, page), (20 * page, page)])
+            assert os.fstat(fd).st_blocks * 512 == 32 * page  # looking allocated nothing
+    finally:
+        os.close(fd)

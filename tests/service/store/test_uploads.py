@@ -383,7 +383,8 @@ def test_the_client_passes_a_url_through(sworker, moto, tmp_path):
 
 def test_an_upload_holds_no_cpu_slot_while_it_waits(workers, moto, proxy, segments):
     # One CPU slot: an upload stuck on the store must not keep a file encode waiting.
-    w = workers.start(*ARGS, "--cpu-slots", "1", "--store-timeout-s", "5",
+    w = workers.start(*ARGS, "--cpu-slots", "1", "--small-encode-bytes", "0",
+                      "--store-timeout-s", "5",
                       env=store_env(proxy.endpoint))  # fmt: skip
     proxy.plan = lambda m, t, n: "stall" if m == "PUT" else "pass"
     answer: list[httpx.Response] = []

@@ -274,7 +274,8 @@ def test_at_most_max_streams_are_open(worker, segments):
 
 
 def test_a_session_holds_its_cpu_slots_from_first_chunk_to_end(workers, segments, tmp_path):
-    w = workers.start("--cpu-slots", "1")
+    # No small lane: the tiny encode must wait for the slot the session holds.
+    w = workers.start("--cpu-slots", "1", "--small-encode-bytes", "0")
     clip = make_clip(frames=4, height=48, width=64)
     with w.http() as h:
         sid = open_stream(h, clip)

@@ -1,0 +1,168 @@
+"""Small requests under load: while big encodes fill every CPU slot, a health probe and a
+tiny encode stay fast; the small lane takes one tiny encode at a time, in arrival order."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from framewire.client import Client
+from framewire.service._encode.scheduler import Scheduler
+
+from tests.support.media import make_clip, reference_mp4
+from tests.support.requests import RUNNING, saved_on_thread, wait_for
+from tests.support.worker import Worker
+
+# ----------------------------------------------------------------------------- unit
+
+
+def test_a_small_encode_takes_the_lane_only_when_the_slots_are_full():
+    async def go() -> None:
+        s = Scheduler(cpu_slots=1, max_queue=4)
+        async with s.hold(1, small=True):  # the slot is free: it takes the slot
+            assert (s.cpu_used, s._small_busy) == (1, False)
+            async with s.hold(1, small=True) as waited:  # the slot is taken: the lane
+                assert waited < 0.01 and s._small_busy and s.cpu_used == 1
+            assert not s._small_busy
+
+    asyncio.run(go())
+
+
+def test_the_lane_runs_one_at_a_time_in_order_and_survives_cancels():
+    async def go() -> list[str]:
+        s = Scheduler(cpu_slots=1, max_queue=4)
+        order: list[str] = []
+
+        async def small(name: str) -> None:
+            async with s.hold(1, small=True):
+                order.append(f"start {name}")
+                await asyncio.sleep(0.02)
+            order.append(f"end {name}")
+
+        async with s.hold(1):  # a big encode holds the only slot throughout
+            first = asyncio.create_task(small("a"))
+            await asyncio.sleep(0)
+            gone = asyncio.create_task(small("gone"))
+            late = asyncio.create_task(small("b"))
+            await asyncio.sleep(0.005)
+            gone.cancel()  # leaves the lane's line; b is next
+            await asyncio.gather(first, late)
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+        assert not s._small_busy and not s._small_queue and s.cpu_used == 0
+        return order
+
+    assert asyncio.run(go()) == ["start a", "end a", "start b", "end b"]
+
+
+# ----------------------------------------------------------------------------- end to end
+
+TINY = dict(frames=2, height=48, width=64)  # 18 KiB of rgb24: small
+
+
+def big_clip() -> Any:
+    return make_clip(frames=96, height=256, width=256)  # seconds of placebo x264
+
+
+def tiny_ms(c: Client, w: Worker, i: int) -> tuple[float, dict[str, Any]]:
+    started = time.perf_counter()
+    r = c.save_video(make_clip(**TINY, seed=i), f"tiny{i}.mp4", fps=24, threads=1)
+    took = (time.perf_counter() - started) * 1e3
+    (w.outputs / f"tiny{i}.mp4").unlink()
+    return took, r.model_dump()
+
+
+def under_a_big_encode(w: Worker, count: int) -> tuple[list[float], list[dict], dict, float]:
+    """Idle tiny-encode latency, then ``count`` tiny encodes (and health probes) while a
+    big encode holds the only slot; returns (their ms, their results, the big one's, idle
+    median ms)."""
+    results: dict[str, Any] = {}
+    with Client(w.uds_url) as c, w.http() as h:
+        idle = statistics.median(tiny_ms(c, w, 100 + i)[0] for i in range(5))
+        big = saved_on_thread(w, big_clip(), "big.mp4", results, preset="placebo")
+        wait_for(w, RUNNING, 1)
+        times, tinies, health = [], [], []
+        for i in range(count):
+            took, result = tiny_ms(c, w, i)
+            times.append(took)
+            tinies.append(result)
+            started = time.perf_counter()
+            assert h.get("/healthz").status_code == 200
+            health.append(time.perf_counter() - started)
+        big.join(timeout=120)
+    print(f"\ntiny encode idle {idle:.0f} ms; under load {[round(t) for t in times]} ms; "
+          f"health max {max(health) * 1e3:.1f} ms")  # fmt: skip
+    assert max(health) < 0.5, health  # on the event loop: no slot, no thread
+    return times, tinies, results["big.mp4"], idle
+
+
+def test_tiny_encodes_do_not_wait_for_a_big_one(workers, tmp_path):
+    w = workers.start("--cpu-slots", "1")
+    times, tinies, big, idle = under_a_big_encode(w, 6)
+    assert big["ok"]
+    for r in tinies:
+        assert r["ok"] and r["timings"]["queue_ms"] < 100, r["timings"]
+        # Done while the big encode still held the slot.
+        assert r["timings"]["finished_at"] < big["timings"]["finished_at"], (r, big)
+    # Sharing 2 busy cores with x264 costs it some time, never an encode's.
+    assert statistics.median(times) <= 4 * idle + 100, (times, idle)
+    clip = make_clip(**TINY, seed=0)
+    assert tinies[0]["sha256"] == reference_mp4(clip, tmp_path / "ref.mp4", threads=1)
+
+
+def encoder_of(w: Worker) -> int | None:
+    """The worker's x264 child once it runs more than one thread (else None)."""
+    for pid in w.children():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"libx264" in argv and len(list(Path(f"/proc/{pid}/task").iterdir())) > 1:
+                return pid
+        except OSError:
+            continue  # gone (a version check, say)
+    return None
+
+
+def nice_of_threads(pid: int) -> set[int]:
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found.add(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+    return found
+
+
+def test_a_big_encode_runs_niced_and_yields_to_small_work(workers):
+    w = workers.start("--cpu-slots", "1", "--encode-nice", "7")
+    results: dict[str, Any] = {}
+    big = saved_on_thread(w, big_clip(), "big.mp4", results, preset="placebo")
+    deadline = time.monotonic() + 30
+    while (ffmpeg := encoder_of(w)) is None:  # started, its threads running
+        assert time.monotonic() < deadline, "no encoder started"
+        time.sleep(0.02)
+    assert nice_of_threads(ffmpeg) == {7}, "every thread of the encoder, x264's included"
+    assert nice_of_threads(w.pid) == {0}  # the worker itself: its loop goes first
+    big.join(timeout=120)
+    assert results["big.mp4"]["ok"]
+
+
+def test_without_the_lane_a_tiny_encode_waits_for_the_slot(workers):
+    w = workers.start("--cpu-slots", "1", "--small-encode-bytes", "0")
+    _, tinies, big, _ = under_a_big_encode(w, 1)
+    assert tinies[0]["timings"]["started_at"] >= big["timings"]["finished_at"] - 0.01
+    assert tinies[0]["timings"]["queue_ms"] > 100
+
+
+def test_tiny_outputs_of_one_request_share_the_lane_one_at_a_time(workers):
+    w = workers.start("--cpu-slots", "1")
+    results: dict[str, Any] = {}
+    big = saved_on_thread(w, big_clip(), "big.mp4", results, preset="placebo")
+    wait_for(w, RUNNING, 1)
+    with Client(w.uds_url) as c:
+        a, b = c.save_videos([make_clip(**TINY, seed=1), make_clip(**TINY, seed=2)],
+                             ["a.mp4", "b.mp4"], fps=24, threads=1)  # fmt: skip
+    big.join(timeout=120)
+    ta, tb = a.timings, b.timings
+    assert min(ta.finished_at, tb.finished_at) <= max(ta.started_at, tb.started_at)  # in turn
+    assert max(ta.finished_at, tb.finished_at) < results["big.mp4"]["timings"]["finished_at"]
