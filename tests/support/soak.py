@@ -134,7 +134,6 @@ class Soak:
         self.tally.stops_s.append(time.monotonic() - signalled)
         started: list[Worker] = []
         thread = threading.Thread(target=lambda: started.append(self.start()))
-        t0 = time.monotonic()
         thread.start()
         for n in itertools.count():
             save = functools.partial(fw.save_video, self.clip, f"soak/{i}-r{n}.mp4", fps=24)
@@ -146,15 +145,12 @@ class Soak:
             time.sleep(0.2)
         thread.join()
         self.tally.gaps_s.append(time.monotonic() - signalled)
-        self.tally.starts_s.append(self.start_s or (time.monotonic() - t0))
         self.worker = started[0]
-
-    start_s: float | None = None
 
     def start(self) -> Worker:
         t0 = time.monotonic()
         worker = self.workers.start(*self.args, root=self.root)
-        self.start_s = time.monotonic() - t0
+        self.tally.starts_s.append(time.monotonic() - t0)  # the worker's own start
         return worker
 
 
