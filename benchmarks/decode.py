@@ -63,8 +63,8 @@ def pss_bytes() -> int:
 def rank(mode: str, video: str, fd_socket: str) -> None:
     """One rank, stepped by the parent over stdin: ready, go, measure, exit."""
     from framewire.client import Client
-    from framewire.client._media.argv import decode_argv
-    from framewire.client._media.process import find_ffmpeg
+    from framewire.core.media.argv import decode_argv
+    from framewire.core.media.process import find_ffmpeg
 
     ffmpeg = find_ffmpeg()
     client = Client(fd_socket=fd_socket)
@@ -205,7 +205,7 @@ def main() -> int:
         rank(*args.rank)
         return 0
 
-    from framewire.client._media.process import find_ffmpeg
+    from framewire.core.media.process import find_ffmpeg
 
     ffmpeg = find_ffmpeg()
     root = Path(tempfile.mkdtemp(prefix="framewire-bench-decode-"))

@@ -185,9 +185,9 @@ def imageio_save(x: Any, out: str | Path, threads: int) -> None:
 def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     """One encode in this (fresh) process: its wall time and memory figures."""
     import torch
-    from framewire.client._media.argv import encode_argv
-    from framewire.client._media.process import resolve_ffmpeg
     from framewire.client.wire import DType, Layout
+    from framewire.core.media.argv import encode_argv
+    from framewire.core.media.process import resolve_ffmpeg
     from framewire.service._encode.encoder import EncodeParams, Encoder
     from framewire.service._sources.frames import FileSource, Geometry
     from framewire.service._sources.shm import open_shm
@@ -216,8 +216,8 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
             imageio_save(x, out, n)
             wall = time.perf_counter() - started
     else:
-        from framewire.service._encode import kernels
-        from framewire.service._encode.convert import single_threaded_conversion
+        from framewire.service._convert import kernels
+        from framewire.service._convert.convert import single_threaded_conversion
 
         single_threaded_conversion()  # as `framewire serve` configures its process
         kernels.warm()  # as it does at start: the compiler's memory is not the encode's
@@ -253,7 +253,7 @@ def spawn(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def bench_length(frames: int, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
-    from framewire.client._media.argv import x264_auto_threads
+    from framewire.core.media.argv import x264_auto_threads
     from framewire.service._encode.encoder import sha256_file
 
     key = f"{PREFIX}{os.getpid()}-{frames}"
@@ -383,7 +383,7 @@ def main() -> int:
         rows = [row for frames in args.frames for row in bench_length(frames, args, work)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    from framewire.client._media.argv import crf_for_quality
+    from framewire.core.media.argv import crf_for_quality
 
     setup = (
         f"{args.width}x{args.height} float32 CTHW clip in shm, {FPS} fps, x264 fast "

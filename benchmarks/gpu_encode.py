@@ -141,8 +141,8 @@ class Worker:
 
 
 def bare_ffmpeg(rgb: Path, out: Path, frames: int, args: argparse.Namespace, threads: int) -> float:
-    from framewire.client._media.argv import encode_argv
-    from framewire.client._media.process import resolve_ffmpeg
+    from framewire.core.media.argv import encode_argv
+    from framewire.core.media.process import resolve_ffmpeg
 
     argv = encode_argv(
         resolve_ffmpeg(), width=args.width, height=args.height, fps=FPS, output=out,
@@ -155,9 +155,9 @@ def bare_ffmpeg(rgb: Path, out: Path, frames: int, args: argparse.Namespace, thr
 
 def convert_copy(clip: torch.Tensor, pinned: bool) -> float:
     """Seconds for the worker's GPU converter to bring the whole clip to host staging."""
+    from framewire.service._convert.staging import Staging
     from framewire.service._encode.encoder import Encoder
     from framewire.service._encode.pump import chunk_spans
-    from framewire.service._encode.staging import Staging
     from framewire.service._sources.cuda_convert import CudaTensorSource, pin_host, unpin_host
 
     source = CudaTensorSource(clip)
@@ -202,7 +202,7 @@ def naive(clip: torch.Tensor) -> tuple[float, float]:
 
 def worker_peak_mib(worker: Worker, device: torch.device) -> float:
     from framewire.client import Client
-    from framewire.client.wire import normalize_uuid
+    from framewire.core.wire import normalize_uuid
 
     mine = normalize_uuid(torch.cuda.get_device_properties(device).uuid)
     with Client(worker.url) as c:
@@ -213,7 +213,7 @@ def worker_peak_mib(worker: Worker, device: torch.device) -> float:
 
 def bench_length(frames: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from framewire.client import Client
-    from framewire.client._media.argv import x264_auto_threads
+    from framewire.core.media.argv import x264_auto_threads
     from framewire.service._encode.encoder import sha256_file
 
     device = torch.device("cuda", torch.cuda.current_device())

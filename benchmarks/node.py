@@ -153,7 +153,7 @@ class Node:
 
 def local_decode(ref: dict[str, Any], run: int) -> str:
     """The sha256 of a run's reference decode, decoded in this process."""
-    from framewire.client._reference import decode_locally, make_request
+    from framewire.core.reference import decode_locally, make_request
 
     request = make_request(ref["path"], fps=ref["fps"], width=ref["width"],
                            height=ref["height"], start=ref["step_s"] * run)  # fmt: skip
@@ -258,7 +258,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     plots.add_option(parser)
     args = parser.parse_args()
-    from framewire.client._media.process import resolve_ffmpeg
+    from framewire.core.media.process import resolve_ffmpeg
 
     from tests.support.refclips import make_video
     from tests.support.worker import start_worker

@@ -52,7 +52,7 @@ def sha256_of(path: Path) -> str:
 def rank(index: int, spec: dict[str, Any], conn: Connection, go: Event) -> None:
     import torch
     from framewire.client import Client
-    from framewire.client._media.process import resolve_ffmpeg
+    from framewire.core.media.process import resolve_ffmpeg
 
     torch.set_num_threads(1)  # the imageio path's conversion: one thread, as x264's
     resolve_ffmpeg()  # imageio-ffmpeg's lookup runs `ffmpeg -version` once: not timed

@@ -38,8 +38,8 @@ sys.path.insert(0, str(HERE))
 import harness  # noqa: E402
 from encode import write_clip  # noqa: E402  (the shared clip generator)
 from framewire.client import Client  # noqa: E402
-from framewire.client._media.argv import encode_argv, x264_auto_threads  # noqa: E402
-from framewire.client._media.process import resolve_ffmpeg  # noqa: E402
+from framewire.core.media.argv import encode_argv, x264_auto_threads  # noqa: E402
+from framewire.core.media.process import resolve_ffmpeg  # noqa: E402
 from framewire.service._encode.encoder import EncodeParams, Encoder  # noqa: E402
 from framewire.service._sources.frames import TensorSource  # noqa: E402
 

@@ -47,9 +47,9 @@ sys.path.insert(0, str(HERE))
 import harness  # noqa: E402
 import httpx  # noqa: E402
 from encode import status_kib, write_clip  # noqa: E402  (the shared clip and /proc reader)
-from framewire.client._media.argv import encode_argv, x264_auto_threads  # noqa: E402
-from framewire.client._media.process import resolve_ffmpeg  # noqa: E402
 from framewire.client._sharing.fd import SEALS, FdRegions  # noqa: E402
+from framewire.core.media.argv import encode_argv, x264_auto_threads  # noqa: E402
+from framewire.core.media.process import resolve_ffmpeg  # noqa: E402
 
 from tests.support.worker import Worker, start_worker  # noqa: E402
 

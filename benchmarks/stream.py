@@ -136,8 +136,8 @@ def produce(spec: dict[str, Any]) -> dict[str, Any]:
 def in_process_ffmpeg(spec: dict[str, Any]) -> subprocess.Popen[bytes]:
     """The producer's own ffmpeg: the worker's argv, ``spec["threads"]`` or the thread
     count the worker would pick."""
-    from framewire.client._media.argv import encode_argv, x264_auto_threads
-    from framewire.client._media.process import resolve_ffmpeg
+    from framewire.core.media.argv import encode_argv, x264_auto_threads
+    from framewire.core.media.process import resolve_ffmpeg
 
     h, w = spec["height"], spec["width"]
     threads = spec.get("threads") or x264_auto_threads(h)

@@ -42,7 +42,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from encode import GEN_CHUNK, clip_chunk  # noqa: E402  (the shared clip)
-from framewire.client._media.process import resolve_ffmpeg  # noqa: E402
+from framewire.core.media.process import resolve_ffmpeg  # noqa: E402
 from framewire.service._encode.encoder import EncodeParams, Encoder  # noqa: E402
 from framewire.service._encode.validate import validate_output  # noqa: E402
 from framewire.service._sources.frames import TensorSource  # noqa: E402

@@ -12,7 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from framewire.client._base import DEFAULT_URL
-from framewire.client._errors import (
+from framewire.client._http import AsyncClient, Client
+from framewire.client._stream import AsyncVideoWriter, VideoWriter
+from framewire.client._version import __version__
+from framewire.core.errors import (
     BadRequest,
     Cancelled,
     Conflict,
@@ -27,11 +30,8 @@ from framewire.client._errors import (
     Unauthorized,
     Unavailable,
 )
-from framewire.client._http import AsyncClient, Client
-from framewire.client._reference import ReferenceFrames, decode_reference
-from framewire.client._stream import AsyncVideoWriter, VideoWriter
-from framewire.client._version import __version__
-from framewire.client.wire import Layout, MediaInfo, OutputResult
+from framewire.core.reference import ReferenceFrames, decode_reference
+from framewire.core.wire import Layout, MediaInfo, OutputResult
 
 
 def _default_url(url: str | None) -> str:

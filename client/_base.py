@@ -9,12 +9,12 @@ from typing import Any, TypeVar
 
 import httpx
 from framewire.client._calls import INSTANCE_HEADER, Call, encode_call, per_output
-from framewire.client._errors import Unavailable
 from framewire.client._local import LocalFallback, worker_gone
-from framewire.client._reference import ReferenceFrames, fetch
 from framewire.client._route import HostRoute
 from framewire.client._sharing.audio import shared_audio
-from framewire.client.wire import DecodeRequest, OutputResult
+from framewire.core.errors import Unavailable
+from framewire.core.reference import ReferenceFrames, fetch
+from framewire.core.wire import DecodeRequest, OutputResult
 
 DEFAULT_URL = "http://127.0.0.1:7700"
 DEFAULT_TIMEOUT = httpx.Timeout(3600.0, connect=10.0)

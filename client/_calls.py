@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import httpx
-from framewire.client._errors import FramewireError, Unavailable, error_class, rebuild
-from framewire.client.wire import (
+from framewire.core.errors import FramewireError, Unavailable, error_class, rebuild
+from framewire.core.wire import (
     EncodeRequest,
     EncodeResponse,
     MediaInfo,

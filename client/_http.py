@@ -18,13 +18,13 @@ from typing import Any, TypeVar
 import httpx
 from framewire.client._base import DEFAULT_TIMEOUT, DEFAULT_URL, BaseClient, save_options, twin
 from framewire.client._calls import Call, info_call, probe_call, unreachable
-from framewire.client._closing import Closing
-from framewire.client._errors import Unavailable
-from framewire.client._reference import ReferenceFrames, make_request
 from framewire.client._sharing import share
 from framewire.client._sharing.fd import FdRegions
 from framewire.client._stream import AsyncVideoWriter, VideoWriter
-from framewire.client.wire import (
+from framewire.core.closing import Closing
+from framewire.core.errors import Unavailable
+from framewire.core.reference import ReferenceFrames, make_request
+from framewire.core.wire import (
     Layout,
     MediaInfo,
     OutputResult,

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from framewire.client._calls import per_output
-from framewire.client._errors import Unavailable
-from framewire.client._sharing.video import Frames
-from framewire.client.wire import OutputResult
+from framewire.core.errors import Unavailable
+from framewire.core.frames import Frames
+from framewire.core.wire import OutputResult
 
 log = logging.getLogger("framewire.client")
 

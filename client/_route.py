@@ -16,9 +16,9 @@ import os
 import time
 from typing import Any
 
-from framewire.client._errors import FramewireError, Unavailable
-from framewire.client._fdsocket import default_fd_socket
 from framewire.client._sharing.fd import FdRegions
+from framewire.core.errors import FramewireError, Unavailable
+from framewire.core.fdsocket import default_fd_socket
 
 RETRY_S = 10.0  # a socket that was not to be had is tried again after this long
 

@@ -15,12 +15,12 @@ import os
 from typing import Any, Protocol
 
 from framewire.client._calls import Call, stream_lost
-from framewire.client._errors import FramewireError, Unavailable
 from framewire.client._local import LocalFallback, worker_gone
 from framewire.client._sharing.fd import NO_ROOM, FdRegions, RegisteredMemfd
-from framewire.client._sharing.shm import Segment
-from framewire.client._sharing.video import Frames, describe
-from framewire.client.wire import (
+from framewire.core.errors import FramewireError, Unavailable
+from framewire.core.frames import Frames, describe
+from framewire.core.shm import Segment
+from framewire.core.wire import (
     Layout,
     OutputResult,
     StreamChunk,

@@ -32,12 +32,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from framewire.client._calls import AsyncSend, Call, Send
-from framewire.client._errors import Unavailable
 from framewire.client._local import LocalFallback
 from framewire.client._session import WriterBase
 from framewire.client._sharing.fd import FdRegions
-from framewire.client._sharing.video import is_cuda
-from framewire.client.wire import OutputResult, StreamChunkAck
+from framewire.core.errors import Unavailable
+from framewire.core.frames import is_cuda
+from framewire.core.wire import OutputResult, StreamChunkAck
 
 T = TypeVar("T")
 

@@ -12,9 +12,9 @@ import os
 import socket
 from typing import Any
 
-from framewire.client._errors import FramewireError, error_class, rebuild
 from framewire.client._http import Client
-from framewire.client._reference import ReferenceFrames, fetch, make_request
+from framewire.core.errors import FramewireError, error_class, rebuild
+from framewire.core.reference import ReferenceFrames, fetch, make_request
 
 # Errors are rebuilt from their class name, limited to framewire's hierarchy: only
 # plain strings travel between ranks, never an exception object.

@@ -80,7 +80,7 @@ def imports(out: Path, pack: Path | None) -> int:
     import pydantic
     import pydantic_settings
     import uvicorn
-    from framewire.client._media.process import resolve_ffmpeg
+    from framewire.core.media.process import resolve_ffmpeg
 
     ffmpeg = resolve_ffmpeg()
     if imageio_ffmpeg.get_ffmpeg_exe() != ffmpeg:  # the references and the worker: one binary

@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from framewire.client._errors import BadRequest
-from framewire.client._sharing.audio import waveform
-from framewire.client._sharing.video import Frames, describe, is_cuda
-from framewire.client.wire import AudioDType, OutputResult, RegionAudio
+from framewire.core.errors import BadRequest
+from framewire.core.frames import Frames, describe, is_cuda, waveform
+from framewire.core.wire import AudioDType, OutputResult, RegionAudio
 from framewire.service._encode.encoder import Encoded, EncodeParams, Encoder
-from framewire.service._encode.outputs import open_directory
 from framewire.service._encode.results import Check, check_for, output_result
+from framewire.service._outputs import open_directory
 from framewire.service._sources.audio import MemoryAudio, samples_of
 from framewire.service._sources.frames import FrameSource, Geometry, TensorSource
 from framewire.service._stream.output import StreamOutput

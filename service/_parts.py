@@ -10,8 +10,8 @@ import secrets
 import threading
 from dataclasses import dataclass
 
+from framewire.service._convert import kernels
 from framewire.service._decode.decoder import ReferenceDecoder
-from framewire.service._encode import kernels
 from framewire.service._encode.encoder import Encoder
 from framewire.service._encode.jobs import EncodeJobs
 from framewire.service._encode.scheduler import Scheduler

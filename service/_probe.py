@@ -11,10 +11,10 @@ import os
 from fractions import Fraction
 from types import ModuleType
 
-from framewire.client._errors import MediaError, Unavailable
-from framewire.client._media.argv import VIDEO_DEMUXERS
-from framewire.client._media.inputs import InputFile
-from framewire.client.wire import AudioInfo, MediaInfo
+from framewire.core.errors import MediaError, Unavailable
+from framewire.core.media.argv import VIDEO_DEMUXERS
+from framewire.core.media.inputs import InputFile
+from framewire.core.wire import AudioInfo, MediaInfo
 
 # Opening a file decodes its first pictures, for facts that only decoding tells (the
 # pixel format); 1344x768 H.264 costs ~2.5 ms of a ~3.4 ms probe. Skipping them leaves

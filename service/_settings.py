@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from framewire.client._fdsocket import runtime_dir
+from framewire.core.fdsocket import runtime_dir
 from framewire.service._access.urls import check_prefix
 from framewire.service._ops.limits import usable_memory
 from pydantic import Field, field_validator

@@ -19,7 +19,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from framewire.client._closing import Closing
+from framewire.core.closing import Closing
 from framewire.service._settings import Settings
 
 log = logging.getLogger("framewire.sockets")

@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from framewire.client._sharing.shm import remove_abandoned_segments
-from framewire.service._encode.outputs import remove_stale_temps
+from framewire.core.shm import remove_abandoned_segments
 from framewire.service._http.app import create_app
 from framewire.service._http.server import Server, StopSignals, uvicorn_config
 from framewire.service._ops.limits import cpu_quota_note, exposure_note, raise_open_files_limit
 from framewire.service._ops.logs import configure_logging
+from framewire.service._outputs import remove_stale_temps
 from framewire.service._parts import Parts
 from framewire.service._probe import PYAV_MISSING, pyav
 from framewire.service._settings import Settings

@@ -1,4 +1,5 @@
-"""The shape of the code: no import cycles, small modules, a curated public surface.
+"""The shape of the code: a layer order, no import cycles, small modules, a curated
+public surface.
 
 Read from the source (ast), so every import counts: those under TYPE_CHECKING
 and those inside functions too.
@@ -15,7 +16,13 @@ import pytest
 
 from tests.support import REPO
 
-PACKAGES = {"framewire.client": REPO / "client", "framewire.service": REPO / "service"}
+# The packages, lowest layer first: each imports only those before it (and itself).
+PACKAGES = {
+    "framewire.core": REPO / "core",
+    "framewire.client": REPO / "client",
+    "framewire.service": REPO / "service",
+}
+LAYERS = list(PACKAGES)
 MAX_LINES = 400
 PUBLIC_MODULES = {
     "framewire.client",
@@ -30,6 +37,15 @@ CLIENT_API = [
     "NotFound", "OutputResult", "Overloaded", "ReferenceFrames", "Stalled", "StoreError",
     "Unauthorized", "Unavailable", "VideoWriter", "__version__", "decode_reference", "save_video",
     "save_videos",
+]  # fmt: skip
+WIRE_API = [
+    "MAX_CHANNELS", "MAX_FPS", "MAX_FRAMES", "MAX_SAMPLE_RATE", "MAX_SIDE", "MIN_FPS",
+    "MIN_SAMPLE_RATE", "AudioDType", "AudioInfo", "AudioSource", "CudaIpcSource", "DType",
+    "DecodeRequest", "EncodeOptions", "EncodeRequest", "EncodeResponse", "ErrorInfo",
+    "FdRegister", "FdReply", "FdUnregister", "Layout", "MediaInfo", "OutputResult", "OutputSpec",
+    "ProbeRequest", "ProbeResponse", "Profile", "RawHandle", "RegionAudio", "RegionSource",
+    "RegisterCudaRegion", "RegisterSystemRegion", "ShmAudio", "ShmSource", "Source",
+    "StreamChunk", "StreamChunkAck", "StreamOpen", "StreamOpened", "StreamState", "Timings",
 ]  # fmt: skip
 SERVICE_API = [
     "AlreadyServed", "EncodeParams", "Encoder", "FileSource", "FrameSource", "LocalEncoder",
@@ -66,14 +82,17 @@ def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
     return {m for m in found if m in known and m != module}
 
 
-def test_no_import_cycles():
+def import_graph() -> dict[str, set[str]]:
     mods = modules()
-    graph = {m: imports_of(m, p, set(mods)) for m, p in mods.items()}
-    # Tarjan's strongly connected components: a component of two or more is a cycle.
+    return {m: imports_of(m, p, set(mods)) for m, p in mods.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of two or more nodes (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
-    cycles: list[list[str]] = []
+    found: list[list[str]] = []
 
     def visit(m: str) -> None:
         index[m] = low[m] = len(index)
@@ -92,12 +111,70 @@ def test_no_import_cycles():
                 if n == m:
                     break
             if len(component) > 1:
-                cycles.append(sorted(component))
+                found.append(sorted(component))
 
     for m in graph:
         if m not in index:
             visit(m)
-    assert cycles == []
+    return found
+
+
+def top(module: str) -> str:
+    """The layer a module belongs to: framewire.core, .client or .service."""
+    return ".".join(module.split(".")[:2])
+
+
+def unit(module: str) -> str:
+    """The package a module counts in for cycles: its subpackage of the layer
+    (framewire.service._encode), else itself (framewire.service._worker)."""
+    parts = module.split(".")
+    if len(parts) > 3 or (parts[2:] and (PACKAGES[top(module)] / parts[2]).is_dir()):
+        return ".".join(parts[:3])
+    return module
+
+
+def is_private(module: str) -> bool:
+    return any(part.startswith("_") for part in module.split(".")[2:])
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports upward in the layer order, and imports of another layer's private modules."""
+    bad = []
+    for m, targets in sorted(graph.items()):
+        for n in sorted(targets):
+            if top(n) == top(m):
+                continue
+            if LAYERS.index(top(n)) > LAYERS.index(top(m)):
+                bad.append(f"{m} -> {n} (upward)")
+            elif is_private(n):
+                bad.append(f"{m} -> {n} (private to {top(n)})")
+    return bad
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    units: dict[str, set[str]] = {}
+    for m, targets in graph.items():
+        edges = units.setdefault(unit(m), set())
+        edges.update(unit(n) for n in targets if unit(n) != unit(m))
+    for targets in list(units.values()):
+        for n in targets:
+            units.setdefault(n, set())
+    return units
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_no_import_cycles_between_packages():
+    """A subpackage never imports one that imports it back, even through other modules."""
+    assert cycles(package_graph(import_graph())) == []
+
+
+def test_each_layer_imports_only_those_below_and_only_their_public_modules():
+    """core <- client <- service: the client never imports the service, the core neither,
+    and no layer reaches into another's _private modules."""
+    assert layer_violations(import_graph()) == []
 
 
 def test_the_cycle_check_sees_cycles(tmp_path):
@@ -106,8 +183,36 @@ def test_the_cycle_check_sees_cycles(tmp_path):
     back = "if TYPE_CHECKING:\n    from framewire.client.a import y\n"
     (tmp_path / "b.py").write_text("from typing import TYPE_CHECKING\n" + back)
     known = {"framewire.client.a", "framewire.client.b"}
-    assert imports_of("framewire.client.a", tmp_path / "a.py", known) == {"framewire.client.b"}
-    assert imports_of("framewire.client.b", tmp_path / "b.py", known) == {"framewire.client.a"}
+    graph = {
+        "framewire.client.a": imports_of("framewire.client.a", tmp_path / "a.py", known),
+        "framewire.client.b": imports_of("framewire.client.b", tmp_path / "b.py", known),
+    }
+    assert graph == {
+        "framewire.client.a": {"framewire.client.b"},
+        "framewire.client.b": {"framewire.client.a"},
+    }
+    assert cycles(graph) == [["framewire.client.a", "framewire.client.b"]]
+
+
+def test_the_layer_checks_see_what_they_forbid():
+    graph = {
+        "framewire.service._encode.jobs": {"framewire.service._sources.frames"},
+        "framewire.service._sources.frames": {"framewire.service._encode.convert"},
+        "framewire.service._encode.convert": set(),
+        "framewire.core.frames": {"framewire.client"},
+        "framewire.service._local": {"framewire.client._sharing.fd", "framewire.core.wire"},
+        "framewire.client": set(),
+        "framewire.client._sharing.fd": set(),
+        "framewire.core.wire": set(),
+    }
+    assert cycles(graph) == []
+    assert cycles(package_graph(graph)) == [
+        ["framewire.service._encode", "framewire.service._sources"]
+    ]
+    assert layer_violations(graph) == [
+        "framewire.core.frames -> framewire.client (upward)",
+        "framewire.service._local -> framewire.client._sharing.fd (private to framewire.client)",
+    ]
 
 
 def test_no_module_is_over_400_lines():
@@ -118,8 +223,10 @@ def test_no_module_is_over_400_lines():
 
 
 def test_every_module_is_public_on_purpose_or_private():
+    """framewire.core's modules are the project's own (both sides import them), not the
+    user's; elsewhere a module is listed public or named _private."""
     for module in modules():
-        if module in PUBLIC_MODULES:
+        if module in PUBLIC_MODULES or (top(module) == "framewire.core" and not is_private(module)):
             continue
         parts = module.split(".")[2:]
         assert any(p.startswith("_") for p in parts), (
@@ -128,7 +235,8 @@ def test_every_module_is_public_on_purpose_or_private():
 
 
 @pytest.mark.parametrize(("package", "names"), [
-    ("framewire.client", CLIENT_API), ("framewire.service", SERVICE_API)
+    ("framewire.client", CLIENT_API), ("framewire.client.wire", WIRE_API),
+    ("framewire.service", SERVICE_API),
 ])  # fmt: skip
 def test_the_public_names_are_pinned(package, names):
     mod = importlib.import_module(package)
@@ -189,9 +297,8 @@ def test_every_module_the_docs_name_exists():
         REPO / "benchmarks" / "README.md",
         *(REPO / "docs").glob("*.md"),
     ]:
-        named.update(
-            re.findall(r"`((?:client|service|tests|benchmarks|scripts)/[\w/.-]+)", doc.read_text())
-        )
+        dirs = "core|client|service|tests|benchmarks|scripts"
+        named.update(re.findall(rf"`((?:{dirs})/[\w/.-]+)", doc.read_text()))
     missing = sorted(p for p in named if not (REPO / p.split("::")[0]).exists())
     assert missing == []
 

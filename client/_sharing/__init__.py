@@ -12,9 +12,9 @@ import contextlib
 from typing import Any
 
 from framewire.client._sharing.fd import FdRegions, fd_shared
-from framewire.client._sharing.shm import shared
-from framewire.client._sharing.video import is_cuda
-from framewire.client.wire import CudaIpcSource, Layout, RegionSource, ShmSource
+from framewire.core.frames import is_cuda
+from framewire.core.shm import shared
+from framewire.core.wire import CudaIpcSource, Layout, RegionSource, ShmSource
 
 
 def share(

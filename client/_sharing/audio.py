@@ -10,30 +10,9 @@ from typing import Any
 
 import numpy as np
 from framewire.client._sharing.fd import FdRegions, Memfd
-from framewire.client._sharing.shm import Segment
-from framewire.client._sharing.video import is_torch
-from framewire.client.wire import AudioDType, RegionAudio, ShmAudio
-
-
-def waveform(audio: Any) -> np.ndarray:
-    """``audio`` (a tensor or array, ``[samples]`` or ``[samples, channels]``) as a C-ordered
-    float32 or int16 array of two dimensions. Other float dtypes become float32, as
-    SGLang's ``.float()`` makes them."""
-    if is_torch(audio):
-        audio = audio.detach()
-        if audio.is_floating_point():
-            audio = audio.float()
-        audio = audio.cpu().numpy()
-    samples = np.asarray(audio)
-    if samples.ndim == 1:
-        samples = samples[:, None]
-    if samples.ndim != 2:
-        raise ValueError(f"audio is [samples] or [samples, channels], got {list(samples.shape)}")
-    if samples.dtype.kind == "f":
-        samples = samples.astype(np.float32, copy=False)
-    elif samples.dtype != np.int16:
-        raise ValueError(f"audio samples are float or int16, got {samples.dtype}")
-    return np.ascontiguousarray(samples)
+from framewire.core.frames import waveform
+from framewire.core.shm import Segment
+from framewire.core.wire import AudioDType, RegionAudio, ShmAudio
 
 
 @contextlib.contextmanager

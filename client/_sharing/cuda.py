@@ -19,8 +19,8 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from framewire.client._sharing.video import describe as describe_video
-from framewire.client.wire import CudaIpcSource, DType, Layout, normalize_uuid
+from framewire.core.frames import describe as describe_video
+from framewire.core.wire import CudaIpcSource, DType, Layout, normalize_uuid
 
 # What ``UntypedStorage._share_cuda_()`` returns, in order.
 ShareFields = tuple[int, bytes, int, int, bytes, int, bytes, bool]

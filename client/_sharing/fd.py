@@ -22,18 +22,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from framewire.client._closing import Closing
-from framewire.client._errors import NotFound, Overloaded, Unavailable
-from framewire.client._fdsocket import ConnectionLost, FdSocket, error_from
-from framewire.client._sharing.shm import shared
-from framewire.client._sharing.video import (
+from framewire.core.closing import Closing
+from framewire.core.errors import NotFound, Overloaded, Unavailable
+from framewire.core.fdsocket import ConnectionLost, FdSocket, error_from
+from framewire.core.frames import (
     Frames,
     MappedBuffer,
     contiguous_bytes,
     describe,
     is_torch,
 )
-from framewire.client.wire import Layout, RegionSource, ShmSource
+from framewire.core.shm import shared
+from framewire.core.wire import Layout, RegionSource, ShmSource
 
 _names = itertools.count()
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL

@@ -1,32 +1,34 @@
-"""The wire models: the one definition of every request and response body.
+"""framewire.client.wire: the request and response bodies, as pydantic models.
 
-The worker validates requests with these models and the client builds them, so
-the two sides cannot drift. Nothing here imports torch or the service. The
-formats themselves are described in docs/api.md.
+These are the models a caller may build or read: what an encode, a probe, a
+stream session and the fd socket send and answer, the frame and audio sources
+they name, and the limits the worker holds them to. Their one definition, with
+the helpers both sides validate with, is ``framewire.core.wire``; the formats
+are described in docs/api.md.
 """
 
-from framewire.client.wire._audio import (
+from framewire.core.wire import (
     MAX_CHANNELS,
+    MAX_FPS,
+    MAX_FRAMES,
     MAX_SAMPLE_RATE,
+    MAX_SIDE,
+    MIN_FPS,
     MIN_SAMPLE_RATE,
     AudioDType,
-    AudioSource,
-    RegionAudio,
-    ShmAudio,
-)
-from framewire.client.wire._fdsocket import (
-    REGION_NAME,
-    DecodeRequest,
-    FdRegister,
-    FdReply,
-    FdUnregister,
-)
-from framewire.client.wire._messages import (
     AudioInfo,
+    AudioSource,
+    CudaIpcSource,
+    DecodeRequest,
+    DType,
     EncodeOptions,
     EncodeRequest,
     EncodeResponse,
     ErrorInfo,
+    FdRegister,
+    FdReply,
+    FdUnregister,
+    Layout,
     MediaInfo,
     OutputResult,
     OutputSpec,
@@ -34,51 +36,29 @@ from framewire.client.wire._messages import (
     ProbeResponse,
     Profile,
     RawHandle,
+    RegionAudio,
+    RegionSource,
     RegisterCudaRegion,
     RegisterSystemRegion,
-    Timings,
-    error_code,
-    refusal,
-)
-from framewire.client.wire._sources import (
-    IPC_HANDLE_BYTES,
-    MAX_FPS,
-    MAX_FRAMES,
-    MAX_HANDLE_BYTES,
-    MAX_SIDE,
-    MIN_FPS,
-    CudaIpcSource,
-    DType,
-    Flag,
-    Int,
-    Layout,
-    Number,
-    RegionSource,
+    ShmAudio,
     ShmSource,
     Source,
-    WireModel,
-    contiguous_strides,
-    normalize_uuid,
-)
-from framewire.client.wire._streams import (
     StreamChunk,
     StreamChunkAck,
     StreamOpen,
     StreamOpened,
     StreamState,
+    Timings,
 )
 
 __all__ = [
-    "IPC_HANDLE_BYTES",
     "MAX_CHANNELS",
     "MAX_FPS",
     "MAX_FRAMES",
-    "MAX_HANDLE_BYTES",
     "MAX_SAMPLE_RATE",
     "MAX_SIDE",
     "MIN_FPS",
     "MIN_SAMPLE_RATE",
-    "REGION_NAME",
     "AudioDType",
     "AudioInfo",
     "AudioSource",
@@ -92,11 +72,8 @@ __all__ = [
     "FdRegister",
     "FdReply",
     "FdUnregister",
-    "Flag",
-    "Int",
     "Layout",
     "MediaInfo",
-    "Number",
     "OutputResult",
     "OutputSpec",
     "ProbeRequest",
@@ -116,9 +93,4 @@ __all__ = [
     "StreamOpened",
     "StreamState",
     "Timings",
-    "WireModel",
-    "contiguous_strides",
-    "error_code",
-    "normalize_uuid",
-    "refusal",
 ]

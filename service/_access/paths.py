@@ -15,7 +15,7 @@ import stat
 import threading
 from pathlib import Path
 
-from framewire.client._errors import (
+from framewire.core.errors import (
     BadRequest,
     Conflict,
     Forbidden,
@@ -24,9 +24,9 @@ from framewire.client._errors import (
     Unavailable,
     host_error,
 )
-from framewire.client._media.argv import OUTPUT_EXTENSIONS
-from framewire.client._media.inputs import InputFile
-from framewire.service._encode.outputs import DIR_FLAGS, TEMP_PREFIX
+from framewire.core.media.argv import OUTPUT_EXTENSIONS
+from framewire.core.media.inputs import InputFile
+from framewire.service._outputs import DIR_FLAGS, TEMP_PREFIX
 
 RESOLVE_TRIES = 3
 

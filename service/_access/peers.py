@@ -31,7 +31,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from framewire.client._errors import Forbidden
+from framewire.core.errors import Forbidden
 
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 

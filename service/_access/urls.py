@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from framewire.client._errors import BadRequest, Forbidden
-from framewire.client._media.argv import OUTPUT_EXTENSIONS
+from framewire.core.errors import BadRequest, Forbidden
+from framewire.core.media.argv import OUTPUT_EXTENSIONS
 
 SCHEME = "s3://"
 # S3's own bucket naming rules (3-63 lowercase letters, digits, dots, hyphens).

@@ -21,8 +21,8 @@ from framewire.service._cli.progress import Meter, Output, rate
 
 if TYPE_CHECKING:
     from framewire.client import ReferenceFrames
-    from framewire.client._media.decode import DecodeRun
-    from framewire.client.wire import DecodeRequest
+    from framewire.core.decode import DecodeRun
+    from framewire.core.wire import DecodeRequest
 
 
 class _Watched:
@@ -41,7 +41,7 @@ class _Watched:
 def expected_frames(request: DecodeRequest) -> int | None:
     """About how many frames the decode gives: the probed duration after ``start`` at
     the request's fps, at most ``max_frames``; None when the file does not say."""
-    from framewire.client._errors import FramewireError
+    from framewire.core.errors import FramewireError
     from framewire.service._probe import probe
 
     try:
@@ -56,8 +56,8 @@ def expected_frames(request: DecodeRequest) -> int | None:
 
 def fetch(request: DecodeRequest, args: argparse.Namespace, live: bool) -> ReferenceFrames:
     """The worker's answer, else (if allowed) the same decode here; each with its meter."""
-    from framewire.client._errors import Unavailable
-    from framewire.client._reference import decode_from_worker, decode_locally
+    from framewire.core.errors import Unavailable
+    from framewire.core.reference import decode_from_worker, decode_locally
 
     try:
         with Meter("decoding in the worker", None, None, live=live):
@@ -73,7 +73,7 @@ def fetch(request: DecodeRequest, args: argparse.Namespace, live: bool) -> Refer
 
 def cmd_decode(args: argparse.Namespace) -> int:
     import numpy as np
-    from framewire.client._reference import make_request
+    from framewire.core.reference import make_request
 
     out = Output.of(args)
     width, height = args.size

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import numpy as np
 from framewire.client import Client, FramewireError, OutputResult, Unavailable
-from framewire.client._media.process import find_ffmpeg
+from framewire.core.media.process import find_ffmpeg
 
 WORKER_START_S = 60.0
 RANK_WAIT_S = 120.0

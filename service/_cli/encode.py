@@ -15,7 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from framewire.client._errors import BadRequest
+from framewire.core.errors import BadRequest
 from framewire.service._access.urls import is_url
 from framewire.service._cli.progress import Count, Meter, Output, rate
 
@@ -68,8 +68,8 @@ def cmd_encode(args: argparse.Namespace) -> int:
 def _through_worker(args: argparse.Namespace, live: bool) -> tuple[dict[str, Any], float]:
     import numpy as np
     from framewire.client import Client
-    from framewire.client._sharing.video import describe
-    from framewire.client.wire import Layout
+    from framewire.core.frames import describe
+    from framewire.core.wire import Layout
 
     clip = describe(np.load(args.input, mmap_mode="r"), args.layout)
     _, total, _, _ = clip.dims
@@ -95,8 +95,8 @@ def _through_worker(args: argparse.Namespace, live: bool) -> tuple[dict[str, Any
 
 def _local(args: argparse.Namespace, live: bool) -> tuple[dict[str, Any], float]:
     from framewire.service._cli.settings import settings_from
-    from framewire.service._encode import kernels
-    from framewire.service._encode.convert import single_threaded_conversion
+    from framewire.service._convert import kernels
+    from framewire.service._convert.convert import single_threaded_conversion
     from framewire.service._encode.encoder import EncodeParams, Encoder
     from framewire.service._sources.frames import open_npy
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from framewire.client import FramewireError, __version__
-from framewire.client._media.argv import PROFILES
+from framewire.core.media.argv import PROFILES
 from framewire.service._cli.decode import cmd_decode
 from framewire.service._cli.encode import cmd_encode
 from framewire.service._cli.progress import add_output_flags
@@ -18,7 +18,7 @@ from framewire.service._cli.settings import settings_flags, settings_from
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from framewire.service._encode.convert import single_threaded_conversion
+    from framewire.service._convert.convert import single_threaded_conversion
     from framewire.service._sockets import AlreadyServed
     from framewire.service._worker import Worker
 
@@ -36,7 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from framewire.client._media.process import resolve_ffmpeg
+    from framewire.core.media.process import resolve_ffmpeg
     from framewire.service._ops.versions import ffmpeg_version
 
     settings = settings_from(args)
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
-        from framewire.client._media.process import resolve_ffmpeg
+        from framewire.core.media.process import resolve_ffmpeg
         from framewire.service._ops.versions import ffmpeg_version
 
         exe = resolve_ffmpeg(os.environ.get("FRAMEWIRE_FFMPEG"))

@@ -19,10 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from framewire.client._errors import MediaError, NotFound, Overloaded, Unavailable
-from framewire.client._media.decode import Decoded, DecodeRun
-from framewire.client._media.inputs import InputFile
-from framewire.client.wire import DecodeRequest
+from framewire.core.decode import Decoded, DecodeRun
+from framewire.core.errors import MediaError, NotFound, Overloaded, Unavailable
+from framewire.core.media.inputs import InputFile
+from framewire.core.wire import DecodeRequest
 from framewire.service._access.paths import open_input, real_roots
 from framewire.service._access.peers import READ, TRUSTED, Access
 from framewire.service._ops.metrics import Metrics

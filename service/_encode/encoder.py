@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
-from framewire.client._errors import (
+from framewire.core.errors import (
     BadRequest,
     Cancelled,
     FramewireError,
@@ -30,20 +30,20 @@ from framewire.client._errors import (
     MediaError,
     NotFound,
 )
-from framewire.client._media.argv import (
+from framewire.core.media.argv import (
     encode_argv,
     pyav_argv,
     refused_input,
     x264_auto_threads,
 )
-from framewire.client._media.inputs import InputFile
-from framewire.client._media.process import FfmpegExited, FfmpegProcess, resolve_ffmpeg
-from framewire.service._encode.convert import chunk_frames, convert_into
-from framewire.service._encode.outputs import Staged, atomic_output, open_directory, sha256_of
+from framewire.core.media.inputs import InputFile
+from framewire.core.media.process import FfmpegExited, FfmpegProcess, resolve_ffmpeg
+from framewire.service._convert.convert import chunk_frames, convert_into
+from framewire.service._convert.staging import ChunkWriter, slot_frames
 from framewire.service._encode.params import EncodeParams, check_geometry, check_params
 from framewire.service._encode.profiles import profile_writer
 from framewire.service._encode.pump import Progress, Pump, chunk_spans, send_in_pieces
-from framewire.service._encode.staging import ChunkWriter, slot_frames
+from framewire.service._outputs import Staged, atomic_output, open_directory, sha256_of
 from framewire.service._sources.audio import MemoryAudio
 from framewire.service._sources.frames import FrameSource, Geometry
 

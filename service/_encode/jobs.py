@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
-from framewire.client._errors import BadRequest, Cancelled, FramewireError, Unavailable
-from framewire.client._media.process import kill_running
-from framewire.client.wire import (
+from framewire.core.errors import BadRequest, Cancelled, FramewireError, Unavailable
+from framewire.core.media.process import kill_running
+from framewire.core.wire import (
     EncodeRequest,
     ErrorInfo,
     OutputResult,

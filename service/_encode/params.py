@@ -6,12 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from framewire.client._errors import BadRequest
-from framewire.client._media.argv import DEFAULT_PRESETS, PROFILES
-from framewire.client._media.inputs import InputFile
-from framewire.client.wire import MAX_FPS, MIN_FPS, DType
-from framewire.client.wire._messages import profile_misfit
-from framewire.service._encode.convert import TORCH_DTYPES
+from framewire.core.errors import BadRequest
+from framewire.core.media.argv import DEFAULT_PRESETS, PROFILES
+from framewire.core.media.inputs import InputFile
+from framewire.core.wire import MAX_FPS, MIN_FPS, DType, profile_misfit
+from framewire.service._convert.convert import TORCH_DTYPES
 from framewire.service._probe import require_pyav
 from framewire.service._sources.audio import MemoryAudio
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from framewire.client._errors import BadRequest, Conflict
-from framewire.client._media.inputs import InputFile
-from framewire.client.wire import (
+from framewire.core.errors import BadRequest, Conflict
+from framewire.core.media.inputs import InputFile
+from framewire.core.wire import (
     AudioSource,
     CudaIpcSource,
     EncodeOptions,

@@ -24,10 +24,10 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from framewire.client.wire import Layout
-from framewire.service._encode.convert import interleave_into
+from framewire.core.wire import Layout
+from framewire.service._convert.convert import interleave_into
+from framewire.service._convert.staging import ChunkWriter
 from framewire.service._encode.pump import HostWriter
-from framewire.service._encode.staging import ChunkWriter
 from framewire.service._sources.frames import FrameSource
 
 Convert = Callable[[torch.Tensor, Layout, torch.Tensor], None]

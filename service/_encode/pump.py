@@ -18,12 +18,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from framewire.client._closing import Closing
-from framewire.client._media.process import FfmpegExited, PipeWriter
-from framewire.client.wire import DType, Layout
-from framewire.service._encode import kernels
-from framewire.service._encode.convert import convert_into
-from framewire.service._encode.staging import ChunkWriter, Staging
+from framewire.core.closing import Closing
+from framewire.core.media.process import FfmpegExited, PipeWriter
+from framewire.core.wire import DType, Layout
+from framewire.service._convert import kernels
+from framewire.service._convert.convert import convert_into
+from framewire.service._convert.staging import ChunkWriter, Staging
 from framewire.service._sources.frames import FrameSource, Geometry
 
 F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)

@@ -11,7 +11,7 @@ from an rgb24 array, the encoder flushed, then the audio (if any) as one
 float32 planar frame at pts 0, encoded after the video. The worker runs this
 like ffmpeg: rgb24 frames on stdin (fed from staging by ``sendfile``), stderr
 kept, every wait bounded, killed on cancel. The argv is built in
-``framewire.client._media.argv.pyav_argv``; the bytes equal the engine's when
+``framewire.core.media.argv.pyav_argv``; the bytes equal the engine's when
 this PyAV build is the engine's (the MP4 carries libavformat's version).
 """
 

@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from framewire.client._errors import FramewireError
-from framewire.client.wire import ErrorInfo, MediaInfo, OutputResult, Timings
+from framewire.core.errors import FramewireError
+from framewire.core.wire import ErrorInfo, MediaInfo, OutputResult, Timings
 from framewire.service._encode.encoder import Encoded
 from framewire.service._encode.params import EncodeParams
 from framewire.service._encode.validate import validate_output

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from framewire.client._errors import Overloaded
+from framewire.core.errors import Overloaded
 
 
 @dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fractions import Fraction
 from pathlib import Path
 
-from framewire.client._errors import MediaError
-from framewire.client._media.argv import output_size, profile_rate
-from framewire.client.wire import MediaInfo
+from framewire.core.errors import MediaError
+from framewire.core.media.argv import output_size, profile_rate
+from framewire.core.wire import MediaInfo
 from framewire.service._probe import probe
 
 MAX_DURATION_DRIFT = 0.25  # seconds

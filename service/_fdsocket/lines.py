@@ -21,8 +21,8 @@ import os
 import socket
 from collections.abc import Callable
 
-from framewire.client._fdsocket import LENGTH
-from framewire.client.wire import FdReply
+from framewire.core.fdsocket import LENGTH
+from framewire.core.wire import FdReply
 
 MAX_LINE = 64 << 10
 RECV_BYTES = 64 << 10

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from framewire.client import __version__
-from framewire.client._errors import FramewireError, NotFound
-from framewire.client.wire import DecodeRequest, FdRegister, FdReply, FdUnregister, refusal
+from framewire.core.errors import FramewireError, NotFound
+from framewire.core.wire import DecodeRequest, FdRegister, FdReply, FdUnregister, refusal
 from framewire.service._access.peers import Access, Peer, unix_peer
 from framewire.service._access.peers import allowed as is_allowed
 from framewire.service._decode.decoder import ReferenceDecoder

@@ -8,8 +8,8 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from framewire.client._errors import FramewireError, host_error
-from framewire.client.wire import refusal
+from framewire.core.errors import FramewireError, host_error
+from framewire.core.wire import refusal
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 

@@ -6,8 +6,8 @@ import anyio
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse
 from framewire.client import __version__
-from framewire.client._media.argv import PROFILES
-from framewire.service._encode import kernels
+from framewire.core.media.argv import PROFILES
+from framewire.service._convert import kernels
 from framewire.service._http.deps import WorkerParts
 from framewire.service._ops.limits import cgroup_cpu_limit
 from framewire.service._ops.versions import ffmpeg_runs, ffmpeg_version

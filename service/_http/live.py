@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
-from framewire.client._errors import Conflict, Forbidden
+from framewire.core.errors import Conflict, Forbidden
 from framewire.service._http.deps import WorkerParts
 from framewire.service._http.watch_page import watch_page
 from framewire.service._parts import Parts

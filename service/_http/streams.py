@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from framewire.client.wire import (
+from framewire.core.wire import (
     OutputResult,
     StreamChunk,
     StreamChunkAck,

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from framewire.client import __version__
-from framewire.client.wire import RegisterCudaRegion, RegisterSystemRegion
+from framewire.core.wire import RegisterCudaRegion, RegisterSystemRegion
 from framewire.service._http.deps import Caller, WorkerParts
 from framewire.service._http.errors import error_body
 from framewire.service._http.health import is_ready

@@ -8,7 +8,7 @@ from pathlib import Path
 import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from framewire.client.wire import (
+from framewire.core.wire import (
     EncodeRequest,
     EncodeResponse,
     MediaInfo,

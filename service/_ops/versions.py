@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from framewire.client._errors import FramewireError, Unavailable
-from framewire.client._media.process import FfmpegProcess
+from framewire.core.errors import FramewireError, Unavailable
+from framewire.core.media.process import FfmpegProcess
 
 VERSION_STALL_S = 10.0  # ``-version`` takes milliseconds; a binary that hangs is not ready
 

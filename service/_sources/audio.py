@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
-from framewire.client._errors import BadRequest
-from framewire.client._media.inputs import InputFile
-from framewire.client.wire import AudioDType, AudioSource
+from framewire.core.errors import BadRequest
+from framewire.core.media.inputs import InputFile
+from framewire.core.wire import AudioDType, AudioSource
 from framewire.service._sources.frames import pread_full
 
 WAVE_FORMAT_PCM, WAVE_FORMAT_IEEE_FLOAT = 1, 3

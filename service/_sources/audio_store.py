@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from framewire.client._errors import BadRequest, Overloaded
-from framewire.client.wire import AudioSource
+from framewire.core.errors import BadRequest, Overloaded
+from framewire.core.wire import AudioSource
 from framewire.service._sources.audio import MemoryAudio, sample_blocks
 
 RETRY_AFTER_S = 5.0

@@ -19,13 +19,13 @@ import logging
 from collections.abc import Callable
 
 import torch
-from framewire.client._errors import BadRequest
-from framewire.client.wire import (
+from framewire.core.errors import BadRequest
+from framewire.core.wire import (
     DType,
     Layout,
 )
-from framewire.service._encode.convert import slice_frames, to_thwc
-from framewire.service._encode.staging import ChunkWriter, Staging
+from framewire.service._convert.convert import slice_frames, to_thwc
+from framewire.service._convert.staging import ChunkWriter, Staging
 from framewire.service._sources.frames import FrameSource, tensor_geometry
 
 log = logging.getLogger("framewire.cuda")

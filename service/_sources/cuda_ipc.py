@@ -17,8 +17,8 @@ import logging
 from collections.abc import Callable
 
 import torch
-from framewire.client._errors import BadRequest, Forbidden, FramewireError, NotFound
-from framewire.client.wire import (
+from framewire.core.errors import BadRequest, Forbidden, FramewireError, NotFound
+from framewire.core.wire import (
     IPC_HANDLE_BYTES,
     CudaIpcSource,
     DType,
@@ -26,7 +26,7 @@ from framewire.client.wire import (
     contiguous_strides,
     normalize_uuid,
 )
-from framewire.service._encode.convert import TORCH_DTYPES
+from framewire.service._convert.convert import TORCH_DTYPES
 from framewire.service._sources.cuda_convert import (
     CudaTensorSource,
     CudaWriter,

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from framewire.client._errors import BadRequest
-from framewire.client.wire import DType, Layout
-from framewire.service._encode.convert import TORCH_DTYPES, WIRE_DTYPES, slice_frames
-from framewire.service._encode.staging import ChunkWriter
+from framewire.core.errors import BadRequest
+from framewire.core.wire import DType, Layout
+from framewire.service._convert.convert import TORCH_DTYPES, WIRE_DTYPES, slice_frames
+from framewire.service._convert.staging import ChunkWriter
 
 
 @dataclass

@@ -31,8 +31,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from framewire.client._errors import BadRequest, Forbidden, NotFound, Unavailable
-from framewire.client.wire import REGION_NAME
+from framewire.core.errors import BadRequest, Forbidden, NotFound, Unavailable
+from framewire.core.wire import REGION_NAME
 from framewire.service._access.peers import READ, TRUSTED, Access
 from framewire.service._sources.shm import judge_fd, open_shm
 

@@ -8,7 +8,7 @@ import mmap
 import os
 import stat
 
-from framewire.client._errors import BadRequest, Forbidden, NotFound, host_error
+from framewire.core.errors import BadRequest, Forbidden, NotFound, host_error
 
 
 def open_shm(key: str, prefixes: list[str]) -> int:

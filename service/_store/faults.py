@@ -9,7 +9,7 @@ never the store's own message, the endpoint or anything from the credentials.
 
 from __future__ import annotations
 
-from framewire.client._errors import FramewireError, Stalled, StoreError, Unavailable
+from framewire.core.errors import FramewireError, Stalled, StoreError, Unavailable
 
 _DENIED = {
     "AccessDenied",

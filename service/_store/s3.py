@@ -37,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from framewire.client._errors import StoreError, Unavailable
+from framewire.core.errors import StoreError, Unavailable
 from framewire.service._access.urls import ObjectUrl
 from framewire.service._settings import Settings
 from framewire.service._store.faults import store_error

@@ -16,10 +16,10 @@ import re
 import secrets
 from pathlib import Path
 
-from framewire.client._errors import Unavailable
-from framewire.client._sharing.shm import pid_alive
+from framewire.core.errors import Unavailable
+from framewire.core.shm import pid_alive
 from framewire.service._access.paths import real_roots
-from framewire.service._encode.outputs import TEMP_PREFIX, remove_stale_temps
+from framewire.service._outputs import TEMP_PREFIX, remove_stale_temps
 
 SPOOL = TEMP_PREFIX + "spool"
 _SPOOLED = re.compile(r"(\d+)-[0-9a-f]{16}\.[a-z0-9]+")

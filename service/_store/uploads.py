@@ -16,8 +16,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from framewire.client._errors import Cancelled, FramewireError
-from framewire.client.wire import OutputResult
+from framewire.core.errors import Cancelled, FramewireError
+from framewire.core.wire import OutputResult
 from framewire.service._access.urls import ObjectUrl, judge_url
 from framewire.service._ops.threads import in_thread
 from framewire.service._settings import Settings

@@ -1,7 +1,7 @@
 """The live view of a stream session: the encode's fragmented MP4, fanned out to viewers.
 
 ffmpeg's tee writes the file and, from the same packets, a fragmented MP4 into a
-pipe (client/_media/argv.py ``live_output``). A thread reads that pipe without
+pipe (core/media/argv.py ``live_output``). A thread reads that pipe without
 pause, so ffmpeg never waits on viewers; it cuts the bytes into the init segment
 (``ftyp`` + ``moov``) and fragments (``moof`` + ``mdat``) and hands them to the
 event loop, which keeps them for late joiners and queues them for each viewer.
@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from framewire.client._errors import Conflict, Overloaded
+from framewire.core.errors import Conflict, Overloaded
 from framewire.service._ops.metrics import Metrics
 from framewire.service._stream.fmp4 import boxes, end_box, starts_with_keyframe, video_samples
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from framewire.client._errors import BadRequest, Conflict
-from framewire.client.wire import StreamChunk, StreamOpen
+from framewire.core.errors import BadRequest, Conflict
+from framewire.core.wire import StreamChunk, StreamOpen
 from framewire.service._sources.frames import Geometry
 
 

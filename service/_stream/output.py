@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from framewire.client._closing import Closing
-from framewire.client._media.process import FfmpegExited
+from framewire.core.closing import Closing
+from framewire.core.media.process import FfmpegExited
 from framewire.service._encode.encoder import (
     Encoded,
     EncodeParams,
@@ -28,8 +28,8 @@ from framewire.service._encode.encoder import (
     cut_short,
     wait_for,
 )
-from framewire.service._encode.outputs import atomic_output
 from framewire.service._encode.pump import Pump
+from framewire.service._outputs import atomic_output
 from framewire.service._sources.frames import FrameSource, Geometry
 from framewire.service._stream.live import LiveFeed
 

@@ -9,9 +9,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from framewire.client._errors import Cancelled, Conflict, FramewireError
-from framewire.client.wire import StreamOpen
-from framewire.client.wire._streams import StreamStateName
+from framewire.core.errors import Cancelled, Conflict, FramewireError
+from framewire.core.wire import StreamOpen, StreamStateName
 from framewire.service._access.urls import ObjectUrl
 from framewire.service._encode.params import EncodeParams
 from framewire.service._sources.frames import Geometry

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from framewire.client._errors import (
+from framewire.core.errors import (
     BadRequest,
     Cancelled,
     FramewireError,
@@ -35,8 +35,7 @@ from framewire.client._errors import (
     Overloaded,
     Unavailable,
 )
-from framewire.client.wire import OutputResult, StreamChunk, StreamOpen, StreamState
-from framewire.client.wire._streams import StreamStateName
+from framewire.core.wire import OutputResult, StreamChunk, StreamOpen, StreamState, StreamStateName
 from framewire.service._access.paths import keep_made, remove_made
 from framewire.service._access.peers import Access
 from framewire.service._access.signed import ViewSigner

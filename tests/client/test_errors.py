@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from framewire.client._errors import (
+from framewire.core.errors import (
     FD_CODES,
     HIERARCHY,
     BadRequest,

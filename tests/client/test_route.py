@@ -131,7 +131,7 @@ def test_a_user_the_fd_socket_refuses_uses_named_segments(workers, tmp_path):
     ids=["numpy", "torch-bf16-grad", "strided", "fortran"],
 )
 def test_a_memfd_holds_the_frames_bytes_on_first_and_later_writes(video):
-    from framewire.client._sharing.video import describe
+    from framewire.core.frames import describe
 
     frames = describe(video)
     if isinstance(video, torch.Tensor):

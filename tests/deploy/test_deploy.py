@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 import yaml
 from framewire.client import Client
-from framewire.client._fdsocket import ping
+from framewire.core.fdsocket import ping
 
 from tests.support import REPO
 from tests.support.image import DOCKERFILE, dockerfile, entrypoint, moved

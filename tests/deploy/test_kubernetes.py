@@ -15,7 +15,7 @@ import jsonpatch
 import pytest
 import yaml
 from framewire.client import Client
-from framewire.client._fdsocket import ping
+from framewire.core.fdsocket import ping
 from framewire.service import Settings
 from kubernetes_validate import utils as kube
 

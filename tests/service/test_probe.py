@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from framewire.client._errors import MediaError, NotFound
+from framewire.core.errors import MediaError, NotFound
 from framewire.service._encode.encoder import EncodeParams, Encoder
 from framewire.service._probe import probe
 from framewire.service._sources.frames import TensorSource

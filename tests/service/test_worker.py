@@ -152,7 +152,7 @@ def test_start_after_sigkill_removes_the_stale_temp_files(workers, segments):
 
 
 def test_stale_temp_sweep_is_conservative(tmp_path):
-    from framewire.service._encode.outputs import atomic_output, remove_stale_temps
+    from framewire.service._outputs import atomic_output, remove_stale_temps
 
     dead = subprocess.Popen(["true"])
     dead.wait()

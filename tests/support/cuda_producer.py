@@ -79,7 +79,7 @@ def save(spec: dict[str, Any]) -> Any:
 def stream(spec: dict[str, Any]) -> Any:
     """``open_video`` with the clip's CUDA chunks of ``spec["chunks"]`` frames each."""
     from framewire.client import Client, FramewireError
-    from framewire.service._encode.convert import slice_frames
+    from framewire.service._convert.convert import slice_frames
 
     tensor, layout = clip_for(spec["clips"][0], "cuda")
     try:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import imageio_ffmpeg
-from framewire.client._media.argv import decode_argv
+from framewire.core.media.argv import decode_argv
 
 FFMPEG = imageio_ffmpeg.get_ffmpeg_exe()
 

@@ -23,7 +23,7 @@ RANK = r"""
 import json, os, sys
 import httpx, numpy as np
 from framewire.client import Client
-from framewire.client._sharing.shm import shared
+from framewire.core.shm import shared
 
 sockets = sys.argv[1]
 clip = np.load(sys.argv[2])

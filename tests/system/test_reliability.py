@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 from framewire.client import Client, OutputResult
-from framewire.client._sharing.shm import remove_abandoned_segments
+from framewire.core.shm import remove_abandoned_segments
 
 from tests.support import faultmatrix
 from tests.support.dist_ranks import run_ranks

@@ -7,7 +7,7 @@ from fractions import Fraction
 import imageio_ffmpeg
 import imageio_ffmpeg._io as iio
 import pytest
-from framewire.client._media.argv import (
+from framewire.core.media.argv import (
     AUDIO_DEMUXERS,
     AUDIO_FILE_GUARD,
     GUARD_OPTIONS,
@@ -191,7 +191,7 @@ def test_decode_argv():
 
 
 def test_engine_profiles_spell_the_rate_and_preset_as_their_engines_do():
-    from framewire.client._media.argv import encode_argv, pyav_argv
+    from framewire.core.media.argv import encode_argv, pyav_argv
 
     kw = {"width": 34, "height": 30, "fps": 23.976, "output": "o.mp4", "guard": False}
     sglang = encode_argv("ffmpeg", profile="sglang", quality=5.5, preset=None, **kw)

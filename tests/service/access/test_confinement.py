@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from framewire.client._media.argv import AUDIO_FILE_GUARD, decode_argv
+from framewire.core.media.argv import AUDIO_FILE_GUARD, decode_argv
 
 from tests.support.identity import NOBODY, as_nobody, post_json
 from tests.support.media import FFMPEG, make_clip, reference_mp4, sha256
@@ -149,7 +149,7 @@ def test_the_whitelists_refuse_what_ffmpeg_would_follow(world):
 
 def test_an_input_swapped_for_a_link_after_its_check_is_judged_by_what_opened(world, monkeypatch):
     """The opened file, not the path as judged, must lie under the roots."""
-    from framewire.client._errors import Forbidden
+    from framewire.core.errors import Forbidden
     from framewire.service._access import paths
 
     w = world["worker"]
@@ -350,7 +350,7 @@ def test_a_decode_of_a_video_the_caller_may_not_read_is_forbidden(world):
 
 
 def test_unknown_callers_need_the_token():
-    from framewire.client._errors import Forbidden
+    from framewire.core.errors import Forbidden
     from framewire.service._access.peers import READ, Access, tcp_peer
 
     # Not loopback: whoever it is, the host's socket table cannot vouch for them.

@@ -22,8 +22,8 @@ from urllib.parse import quote
 import httpx
 import pytest
 from framewire.client import Client
-from framewire.client._errors import MediaError, Unavailable
 from framewire.client._sharing.fd import FdRegions
+from framewire.core.errors import MediaError, Unavailable
 
 from tests.service.fdsocket.test_regions import memfd, region_source, register
 from tests.support.identity import NOBODY, as_user

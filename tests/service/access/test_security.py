@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from framewire.client._errors import Forbidden
+from framewire.core.errors import Forbidden
 from framewire.service._access.paths import open_output_dir, resolve_output
-from framewire.service._encode.outputs import atomic_output
+from framewire.service._outputs import atomic_output
 
 from tests.support.refclips import RawConnection
 from tests.support.segments import Segments

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from framewire.client import BadRequest, Client, MediaError, NotFound, Unavailable
-from framewire.client._media.decode import SEALS, Decoded
-from framewire.client._reference import decode_reference
 from framewire.client.wire import DecodeRequest
+from framewire.core.decode import SEALS, Decoded
+from framewire.core.reference import decode_reference
 from framewire.service._decode.decoder import DecodeCache, DecodeKey
 from framewire.service._ops.metrics import Metrics
 
@@ -48,7 +48,7 @@ def test_local_fallback_is_byte_exact(clips, no_worker, case):
 def test_a_local_decode_reports_the_frames_it_wrote(clips):
     """``started`` gets the run while ffmpeg writes; once the memfd is handed over the run
     still answers (from the size it sealed), never from a descriptor it no longer owns."""
-    from framewire.client._reference import decode_locally, make_request
+    from framewire.core.reference import decode_locally, make_request
 
     request = make_request(clips["c30.mp4"], fps=24, width=45, height=33)
     runs = []
@@ -142,9 +142,9 @@ def test_frames_object(clips, no_worker):
 
 
 def test_decode_bound_is_enforced_by_the_kernel_during_the_run(clips):
-    from framewire.client._media.decode import DecodeRun
-    from framewire.client._media.inputs import InputFile
-    from framewire.client._media.process import find_ffmpeg
+    from framewire.core.decode import DecodeRun
+    from framewire.core.media.inputs import InputFile
+    from framewire.core.media.process import find_ffmpeg
 
     video = InputFile.open(clips["c30.mp4"])  # 20 frames at 10 fps
     request = DecodeRequest(path=video.name, fps=10, width=40, height=30)
@@ -352,7 +352,7 @@ def test_cancelled_waiter_and_shutdown_leave_nothing(slow_decoder):
 
 @pytest.mark.parametrize("xdg", [None, "/run/user/4321"])
 def test_client_finds_the_workers_default_fd_socket(monkeypatch, xdg):
-    from framewire.client._fdsocket import default_fd_socket
+    from framewire.core.fdsocket import default_fd_socket
     from framewire.service._settings import Settings
 
     monkeypatch.delenv("FRAMEWIRE_FD_SOCKET", raising=False)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 from framewire.client.wire import Layout
-from framewire.service._encode import kernels
-from framewire.service._encode.convert import chunk_frames, convert_into
+from framewire.service._convert import kernels
+from framewire.service._convert.convert import chunk_frames, convert_into
 
 from tests.support.media import SPECIALS, make_clip, reference_uint8, with_specials
 

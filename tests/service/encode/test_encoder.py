@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from framewire.client._media.argv import x264_auto_threads
 from framewire.client.wire import DType, Layout
-from framewire.service._encode.convert import WIRE_DTYPES
+from framewire.core.media.argv import x264_auto_threads
+from framewire.service._convert.convert import WIRE_DTYPES
 from framewire.service._encode.encoder import EncodeParams, Encoder
 from framewire.service._sources.frames import FileSource, Geometry, TensorSource
 from framewire.service._sources.shm import open_shm

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from framewire.client._errors import BadRequest, MediaError, NotFound, Unavailable
-from framewire.client._media.process import FfmpegProcess
 from framewire.client.wire import DType, Layout
+from framewire.core.errors import BadRequest, MediaError, NotFound, Unavailable
+from framewire.core.media.process import FfmpegProcess
 from framewire.service._encode.encoder import EncodeParams, Encoder
 from framewire.service._sources.frames import FileSource, Geometry, TensorSource, open_npy
 from framewire.service._sources.shm import open_shm

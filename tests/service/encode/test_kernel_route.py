@@ -28,8 +28,8 @@ def test_warming_compiles_the_signatures_an_encode_uses():
     compile: converting a block adds no signature to either kernel."""
     import torch
     from framewire.client.wire import Layout
-    from framewire.service._encode import kernels
-    from framewire.service._encode.convert import convert_into
+    from framewire.service._convert import kernels
+    from framewire.service._convert.convert import convert_into
 
     kernels.use("auto")
     kernels.warm()

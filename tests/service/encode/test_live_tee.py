@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from framewire.client._media.argv import encode_argv
+from framewire.core.media.argv import encode_argv
 from framewire.service._stream.fmp4 import boxes, starts_with_keyframe, video_samples
 
 from tests.support.media import FFMPEG, sha256

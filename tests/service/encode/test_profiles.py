@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from framewire.client._errors import BadRequest
-from framewire.client._media.argv import x264_auto_threads
 from framewire.client.wire import AudioDType, Layout, ShmAudio
+from framewire.core.errors import BadRequest
+from framewire.core.media.argv import x264_auto_threads
 from framewire.service._encode.encoder import EncodeParams, Encoder
 from framewire.service._sources.audio import MemoryAudio, samples_of, wav_header
 from framewire.service._sources.frames import TensorSource

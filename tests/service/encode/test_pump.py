@@ -10,13 +10,13 @@ import time
 import numpy as np
 import pytest
 import torch
-from framewire.client._errors import BadRequest
-from framewire.client._media.process import FfmpegExited, PipeWriter
 from framewire.client.wire import Layout
+from framewire.core.errors import BadRequest
+from framewire.core.media.process import FfmpegExited, PipeWriter
+from framewire.service._convert import staging
+from framewire.service._convert.staging import ChunkWriter, Staging
 from framewire.service._encode import pump as stream
-from framewire.service._encode import staging
 from framewire.service._encode.pump import HostWriter, pump_converted
-from framewire.service._encode.staging import ChunkWriter, Staging
 from framewire.service._sources.frames import TensorSource
 
 from tests.support.media import make_clip, reference_uint8

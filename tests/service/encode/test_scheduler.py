@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from framewire.client import Client, Overloaded
-from framewire.client._errors import Overloaded as OverloadedError
+from framewire.core.errors import Overloaded as OverloadedError
 from framewire.service._encode.scheduler import Scheduler
 
 from tests.support.media import make_clip, reference_mp4

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from framewire.client import AsyncClient, BadRequest, Client, Forbidden, MediaError, NotFound
-from framewire.client._media.decode import SEALS
 from framewire.client.wire import DecodeRequest
+from framewire.core.decode import SEALS
 
 from tests.support import REPO
 from tests.support.refclips import (

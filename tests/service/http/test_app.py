@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from framewire.client import AsyncClient, BadRequest, Client, Forbidden, NotFound
-from framewire.client._sharing.shm import shared
+from framewire.core.shm import shared
 
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.requests import Request, wait_for_ffmpeg
@@ -371,7 +371,7 @@ def test_token_required_when_set(workers):
 
 
 def test_client_segments_are_private_and_swept_once_abandoned(tmp_path):
-    from framewire.client._sharing.shm import remove_abandoned_segments
+    from framewire.core.shm import remove_abandoned_segments
 
     dead = subprocess.Popen(["true"])
     dead.wait()

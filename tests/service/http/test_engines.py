@@ -182,7 +182,7 @@ def test_rates_the_engine_cannot_write_are_bad_input(worker, segments, options, 
 
 def test_the_aac_rates_are_pyavs():
     import av
-    from framewire.client.wire._audio import AAC_SAMPLE_RATES, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
+    from framewire.core.wire._audio import AAC_SAMPLE_RATES, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 
     rates = av.Codec("aac", "w").audio_rates
     assert rates is not None

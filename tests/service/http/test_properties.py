@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from framewire.client.wire import (
+from framewire.core.wire import (
     MAX_FRAMES,
     MAX_SIDE,
     CudaIpcSource,

@@ -23,7 +23,7 @@ import torch
 from framewire.client import BadRequest, Client, FramewireError
 from framewire.client._sharing import share
 from framewire.client._sharing.cuda import CudaShare, describe
-from framewire.client.wire import (
+from framewire.core.wire import (
     CudaIpcSource,
     DType,
     Layout,
@@ -31,10 +31,10 @@ from framewire.client.wire import (
     error_code,
     normalize_uuid,
 )
+from framewire.service._convert.convert import WIRE_DTYPES, slice_frames
+from framewire.service._convert.staging import Staging
 from framewire.service._encode import encoder as encoder_module
-from framewire.service._encode.convert import WIRE_DTYPES, slice_frames
 from framewire.service._encode.encoder import EncodeParams, Encoder
-from framewire.service._encode.staging import Staging
 from framewire.service._sources import cuda_convert, cuda_ipc
 from framewire.service._sources.cuda_convert import CudaTensorSource
 from framewire.service._sources.cuda_ipc import CudaRuntime, check_allocation, tensor_on

@@ -8,8 +8,8 @@ import secrets
 import numpy as np
 import pytest
 import torch
-from framewire.client._errors import BadRequest, Forbidden, NotFound
 from framewire.client.wire import DType, Layout
+from framewire.core.errors import BadRequest, Forbidden, NotFound
 from framewire.service._sources.frames import FileSource, Geometry, TensorSource, open_npy
 from framewire.service._sources.shm import open_shm
 

@@ -11,8 +11,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from framewire.client._errors import Conflict, Overloaded
-from framewire.client._media.argv import LIVE_MOVFLAGS
+from framewire.core.errors import Conflict, Overloaded
+from framewire.core.media.argv import LIVE_MOVFLAGS
 from framewire.service._ops.metrics import Metrics
 from framewire.service._stream import live
 from framewire.service._stream.fmp4 import boxes, starts_with_keyframe, video_samples

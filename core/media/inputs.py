@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 import stat
 
-from framewire.client._closing import Closing
-from framewire.client._errors import BadRequest, NotFound, host_error
+from framewire.core.closing import Closing
+from framewire.core.errors import BadRequest, NotFound, host_error
 
 OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 

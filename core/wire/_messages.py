@@ -6,10 +6,10 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from framewire.client._errors import BadRequest
-from framewire.client._media.argv import PROFILES, profile_rate, rate_arg
-from framewire.client.wire._audio import AAC_SAMPLE_RATES, Audio
-from framewire.client.wire._sources import (
+from framewire.core.errors import BadRequest
+from framewire.core.media.argv import PROFILES, profile_rate, rate_arg
+from framewire.core.wire._audio import AAC_SAMPLE_RATES, Audio
+from framewire.core.wire._sources import (
     MAX_FPS,
     MIN_FPS,
     Flag,

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from framewire.client.wire import DType, Layout
-from framewire.service._encode import kernels
+from framewire.core.wire import DType, Layout
+from framewire.service._convert import kernels
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {
     DType.float32: torch.float32,

@@ -17,9 +17,9 @@ import secrets
 from collections.abc import Iterator
 from typing import Any
 
-from framewire.client._closing import Closing
-from framewire.client._sharing.video import Frames, MappedBuffer, describe, is_torch
-from framewire.client.wire import Layout, ShmSource
+from framewire.core.closing import Closing
+from framewire.core.frames import Frames, MappedBuffer, describe, is_torch
+from framewire.core.wire import Layout, ShmSource
 
 SHM_PREFIX = "/framewire-"
 _counter = itertools.count()

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from framewire.client._errors import FramewireError, MediaError, host_error
-from framewire.client._sharing.shm import pid_alive
+from framewire.core.errors import FramewireError, MediaError, host_error
+from framewire.core.shm import pid_alive
 
 # Private directories carry this prefix and the writer's pid, so a restarted
 # worker can tell its own leftovers (from a SIGKILL) from anybody else's files.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from framewire.client.wire._sources import (
+from framewire.core.wire._sources import (
     MAX_FPS,
     MAX_FRAMES,
     MAX_SIDE,

@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from framewire.client._errors import BadRequest, FramewireError, MediaError
-from framewire.client._media.argv import decode_argv, refused_input
-from framewire.client._media.inputs import InputFile
-from framewire.client._media.process import FfmpegProcess
-from framewire.client.wire import DecodeRequest
+from framewire.core.errors import BadRequest, FramewireError, MediaError
+from framewire.core.media.argv import decode_argv, refused_input
+from framewire.core.media.inputs import InputFile
+from framewire.core.media.process import FfmpegProcess
+from framewire.core.wire import DecodeRequest
 
 MEMFD_NAME = "framewire-decode"
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL

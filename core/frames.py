@@ -1,4 +1,5 @@
-"""What a caller's video is: its frames' dimensions, dtype and layout, torch or numpy."""
+"""What a caller's video is (its frames' dimensions, dtype and layout, torch or numpy),
+and its audio as samples."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from framewire.client.wire import DType, Layout
+from framewire.core.wire import DType, Layout
 
 NUMPY_DTYPES = {
     np.dtype("float32"): DType.float32,
@@ -135,3 +136,24 @@ class MappedBuffer:
         assert self._map is not None
         view = memoryview(raw).cast("B")
         self._map[: len(view)] = view
+
+
+def waveform(audio: Any) -> np.ndarray:
+    """``audio`` (a tensor or array, ``[samples]`` or ``[samples, channels]``) as a C-ordered
+    float32 or int16 array of two dimensions. Other float dtypes become float32, as
+    SGLang's ``.float()`` makes them."""
+    if is_torch(audio):
+        audio = audio.detach()
+        if audio.is_floating_point():
+            audio = audio.float()
+        audio = audio.cpu().numpy()
+    samples = np.asarray(audio)
+    if samples.ndim == 1:
+        samples = samples[:, None]
+    if samples.ndim != 2:
+        raise ValueError(f"audio is [samples] or [samples, channels], got {list(samples.shape)}")
+    if samples.dtype.kind == "f":
+        samples = samples.astype(np.float32, copy=False)
+    elif samples.dtype != np.int16:
+        raise ValueError(f"audio samples are float or int16, got {samples.dtype}")
+    return np.ascontiguousarray(samples)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from framewire.client.wire._messages import EncodeOptions, ErrorInfo
-from framewire.client.wire._sources import (
+from framewire.core.wire._messages import EncodeOptions, ErrorInfo
+from framewire.core.wire._sources import (
     MAX_FRAMES,
     MAX_SIDE,
     DType,

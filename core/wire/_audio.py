@@ -6,7 +6,7 @@ import math
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from framewire.client.wire._sources import Int, WireModel, _kind_required
+from framewire.core.wire._sources import Int, WireModel, _kind_required
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 

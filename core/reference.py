@@ -16,12 +16,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-from framewire.client._closing import Closing
-from framewire.client._errors import FramewireError, Unavailable
-from framewire.client._fdsocket import DEFAULT_TIMEOUT, FdSocket, default_fd_socket, error_from
-from framewire.client._media.decode import DecodeRun, decode_to_memfd
-from framewire.client._media.process import find_ffmpeg
-from framewire.client.wire import DecodeRequest, refusal
+from framewire.core.closing import Closing
+from framewire.core.decode import DecodeRun, decode_to_memfd
+from framewire.core.errors import FramewireError, Unavailable
+from framewire.core.fdsocket import DEFAULT_TIMEOUT, FdSocket, default_fd_socket, error_from
+from framewire.core.media.process import find_ffmpeg
+from framewire.core.wire import DecodeRequest, refusal
 from pydantic import ValidationError
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ def decode_locally(
     started: Callable[[DecodeRun], None] | None = None,
 ) -> ReferenceFrames:
     """The same decode in this process, into a private sealed memfd (``started``: as
-    :func:`~framewire.client._media.decode.decode_to_memfd` takes it)."""
+    :func:`~framewire.core.decode.decode_to_memfd` takes it)."""
     decoded = decode_to_memfd(ffmpeg or find_ffmpeg(), request.path, request, started=started)
     return ReferenceFrames(
         decoded.fd,

@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable
 
 import torch
-from framewire.client._closing import Closing
+from framewire.core.closing import Closing
 
 SLOT_TARGET = 8 << 20  # staging bytes per chunk: small enough to start ffmpeg early
 

@@ -30,8 +30,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from framewire.client._closing import Closing
-from framewire.client._errors import BadRequest, Stalled, Unavailable
+from framewire.core.closing import Closing
+from framewire.core.errors import BadRequest, Stalled, Unavailable
 
 STDERR_TAIL = 4096
 POLL_S = 0.1  # how often a blocked send or a wait looks at cancellation and progress

@@ -15,9 +15,9 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from framewire.client._closing import Closing
-from framewire.client._errors import FramewireError, Unavailable, error_class, rebuild
-from framewire.client.wire import FdReply
+from framewire.core.closing import Closing
+from framewire.core.errors import FramewireError, Unavailable, error_class, rebuild
+from framewire.core.wire import FdReply
 from pydantic import ValidationError
 
 LENGTH = struct.Struct(">I")
