@@ -10,7 +10,7 @@ process so their memory figures are independent:
 
   bare ffmpeg  the encode argv reading the prepared rgb24 file (the encoder's own limit)
   imageio      the segment mapped as a tensor, converted whole, imageio.mimsave
-  framewire    FileSource over the segment, Encoder's streaming route
+  framewire    FileSource over the segment, Encoder's stream route
 
 All three pass the same x264 thread count, so their outputs must be byte-identical.
 "Peak extra" is the worker's resident memory (RssAnon + RssFile + RssShmem),

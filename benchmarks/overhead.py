@@ -4,7 +4,7 @@
 
 1. A 16x16, 4-frame float32 clip: the same encode in-process (Encoder over a
    TensorSource) and through a worker over its Unix socket with the Python
-   client: on the fd route (frames copied into a sealed memfd, registered over
+   client: on the fd handover (frames copied into a sealed memfd, registered over
    the fd socket, HTTP, encode, validation, unregistered), without validation,
    and on the named-segment route. The paths take turns, round after round, so
    drift hits them alike; the overhead is the difference of the medians.
@@ -70,9 +70,9 @@ def tiny(worker, work: Path, repeat: int) -> list[tuple[str, float, float]]:  # 
         for name, fn in [
             ("in-process Encoder.encode", lambda i: encoder.encode(
                 TensorSource(clip), local_dir / f"{i}.mp4", EncodeParams(fps=24))),
-            ("worker, fd route, validate", lambda i: client.save_video(
+            ("worker, fd handover, validate", lambda i: client.save_video(
                 clip, f"v{i}.mp4", fps=24)),
-            ("worker, fd route, no validate", lambda i: client.save_video(
+            ("worker, fd handover, no validate", lambda i: client.save_video(
                 clip, f"n{i}.mp4", fps=24, validate=False)),
             ("worker, named segment, validate", lambda i: shm.save_video(
                 clip, f"s{i}.mp4", fps=24)),

@@ -21,7 +21,7 @@ would be. Every run passes the same x264 thread count, so the bytes must match.
   extra        the worker's resident memory (RssAnon + RssFile + RssShmem) sampled
                every 5 ms during the request, above a sample taken just before
 
-Goals (benchmarks/README.md): the fd route's worker CPU <= 0.08 of ffmpeg's;
+Goals (benchmarks/README.md): the fd handover's worker CPU <= 0.08 of ffmpeg's;
 wall <= 1.10x bare ffmpeg at 120 and 480 frames; extra <= 192 MiB, flat.
 """
 
@@ -227,8 +227,9 @@ def main() -> int:
         fd = [r for r in mine if r["variant"] == VARIANTS[2]]
         frac = statistics.median(cpu_share(r) for r in fd)
         wall = statistics.median(r["wall_s"] for r in fd) / base
-        print(f"{frames} frames, fd route: worker CPU {frac:.3f} of ffmpeg's (goal <= {GOAL_CPU}) "
-              f"-> {'PASS' if frac <= GOAL_CPU else 'MISS'}; wall {wall:.2f}x bare ffmpeg "
+        print(f"{frames} frames, fd handover: worker CPU {frac:.3f} of ffmpeg's "
+              f"(goal <= {GOAL_CPU}) -> {'PASS' if frac <= GOAL_CPU else 'MISS'}; "
+              f"wall {wall:.2f}x bare ffmpeg "
               f"(goal <= {GOAL_WALL}) -> {'PASS' if wall <= GOAL_WALL else 'MISS'}")  # fmt: skip
     extra = [r["extra_mib"] for r in rows if r["variant"] != VARIANTS[0]]
     verdict = "PASS" if max(extra) <= GOAL_EXTRA_MIB else "MISS"

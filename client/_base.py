@@ -9,8 +9,8 @@ from typing import Any, TypeVar
 
 import httpx
 from framewire.client._calls import INSTANCE_HEADER, Call, encode_call, per_output
+from framewire.client._handover import Handover
 from framewire.client._local import LocalFallback, worker_gone
-from framewire.client._route import HostRoute
 from framewire.client._sharing.audio import shared_audio
 from framewire.core.errors import Unavailable
 from framewire.core.reference import ReferenceFrames, fetch
@@ -43,7 +43,7 @@ class BaseClient:
         self.fd_socket = fd_socket  # None: FRAMEWIRE_FD_SOCKET, else the worker's default
         # One knob for both sockets: an fd-socket request may wait as long as an HTTP read.
         self.fd_timeout = timeout.read if isinstance(timeout, httpx.Timeout) else timeout
-        self._route = HostRoute(fd_socket, self.fd_timeout)
+        self._handover = Handover(fd_socket, self.fd_timeout)
         self._uds: str | None = None
         if url.startswith("unix://"):
             self._base_url, self._uds = "http://framewire", url.removeprefix("unix://")
@@ -79,8 +79,8 @@ class BaseClient:
         self, stack: contextlib.ExitStack, audio: Any, sample_rate: int | None, n: int
     ) -> list[Any]:
         """Each output's ``audio`` as the wire has it: paths as they are, samples shared
-        (on the fd route when the client has it) until ``stack`` closes."""
-        regions = self._route.regions
+        (on the fd handover when the client has it) until ``stack`` closes."""
+        regions = self._handover.regions
         return [
             stack.enter_context(shared_audio(a, sample_rate, regions))
             for a in per_output(audio, n, "audio")
@@ -100,13 +100,13 @@ class BaseClient:
     @property
     def host_route(self) -> str:
         """How host frames reach the worker now: ``"fd"`` (descriptors over the fd socket)
-        or ``"shm"`` (named POSIX shm segments, before the fd route was tried or when it
+        or ``"shm"`` (named POSIX shm segments, before the fd handover was tried or when it
         is not to be had)."""
-        return self._route.name
+        return self._handover.name
 
     def _fetch(self, request: DecodeRequest, local_fallback: bool) -> ReferenceFrames:
-        # The fd route's socket once it is known (the one /v1/info named), else as configured.
-        regions = self._route.regions
+        # The fd handover's socket once it is known (the one /v1/info named), else as configured.
+        regions = self._handover.regions
         path = self.fd_socket or (regions.path if regions is not None else None)
         return fetch(request, path, local_fallback=local_fallback, timeout=self.fd_timeout)
 

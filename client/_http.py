@@ -74,13 +74,13 @@ class Client(BaseClient, Closing):
                 continue
             return self._answer(call, response)
 
-    def _update_route(self) -> None:
-        if not self._route.settled(self.instance):
-            self._route.connect(self.info() if self._route.wants_info() else None)
+    def _update_handover(self) -> None:
+        if not self._handover.settled(self.instance):
+            self._handover.connect(self.info() if self._handover.wants_info() else None)
 
-    def _writer_route(self) -> FdRegions | None:
-        self._update_route()
-        return self._route.regions
+    def _writer_regions(self) -> FdRegions | None:
+        self._update_handover()
+        return self._handover.regions
 
     def info(self) -> dict[str, Any]:
         """The worker's versions, devices, limits, sockets and roots (``GET /v1/info``)."""
@@ -134,10 +134,10 @@ class Client(BaseClient, Closing):
         options: dict[str, Any],
         layout: Layout | str | None,
     ) -> list[OutputResult]:
-        self._update_route()
+        self._update_handover()
         with contextlib.ExitStack() as stack:
             sources = [
-                stack.enter_context(share(v, layout=layout, regions=self._route.regions))
+                stack.enter_context(share(v, layout=layout, regions=self._handover.regions))
                 for v in videos
             ]
             audios = self._share_audio(
@@ -174,7 +174,7 @@ class Client(BaseClient, Closing):
         is a page that plays the video as it is encoded; the file's bytes stay the same."""
         return VideoWriter(
             self._send,
-            self._writer_route,
+            self._writer_regions,
             self._local,
             path,
             fps=fps,
@@ -218,7 +218,7 @@ class Client(BaseClient, Closing):
     def close(self) -> None:
         """Close the connection pool and the fd socket (the worker drops this client's
         regions with it)."""
-        self._route.close()
+        self._handover.close()
         self._http.close()
 
 
@@ -258,14 +258,14 @@ class AsyncClient(BaseClient):
                 continue
             return self._answer(call, response)
 
-    async def _update_route(self) -> None:
-        if not await asyncio.to_thread(self._route.settled, self.instance):
-            info = await self.info() if self._route.wants_info() else None
-            await asyncio.to_thread(self._route.connect, info)
+    async def _update_handover(self) -> None:
+        if not await asyncio.to_thread(self._handover.settled, self.instance):
+            info = await self.info() if self._handover.wants_info() else None
+            await asyncio.to_thread(self._handover.connect, info)
 
-    async def _writer_route(self) -> FdRegions | None:
-        await self._update_route()
-        return self._route.regions
+    async def _writer_regions(self) -> FdRegions | None:
+        await self._update_handover()
+        return self._handover.regions
 
     @twin(Client.info)
     async def info(self) -> dict[str, Any]:
@@ -313,13 +313,13 @@ class AsyncClient(BaseClient):
         options: dict[str, Any],
         layout: Layout | str | None,
     ) -> list[OutputResult]:
-        await self._update_route()
+        await self._update_handover()
         with contextlib.ExitStack() as stack:
             # share() runs here, where the caller's CUDA stream is current; entering it
             # (the copy into shared memory, the stream wait) runs off the event loop.
             sources = [
                 await asyncio.to_thread(
-                    stack.enter_context, share(v, layout=layout, regions=self._route.regions)
+                    stack.enter_context, share(v, layout=layout, regions=self._handover.regions)
                 )
                 for v in videos
             ]
@@ -353,7 +353,7 @@ class AsyncClient(BaseClient):
     ) -> AsyncVideoWriter:
         return AsyncVideoWriter(
             self._send,
-            self._writer_route,
+            self._writer_regions,
             self._local,
             path,
             fps=fps,
@@ -390,7 +390,7 @@ class AsyncClient(BaseClient):
     async def aclose(self) -> None:
         """Close the connection pool and the fd socket (the worker drops this client's
         regions with it)."""
-        self._route.close()
+        self._handover.close()
         await self._http.aclose()
 
     async def __aenter__(self) -> AsyncClient:

@@ -1,4 +1,4 @@
-"""What a stream writer is apart from its I/O: its options, its calls, its staging pair
+"""What a stream writer is apart from its I/O: its options, its calls, its chunk buffers
 and its state; and, when no worker took the session, the local stream it writes instead.
 
 A session belongs to the worker process that opened it: each chunk and the finish
@@ -31,7 +31,7 @@ from framewire.core.wire import (
 )
 from pydantic import ValidationError
 
-Staging = Segment | RegisteredMemfd
+ChunkBuffer = Segment | RegisteredMemfd
 
 
 class LocalStream(Protocol):
@@ -47,7 +47,7 @@ def _nothing(body: Any) -> None:
 
 
 class WriterBase:
-    """A stream's options, its staging pair, its calls and its state: all of a writer
+    """A stream's options, its chunk buffers, its calls and its state: all of a writer
     but its I/O."""
 
     def __init__(
@@ -96,10 +96,10 @@ class WriterBase:
         # Frames the worker has answered for (read into its encoder): a progress count
         # the worker reports, updated as each answer arrives (on the sender's thread).
         self.frames_received = 0
-        self._staging: list[Staging | None] = [None, None]
-        self._regions: FdRegions | None = None  # the fd route, when the client has it
-        self._turn = 0  # the staging segment the next host chunk goes into
-        self._error: BaseException | None = None  # the first refused chunk's, raised again
+        self._buffers: list[ChunkBuffer | None] = [None, None]
+        self._regions: FdRegions | None = None  # the fd handover, when the client has it
+        self._turn = 0  # the buffer the next host chunk goes into
+        self._error: Exception | None = None  # the first refused chunk's, raised again
         self._ended = False
         self._instance: str | None = None  # the worker process holding the session
         self._fallback = local
@@ -111,7 +111,7 @@ class WriterBase:
         if self._ended:
             raise ValueError("the writer is closed")
 
-    def _failed(self, exc: BaseException) -> None:
+    def _failed(self, exc: Exception) -> None:
         if self._error is None:
             self._error = exc
 
@@ -182,19 +182,19 @@ class WriterBase:
         return stream_lost(exc.message) if exc.code == "unavailable" else exc
 
     def _stage(self, frames: Frames) -> Any:
-        """Copy ``frames`` into this turn's staging segment; its descriptor."""
-        segment = self._staging[self._turn]
+        """Copy ``frames`` into this turn's chunk buffer; its descriptor."""
+        segment = self._buffers[self._turn]
         if segment is None or segment.nbytes < frames.nbytes:
             if segment is not None:
                 segment.close()
-            segment = self._staging_for(frames.nbytes)
-            self._staging[self._turn] = segment
+            segment = self._buffer_for(frames.nbytes)
+            self._buffers[self._turn] = segment
         segment.write(frames)
         self._turn ^= 1
         return segment.source(frames)
 
-    def _staging_for(self, nbytes: int) -> Staging:
-        """A registered memfd on the fd route; a segment without one, or when the worker
+    def _buffer_for(self, nbytes: int) -> ChunkBuffer:
+        """A registered memfd on the fd handover; a segment without one, or when the worker
         has no room for another region."""
         if self._regions is not None:
             with contextlib.suppress(*NO_ROOM):
@@ -203,7 +203,7 @@ class WriterBase:
 
     def _release(self) -> None:
         self._ended = True
-        for i, segment in enumerate(self._staging):
+        for i, segment in enumerate(self._buffers):
             if segment is not None:
                 segment.close()
-                self._staging[i] = None
+                self._buffers[i] = None

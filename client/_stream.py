@@ -1,13 +1,13 @@
 """Writing one video while it is generated: the client side of a stream session.
 
 ``write(frames)`` hands over a chunk and returns as soon as it is on its way:
-host frames are copied into one of two staging segments, reused in turn, and
+host frames are copied into one of two chunk buffers, reused in turn, and
 the request for the chunk goes out on a thread (a task, for the async writer)
-while the producer makes the next chunk. A staging segment is written again
+while the producer makes the next chunk. A chunk buffer is written again
 only once the worker has answered the chunk that last used it (the worker
 answers once it has read a chunk), so the producer's extra memory is two
 chunks, whatever the length of the video. The segments are sealed memfds
-registered as regions over the fd socket when the client has the fd route
+registered as regions over the fd socket when the client has the fd handover
 (:attr:`Client.host_route`), named shm segments otherwise. CUDA chunks go as IPC handles and
 ``write`` waits for their answer: the producer owns that memory again only then.
 
@@ -48,14 +48,14 @@ class VideoWriter(WriterBase):
     def __init__(
         self,
         send: Send,
-        route: Callable[[], FdRegions | None],
+        regions: Callable[[], FdRegions | None],
         local: LocalFallback | None,
         path: str | os.PathLike[str],
         **options: Any,
     ):
         super().__init__(local, path, **options)
         self._send = send
-        self._route = route
+        self._regions_of = regions
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="framewire-stream")
         # Host chunks on their way, oldest first; the oldest uses this turn's segment.
         self._in_flight: deque[Future[StreamChunkAck]] = deque()
@@ -67,7 +67,7 @@ class VideoWriter(WriterBase):
         chunk = self._describe(frames)
         if self.id is None and self._local is None:
             try:
-                self._regions = self._route()
+                self._regions = self._regions_of()
                 self._opened(self._send(self._open_call(chunk)))
             except Unavailable as exc:
                 self._open_here(exc, chunk)
@@ -129,12 +129,9 @@ class VideoWriter(WriterBase):
 
     def _collect(self, *, wait: bool, keep: int = 0) -> None:
         while len(self._in_flight) > keep and (wait or self._in_flight[0].done()):
-            future = self._in_flight[0]
             try:
-                future.result()
-            except BaseException as exc:
-                if not future.done():
-                    raise  # the wait was interrupted (Ctrl-C): the caller's, not the chunk's
+                self._in_flight[0].result()
+            except Exception as exc:  # the chunk's refusal; Ctrl-C in the wait goes on up
                 self._failed(exc)
             self._in_flight.popleft()
 
@@ -173,14 +170,14 @@ class AsyncVideoWriter(WriterBase):
     def __init__(
         self,
         send: AsyncSend,
-        route: Callable[[], Awaitable[FdRegions | None]],
+        regions: Callable[[], Awaitable[FdRegions | None]],
         local: LocalFallback | None,
         path: str | os.PathLike[str],
         **options: Any,
     ):
         super().__init__(local, path, **options)
         self._send = send
-        self._route = route
+        self._regions_of = regions
         self._in_flight: deque[asyncio.Task[StreamChunkAck]] = deque()
         self._order = asyncio.Lock()  # chunks leave in the order they were written
 
@@ -191,7 +188,7 @@ class AsyncVideoWriter(WriterBase):
         chunk = self._describe(frames)
         if self.id is None and self._local is None:
             try:
-                self._regions = await self._route()
+                self._regions = await self._regions_of()
                 self._opened(await self._send(self._open_call(chunk)))
             except Unavailable as exc:
                 await asyncio.to_thread(self._open_here, exc, chunk)
@@ -261,9 +258,7 @@ class AsyncVideoWriter(WriterBase):
         while len(self._in_flight) > keep and (wait or self._in_flight[0].done()):
             try:
                 await self._in_flight[0]
-            except BaseException as exc:
-                if _cancelling():
-                    raise  # this call was cancelled, not the chunk's request
+            except Exception as exc:  # the chunk's refusal; a cancellation goes on up
                 self._failed(exc)
             self._in_flight.popleft()
 
@@ -291,9 +286,3 @@ class AsyncVideoWriter(WriterBase):
             await self.close()
         else:
             await self.abort()
-
-
-def _cancelling() -> bool:
-    """Whether the running task is being cancelled (not merely the task it awaited)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0

@@ -122,7 +122,7 @@ def contiguous_bytes(video: Any) -> memoryview | None:
 
 class MappedBuffer:
     """A writable shared mapping (``_map``) that a caller's bytes are copied into: the
-    memfds of the fd route and the named segments share it."""
+    memfds of the fd handover and the named segments share it."""
 
     _map: Any
 

@@ -5,7 +5,7 @@ written, so with no worker its client encodes here, with the worker's own parts:
 the same conversion, argv and atomic output, so the same bytes (x264's thread
 count follows this process's CPUs, as it would the worker's: pin ``threads`` for
 the same bytes everywhere). Frames are read where they lie and converted in
-bounded chunks, never materialized whole, so there is no reference route to fall
+bounded chunks, never materialized whole, so there is no fallback route to fall
 back to: a failed encode fails.
 
 The client loads this module by name (``framewire.service.LocalEncoder``), only
@@ -61,7 +61,7 @@ class LocalEncoder:
 
     def __init__(self, output_root: str | os.PathLike[str] | None = None):
         self.output_root = output_root
-        # fallback=False: the reference route materializes the whole clip.
+        # fallback=False: the fallback route materializes the whole clip.
         self.encoder = Encoder(fallback=False)
 
     def resolve(self, path: str | os.PathLike[str]) -> Path:

@@ -54,7 +54,7 @@ def temp_name() -> str:
 
 
 @dataclass(frozen=True)
-class Staged:
+class TempOutput:
     """Where an output is written before it is renamed into place."""
 
     fd: int  # the private directory: a child process must inherit it to use ``path``
@@ -116,7 +116,7 @@ def _discard(directory: int, temp: str, fd: int) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output(directory: int, name: str) -> Iterator[Staged]:
+def atomic_output(directory: int, name: str) -> Iterator[TempOutput]:
     """Yield where to write ``name``; on success it is renamed into ``directory``.
 
     ``directory`` is an open directory fd that stays the caller's. On any
@@ -127,7 +127,7 @@ def atomic_output(directory: int, name: str) -> Iterator[Staged]:
     except OSError as exc:
         raise _write_error(exc, "cannot create a file in the output directory") from exc
     try:
-        yield Staged(fd, name)
+        yield TempOutput(fd, name)
         try:
             written = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             try:

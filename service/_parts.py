@@ -14,6 +14,7 @@ from framewire.service._convert import kernels
 from framewire.service._decode.decoder import ReferenceDecoder
 from framewire.service._encode.encoder import Encoder
 from framewire.service._encode.jobs import EncodeJobs
+from framewire.service._encode.resources import EncodeResources
 from framewire.service._encode.scheduler import Scheduler
 from framewire.service._fdsocket.server import FdServer
 from framewire.service._ops.metrics import Metrics
@@ -31,6 +32,7 @@ class Parts:
     cuda: CudaRuntime | None  # None without a usable GPU: cuda_ipc sources are refused
     regions: RegionRegistry
     scheduler: Scheduler
+    resources: EncodeResources  # what jobs and sessions both run on
     jobs: EncodeJobs
     sessions: Sessions
     fd_server: FdServer
@@ -54,8 +56,9 @@ class Parts:
         scheduler = Scheduler(settings.cpu_slots, settings.max_queue)
         if cuda is not None:
             scheduler.gpu_budget = cuda.gpu_budget(scheduler.gpu_held)
-        jobs = EncodeJobs(settings, encoder, regions, metrics, scheduler, cuda)
-        sessions = Sessions(settings, jobs, metrics)
+        resources = EncodeResources(settings, encoder, regions, scheduler, cuda)
+        jobs = EncodeJobs(settings, resources, metrics)
+        sessions = Sessions(settings, resources, metrics)
         decoder = ReferenceDecoder(settings, encoder.ffmpeg, metrics)
         instance = secrets.token_hex(8)
         fd_server = FdServer(settings, decoder, regions, metrics, instance)
@@ -66,6 +69,7 @@ class Parts:
             cuda,
             regions,
             scheduler,
+            resources,
             jobs,
             sessions,
             fd_server,

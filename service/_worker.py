@@ -69,7 +69,7 @@ class Worker:
         if settings.output_urls:
             # boto3's import and client (half a second) are paid here, not by the first upload.
             threading.Thread(
-                target=parts.jobs.uploads.warm, name="framewire-s3", daemon=True
+                target=parts.resources.uploads.warm, name="framewire-s3", daemon=True
             ).start()
         for key in remove_abandoned_segments():
             log.warning("removed shm segment %s, left by a client that was killed", key)
@@ -101,7 +101,7 @@ class Worker:
             await parts.fd_server.close()
         finally:
             parts.regions.close()
-            parts.jobs.close()
+            parts.resources.close()
 
     def run(self) -> None:
         """Bind, build, serve until SIGTERM/SIGINT, stop. Raises ``AlreadyServed`` (another

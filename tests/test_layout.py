@@ -215,6 +215,57 @@ def test_the_layer_checks_see_what_they_forbid():
     ]
 
 
+CANCELLING = {"BaseException", "CancelledError", "KeyboardInterrupt", "GeneratorExit"}
+
+
+def swallowed(source: str) -> list[int]:
+    """Lines where a cancellation (or Ctrl-C) can be caught and not raised again: a bare
+    ``except``, or one naming BaseException or CancelledError, with no ``raise`` in it,
+    and ``contextlib.suppress`` of one of them."""
+
+    def names(node: ast.expr | None) -> set[str]:
+        if node is None:
+            return {"BaseException"}
+        elts = node.elts if isinstance(node, ast.Tuple) else [node]
+        return {e.attr if isinstance(e, ast.Attribute) else getattr(e, "id", "") for e in elts}
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ExceptHandler):
+            caught = names(node.type) & CANCELLING
+            if caught and not any(isinstance(n, ast.Raise) for n in ast.walk(node)):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "suppress":
+            lines.extend(node.lineno for arg in node.args if names(arg) & CANCELLING)
+    return sorted(lines)
+
+
+def test_cancellation_is_never_swallowed():
+    """Cleanup that must go on catches Exception; what catches more raises it again."""
+    found = {m: n for m, p in modules().items() if (n := swallowed(p.read_text()))}
+    assert found == {}
+
+
+def test_the_cancellation_check_sees_a_swallow():
+    source = """
+try:
+    pass
+except BaseException:
+    log()
+try:
+    pass
+except (OSError, asyncio.CancelledError):
+    raise
+with contextlib.suppress(asyncio.CancelledError):
+    pass
+try:
+    pass
+except:
+    pass
+"""
+    assert swallowed(source) == [4, 10, 14]
+
+
 def test_no_module_is_over_400_lines():
     long = {
         m: n for m, p in modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES

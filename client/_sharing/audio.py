@@ -1,4 +1,4 @@
-"""A caller's waveform handed over like frames: a sealed memfd on the fd route, else a
+"""A caller's waveform handed over like frames: a sealed memfd on the fd handover, else a
 named shm segment. Audio is small next to video, so it is always copied once."""
 
 from __future__ import annotations

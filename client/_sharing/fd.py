@@ -184,7 +184,7 @@ class Memfd(MappedBuffer, Closing):
         """Copy ``frames``' bytes to the start. Into fresh pages a contiguous clip goes
         with ``pwrite``: the kernel fills each new page whole, where a store through the
         mapping faults it in and zeroes it first (0.05 against 0.085 CPU-s for 140 MB).
-        Pages already there (a staging segment reused) are written through the mapping."""
+        Pages already there (a chunk buffer reused) are written through the mapping."""
         raw = contiguous_bytes(frames.video) if self._fresh else None
         self._fresh = False
         if raw is None:

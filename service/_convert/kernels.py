@@ -1,7 +1,7 @@
 """Compiled float32 -> rgb24 kernels: each source value read once, each byte written once.
 
 The reference conversion ``(x * 255).clamp(0, 255).to(torch.uint8)`` then a
-permute to (T, H, W, 3) takes four passes over a block on the pure route
+permute to (T, H, W, 3) takes four passes over a block on the pure kernel
 (scale, clamp, cast, interleave). These kernels do it in one, in the same
 float32 arithmetic: one multiply by 255.0f (exact IEEE single precision, no
 fused operations), a clamp written as two comparisons, a truncating cast.
@@ -11,13 +11,13 @@ NaN is the one value whose bytes are not fixed by the formula: ``clamp``
 keeps it, and the cast of NaN to uint8 is left to the platform (x86 gives 0,
 for torch's kernels and these alike). The kernel maps it to 0 outright;
 tests/service/encode/test_kernels.py compares every value class (NaN, infinities,
-signed zeros, values a rounding step off each integer) with the pure route on
+signed zeros, values a rounding step off each integer) with the pure kernel on
 the machine that runs them, and the byte-exactness tests run with both.
 
 numba compiles them on first use (``cache=True``: later processes load the
 machine code from ``__pycache__``, or ``NUMBA_CACHE_DIR``); without numba, or
-with ``FRAMEWIRE_KERNEL=pure``, the pure route runs with the same bytes.
-float16 and bfloat16 always take the pure route: their arithmetic rounds to
+with ``FRAMEWIRE_KERNEL=pure``, the pure kernel runs with the same bytes.
+float16 and bfloat16 always take the pure kernel: their arithmetic rounds to
 the narrow type after the multiply, which the kernels do not model.
 """
 
@@ -47,15 +47,15 @@ def use(mode: Mode) -> None:
     _mode, _failed = mode, False
 
 
-def route() -> str:
-    """Which route float32 takes: ``compiled`` or ``pure`` (for /v1/info; compiles nothing)."""
+def active() -> str:
+    """Which kernel float32 takes: ``compiled`` or ``pure`` (for /v1/info; compiles nothing)."""
     if _mode == "pure" or _failed:
         return "pure"
     return "compiled" if importlib.util.find_spec("numba") is not None else "pure"
 
 
 def kernels() -> tuple[Any, Any] | None:
-    """(planar, interleaved) compiled kernels, or None for the pure route."""
+    """(planar, interleaved) compiled kernels, or None for the pure kernel."""
     global _kernels, _failed
     if _mode == "pure" or _failed:
         return None
@@ -68,7 +68,7 @@ def kernels() -> tuple[Any, Any] | None:
                     if _mode == "compiled":
                         raise
                     _failed = True
-                    log.info("numba is not installed (%s): float32 takes the pure route", exc)
+                    log.info("numba is not installed (%s): float32 takes the pure kernel", exc)
     return _kernels
 
 

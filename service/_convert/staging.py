@@ -101,7 +101,7 @@ class ChunkWriter:
 
     def open(self, staging: Staging | None, frames: int) -> None:
         """Before the first chunk; ``frames`` is the most any chunk holds. No staging: the
-        destinations are plain host memory (the reference route)."""
+        destinations are plain host memory (the fallback route)."""
 
     def write(self, take: Callable[[], torch.Tensor], t0: int, t1: int) -> None:
         raise NotImplementedError

@@ -1,8 +1,8 @@
 """One output: frames in, a complete MP4 out, byte-identical to the imageio path.
 
-The fast route streams converted chunks from a staging memfd into ffmpeg with
+The stream route streams converted chunks from a staging memfd into ffmpeg with
 ``sendfile``. If it cannot run or breaks mid-way, the output is redone on the
-reference route (the whole clip materialized and piped to the same argv), which
+fallback route (the whole clip materialized and piped to the same argv), which
 produces the same bytes. Either way the file appears only when complete.
 """
 
@@ -43,7 +43,7 @@ from framewire.service._convert.staging import ChunkWriter, slot_frames
 from framewire.service._encode.params import EncodeParams, check_geometry, check_params
 from framewire.service._encode.profiles import profile_writer
 from framewire.service._encode.pump import Progress, Pump, chunk_spans, send_in_pieces
-from framewire.service._outputs import Staged, atomic_output, open_directory, sha256_of
+from framewire.service._outputs import TempOutput, atomic_output, open_directory, sha256_of
 from framewire.service._sources.audio import MemoryAudio
 from framewire.service._sources.frames import FrameSource, Geometry
 
@@ -101,7 +101,7 @@ class Encoder:
         return params.threads or x264_auto_threads(height)
 
     def frames_per_chunk(self, g: Geometry) -> int:
-        """Frames converted at once on the streaming route: within the chunk budget and
+        """Frames converted at once on the stream route: within the chunk budget and
         one staging slot."""
         return min(
             chunk_frames(self.chunk_bytes, g.height, g.width, g.dtype.itemsize),
@@ -127,7 +127,7 @@ class Encoder:
 
         ``directory``: an open fd for ``path``'s directory (the worker's, opened
         without following links); by default the directory is opened here.
-        ``inspect`` runs on the finished file (by its staged path) before it is
+        ``inspect`` runs on the finished file (by its path in the private directory) before it is
         renamed into place, and may raise to refuse it. ``progress`` is told the
         frames fed to ffmpeg so far, piece by piece (from 0 again if the reference
         route redoes the output).
@@ -192,25 +192,25 @@ class Encoder:
         started = time.perf_counter()
         route: Route = "stream"
         fast_error: str | None = None
-        with atomic_output(directory, path.name) as staged:
+        with atomic_output(directory, path.name) as temp_out:
             try:
-                self._stream(source, staged, params, threads, check, progress)
+                self._stream(source, temp_out, params, threads, check, progress)
             except (Cancelled, BadRequest):
-                raise  # the caller's fault or wish: the reference route would not help
+                raise  # the caller's fault or wish: the fallback route would not help
             except (MediaError, OSError) as exc:
                 # ffmpeg refusing its input or output (status > 0: bad audio, full disk)
-                # would refuse the reference route too; a killed ffmpeg or a fast-path
+                # would refuse the fallback route too; a killed ffmpeg or a stream-route
                 # syscall failing would not.
                 retry = isinstance(exc, OSError) or exc.code == "ffmpeg_killed"
                 if not (self.fallback and retry):
                     raise
                 check()
                 route, fast_error = "fallback", str(exc)
-                self._reference(source, staged, params, check, progress)
+                self._fallback_route(source, temp_out, params, check, progress)
             encode_ms = (time.perf_counter() - started) * 1e3
-            size, sha256 = staged.digest()
+            size, sha256 = temp_out.digest()
             if inspect is not None:
-                inspect(staged.path)
+                inspect(temp_out.path)
         return Encoded(
             path=path,
             bytes=size,
@@ -225,16 +225,16 @@ class Encoder:
         )
 
     def argv(
-        self, staged: Staged, width: int, height: int, params: EncodeParams, **kw: object
+        self, temp_out: TempOutput, width: int, height: int, params: EncodeParams, **kw: object
     ) -> list[str]:
-        """The encode command writing ``staged`` (``threads=``, ``stdin_name=`` pass on):
+        """The encode command writing ``temp_out`` (``threads=``, ``stdin_name=`` pass on):
         ffmpeg's, or the PyAV child's for the ``vllm-omni`` profile."""
         audio = None if params.audio is None else _audio(params)
         common = {
             "width": width,
             "height": height,
             "fps": params.fps,
-            "output": staged.path,
+            "output": temp_out.path,
             "quality": params.quality,
             "preset": params.resolved_preset,
         }
@@ -259,16 +259,16 @@ class Encoder:
     def _stream(
         self,
         source: FrameSource,
-        staged: Staged,
+        temp_out: TempOutput,
         params: EncodeParams,
         threads: int,
         check: Callable[[], None],
         progress: Progress | None = None,
     ) -> None:
         g = source.geometry
-        argv = self.argv(staged, g.width, g.height, params, threads=threads)
+        argv = self.argv(temp_out, g.width, g.height, params, threads=threads)
         per_chunk = self.frames_per_chunk(g)
-        with self.start(argv, staged, params) as ff:
+        with self.start(argv, temp_out, params) as ff:
             pipe = ff.input
             assert pipe is not None
             try:
@@ -288,10 +288,10 @@ class Encoder:
                 raise cut_short(ff, check) from exc
             wait_for(ff, check)
 
-    def _reference(
+    def _fallback_route(
         self,
         source: FrameSource,
-        staged: Staged,
+        temp_out: TempOutput,
         params: EncodeParams,
         check: Callable[[], None] = lambda: None,
         progress: Progress | None = None,
@@ -305,7 +305,7 @@ class Encoder:
         frames = torch.empty((g.frames, g.height, g.width, 3), dtype=torch.uint8)
         writer = self.writer(source, params) or source.chunk_writer()
         if writer is not None:
-            # The source's own converter (on its GPU), at the streaming route's chunk size:
+            # The source's own converter (on its GPU), at the stream route's chunk size:
             # the GPU memory admitted for this encode was counted at that size.
             writer.open(None, self.frames_per_chunk(g))
             try:
@@ -321,8 +321,10 @@ class Encoder:
                 chunk, owned = source.read(t0, t1)
                 convert_into(chunk, g.layout, frames[t0:t1], inplace=owned)
         check()
-        argv = self.argv(staged, g.width, g.height, params, threads=params.threads, stdin_name="-")
-        with self.start(argv, staged, params) as ff:
+        argv = self.argv(
+            temp_out, g.width, g.height, params, threads=params.threads, stdin_name="-"
+        )
+        with self.start(argv, temp_out, params) as ff:
             pipe = ff.input
             assert pipe is not None
             data = frames.numpy().data.cast("B")
@@ -342,13 +344,17 @@ class Encoder:
         return profile_writer(source, params.profile, params.value_range)
 
     def start(
-        self, argv: list[str], staged: Staged, params: EncodeParams, live_fd: int | None = None
+        self,
+        argv: list[str],
+        temp_out: TempOutput,
+        params: EncodeParams,
+        live_fd: int | None = None,
     ) -> FfmpegProcess:
         """ffmpeg running ``argv``, frames to be fed on its stdin (``live_fd``: the pipe
         its live view goes into, when ``argv`` has one)."""
         # The private directory's fd (and the audio's): ffmpeg names them through
         # /proc/self/fd, so it opens exactly what was judged.
-        fds = [staged.fd] if params.audio is None else [staged.fd, _audio(params).fd]
+        fds = [temp_out.fd] if params.audio is None else [temp_out.fd, _audio(params).fd]
         fds += [] if live_fd is None else [live_fd]
         # cwd "/": nothing a child resolves relative to it (an empty PYTHONPATH entry)
         # lies in whatever directory the worker was started from.

@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
 from framewire.core.errors import BadRequest, Cancelled, FramewireError, Unavailable
@@ -30,20 +30,16 @@ from framewire.service._access.paths import (
     remove_made,
 )
 from framewire.service._access.peers import TRUSTED, Access
-from framewire.service._encode.encoder import Encoder
-from framewire.service._encode.prepare import Prepared, Preparer
+from framewire.service._encode.prepare import Prepared
+from framewire.service._encode.resources import EncodeResources
 from framewire.service._encode.results import check_for, failed, written
-from framewire.service._encode.scheduler import Scheduler
+from framewire.service._ops.disconnect import watch_caller
 from framewire.service._ops.metrics import Metrics
-from framewire.service._ops.threads import in_thread
 from framewire.service._settings import Settings
-from framewire.service._sources.regions import RegionRegistry
-from framewire.service._store.uploads import Uploads
 
 if TYPE_CHECKING:
-    from framewire.service._sources.cuda_ipc import CudaRuntime
+    pass
 
-DISCONNECT_POLL_S = 0.1
 STOP_WAIT_S = 10.0  # how long a shutdown waits for stopped requests to send their answers
 SHUTTING_DOWN = "the worker is shutting down; the encode was stopped"
 
@@ -52,26 +48,14 @@ T = TypeVar("T")
 
 
 class EncodeJobs:
-    def __init__(
-        self,
-        settings: Settings,
-        encoder: Encoder,
-        regions: RegionRegistry,
-        metrics: Metrics,
-        scheduler: Scheduler,
-        cuda: CudaRuntime | None = None,
-    ):
+    def __init__(self, settings: Settings, resources: EncodeResources, metrics: Metrics):
         self.settings = settings
-        self.encoder = encoder
+        self.resources = resources
+        self.encoder = resources.encoder
+        self.scheduler = resources.scheduler
+        self.prepare = resources.prepare
+        self.uploads = resources.uploads
         self.metrics = metrics
-        self.scheduler = scheduler
-        self.uploads = Uploads(settings)
-        self.prepare = Preparer(settings, regions, self.uploads, cuda)
-        # Every admitted encode has its thread; the scheduler, not the pool, limits them.
-        self.pool = ThreadPoolExecutor(
-            max(4, settings.cpu_slots + 2), thread_name_prefix="framewire-encode"
-        )
-        self.stopping = False
         self.draining = False  # a shutdown began: no new encodes
         self._cancels: set[threading.Event] = set()  # one per request in flight
         self._requests: set[asyncio.Task[object]] = set()  # the tasks serving them
@@ -104,7 +88,7 @@ class EncodeJobs:
         paths = [o.path for o in request.outputs]
         if len(set(paths)) != len(paths):
             raise BadRequest("two outputs of one request name the same path", code="duplicate_path")
-        if self.stopping or self.draining:
+        if self.resources.stopping or self.draining:
             raise Unavailable("the worker is shutting down", code="shutting_down")
         cancel = threading.Event()
         me = asyncio.current_task()
@@ -164,7 +148,9 @@ class EncodeJobs:
             tasks = [
                 asyncio.create_task(self._run_one(job, request.validate_, cancel)) for job in jobs
             ]
-            watcher = asyncio.create_task(self._watch(is_disconnected, cancel, tasks))
+            watcher = asyncio.create_task(
+                watch_caller(is_disconnected, cancel, functools.partial(_stop_all, cancel, tasks))
+            )
             return False, list(await asyncio.gather(*tasks))
         except asyncio.CancelledError:
             # Only the server cancels the request's own task: its grace period ran out.
@@ -242,29 +228,7 @@ class EncodeJobs:
     async def _in_thread(
         self, cancel: threading.Event, job: Prepared, validate: bool
     ) -> OutputResult:
-        return await self.in_pool(cancel, self._encode_one, job, validate, cancel)
-
-    async def in_pool(self, cancel: threading.Event, fn: Callable[..., T], *args: object) -> T:
-        """Run ``fn(*args)`` on the encode pool. If this task is cancelled, ``cancel`` is set
-        and the call awaited: what it reads must stay open until the thread lets go of
-        it. A call that completed anyway is reported as done."""
-        if self.stopping:
-            raise Unavailable("the worker is shutting down", code="shutting_down")
-        return await in_thread(self.pool, cancel, fn, *args)
-
-    async def _watch(
-        self,
-        is_disconnected: Callable[[], Awaitable[bool]],
-        cancel: threading.Event,
-        tasks: list[asyncio.Task[tuple[int, OutputResult]]],
-    ) -> None:
-        while not cancel.is_set():
-            if await is_disconnected():
-                cancel.set()  # running encodes stop at their next chunk
-                for task in tasks:
-                    task.cancel()  # waiting ones leave the queue
-                return
-            await asyncio.sleep(DISCONNECT_POLL_S)
+        return await self.resources.in_pool(cancel, self._encode_one, job, validate, cancel)
 
     async def stop(self, wait: float = STOP_WAIT_S) -> None:
         """Stop every encode still running or waiting: the grace period is over.
@@ -273,7 +237,7 @@ class EncodeJobs:
         temp files go with their threads, and their requests get to send a 503 before
         the pool is shut down.
         """
-        self.stopping = True
+        self.resources.stopping = True
         for cancel in list(self._cancels):
             cancel.set()
         killed = kill_running()
@@ -283,12 +247,15 @@ class EncodeJobs:
         pending = {t for t in self._requests if t is not current and not t.done()}
         if pending:
             await asyncio.wait(pending, timeout=wait)
-        await asyncio.to_thread(self.pool.shutdown, wait=True, cancel_futures=True)
-        await asyncio.to_thread(self.uploads.close)
+        await self.resources.aclose()
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        self.uploads.close()
+
+def _stop_all(cancel: threading.Event, tasks: list[asyncio.Task[tuple[int, OutputResult]]]) -> None:
+    """The caller went away: running encodes stop at their next chunk, waiting ones leave
+    the queue."""
+    cancel.set()
+    for task in tasks:
+        task.cancel()
 
 
 def _after_stop(

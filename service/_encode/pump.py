@@ -258,7 +258,7 @@ class Pump(Closing):
             # The converter writes into the mapping: it must be done before anything goes.
             if pending is not None:
                 pending.cancel()
-                with contextlib.suppress(BaseException):
+                with contextlib.suppress(Exception):  # its failure is already this one's
                     pending.result()
             writer.close()
         self._next_slot = slot

@@ -24,7 +24,8 @@ log = logging.getLogger("framewire.outputs")
 
 @dataclass
 class Check:
-    """Validates the staged file before its rename (a file that fails never appears)."""
+    """Validates the output in its private directory, before its rename (a file that
+    fails never appears)."""
 
     frames: int
     width: int
@@ -35,11 +36,11 @@ class Check:
     info: MediaInfo | None = field(default=None, init=False)
     ms: float = field(default=0.0, init=False)
 
-    def __call__(self, staged: str) -> None:
+    def __call__(self, temp_out: str) -> None:
         t0 = time.perf_counter()
         try:
             self.info = validate_output(
-                Path(staged),
+                Path(temp_out),
                 frames=self.frames,
                 width=self.width,
                 height=self.height,
@@ -66,7 +67,7 @@ def written(
     """The answer for a complete output (counted in the metrics)."""
     if encoded.fast_path_error is not None:
         log.warning(
-            "output %s was redone on the reference route",
+            "output %s was redone on the fallback route",
             encoded.path,
             extra={"fast_path_error": encoded.fast_path_error},
         )

@@ -54,7 +54,7 @@ def info(parts: WorkerParts) -> dict[str, object]:
             "max_decode_bytes": settings.max_decode_bytes,
             "cgroup_cpu_quota": cgroup_cpu_limit(),
         },
-        "conversion": kernels.route(),  # float32 -> rgb24: "compiled" or "pure"
+        "conversion": kernels.active(),  # float32 -> rgb24: "compiled" or "pure"
         # The engine profiles, and the PyAV build the vllm-omni one encodes with (its
         # bytes equal the engine's only on the same build); None without PyAV.
         "profiles": list(PROFILES),

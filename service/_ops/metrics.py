@@ -25,7 +25,7 @@ class Metrics:
         self.bytes_written = Counter("framewire_bytes_written", "MP4 bytes written", registry=r)
         self.outputs = Counter("framewire_outputs", "Outputs by result", ["result"], registry=r)
         self.fallbacks = Counter(
-            "framewire_fallbacks", "Outputs redone on the reference route", registry=r
+            "framewire_fallbacks", "Outputs redone on the fallback route", registry=r
         )
         self.in_flight = Gauge("framewire_encodes_in_flight", "Encodes running now", registry=r)
         self.queue_waiting = Gauge(

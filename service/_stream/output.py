@@ -6,9 +6,9 @@ concatenated frames whatever the chunking. Two differences, both because a
 chunk's buffer is the producer's again once its request is answered:
 
 - Frames always go through staging, never straight from the source's pages
-  (the one-shot route's zero-copy ``sendfile`` from a segment leaves the pipe
+  (a one-shot encode's zero-copy ``sendfile`` from a segment leaves the pipe
   holding references to pages the producer would then overwrite).
-- There is no fallback to the reference route: the frames already sent exist
+- There is no fallback route: the frames already sent exist
   nowhere else any more. A failed ffmpeg fails the session.
 """
 

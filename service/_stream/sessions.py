@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -39,9 +40,10 @@ from framewire.core.wire import OutputResult, StreamChunk, StreamOpen, StreamSta
 from framewire.service._access.paths import keep_made, remove_made
 from framewire.service._access.peers import Access
 from framewire.service._access.signed import ViewSigner
-from framewire.service._encode.jobs import EncodeJobs
 from framewire.service._encode.params import check_geometry
+from framewire.service._encode.resources import EncodeResources
 from framewire.service._encode.results import check_for, failed, written
+from framewire.service._ops.disconnect import watch_caller
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
 from framewire.service._sources.frames import FrameSource, Geometry
@@ -52,16 +54,15 @@ from framewire.service._stream.session import Session, not_open
 
 log = logging.getLogger("framewire.streams")
 
-DISCONNECT_POLL_S = 0.1
 CLOSED_KEPT = 4096  # ended sessions remembered, to answer 409 stream_closed rather than 404
 
 
 class Sessions:
     """Every open session of the worker, and the reaper of idle ones."""
 
-    def __init__(self, settings: Settings, jobs: EncodeJobs, metrics: Metrics):
+    def __init__(self, settings: Settings, resources: EncodeResources, metrics: Metrics):
         self.settings = settings
-        self.jobs = jobs
+        self.resources = resources
         self.metrics = metrics
         self.draining = False
         self._open: dict[str, Session] = {}
@@ -73,7 +74,7 @@ class Sessions:
     # --- open ---------------------------------------------------------------------------------
 
     async def open(self, spec: StreamOpen, access: Access) -> Session:
-        if self.draining or self.jobs.stopping:
+        if self.draining or self.resources.stopping:
             raise Unavailable("the worker is shutting down", code="shutting_down")
         limit = self.settings.max_streams
         if len(self._open) >= limit:
@@ -85,7 +86,7 @@ class Sessions:
         stack = contextlib.AsyncExitStack()
         made: list[Path] = []
         try:
-            prepare = self.jobs.prepare
+            prepare = self.resources.prepare
             path, params, url = await prepare.judge_options(spec, access, stack)
             check_geometry(params, spec.width, spec.height, spec.dtype)
             if spec.live and params.profile == "vllm-omni":
@@ -160,19 +161,20 @@ class Sessions:
             session.touch()
             refuse_misfit(session.received, session.geometry, session.spec, chunk)
             if session.output is None:
-                self.jobs.scheduler.admit(1)  # a full queue is a 429 to retry, not an end
+                self.resources.scheduler.admit(1)  # a full queue is a 429 to retry, not an end
             # Watched from the start: a producer gone while the chunk waits for
             # admission ends the wait too.
-            watcher = asyncio.create_task(self._watch(is_disconnected, session))
+            gone = functools.partial(session.stop, "client")  # the session is aborted
+            watcher = asyncio.create_task(watch_caller(is_disconnected, session.cancel, gone))
             try:
                 async with contextlib.AsyncExitStack() as held:
-                    source = await self.jobs.prepare.open_source(chunk.source, access, held)
+                    source = await self.resources.prepare.open_source(chunk.source, access, held)
                     if session.output is None:
                         await self._start(session, source)
                     assert session.output is not None
                     if session.live is not None:
                         session.live.handed(session.received + source.geometry.frames)
-                    await self.jobs.in_pool(
+                    await self.resources.in_pool(
                         session.cancel, session.output.feed, source, session.check
                     )
             except (FramewireError, asyncio.CancelledError) as exc:
@@ -191,10 +193,10 @@ class Sessions:
 
     async def _start(self, session: Session, source: FrameSource) -> None:
         """The first chunk: admission (held until the session ends), then ffmpeg."""
-        encoder = self.jobs.encoder
+        encoder = self.resources.encoder
         threads = encoder.threads_for(session.geometry.height, session.params)
         gpu = encoder.gpu_bytes(source)
-        await self._admitted(session, self.jobs.scheduler.hold(threads, gpu, source.gpu_index))
+        await self._admitted(session, self.resources.scheduler.hold(threads, gpu, source.gpu_index))
         session.started = time.time()
         session.output = await asyncio.to_thread(
             StreamOutput,
@@ -229,15 +231,6 @@ class Sessions:
         entered.result()  # granted (released by the session's end), or its error
         session.check()
 
-    async def _watch(
-        self, is_disconnected: Callable[[], Awaitable[bool]], session: Session
-    ) -> None:
-        while not session.cancel.is_set():
-            if await is_disconnected():
-                session.stop("client")  # the chunk in progress stops; the session is aborted
-                return
-            await asyncio.sleep(DISCONNECT_POLL_S)
-
     # --- the end ------------------------------------------------------------------------------
 
     async def finish(self, session_id: str) -> tuple[int, OutputResult]:
@@ -264,19 +257,21 @@ class Sessions:
             fps, validate = session.params.fps, session.spec.validate_
             check = check_for(session.received, session.geometry, session.params, validate)
             try:
-                encoded = await self.jobs.in_pool(
+                encoded = await self.resources.in_pool(
                     session.cancel, session.output.finish, session.check, check
                 )
                 result = written(encoded, fps, check, session.started, self.metrics)
                 if session.url is not None:
                     await session.admission.aclose()  # the upload needs no CPU slots
-                    result = await self.jobs.uploads.deliver(
+                    result = await self.resources.uploads.deliver(
                         result, session.path, session.url, session.spec.presign_s, session.cancel
                     )
-            except (FramewireError, asyncio.CancelledError) as exc:
-                error = _as_error(exc)
+            except asyncio.CancelledError as exc:
                 await self._end_by(session, exc)
-                return error.status, failed(session.shown, error)
+                raise
+            except FramewireError as exc:
+                await self._end_by(session, exc)
+                return exc.status, failed(session.shown, exc)
             await self._end(session, "done", None, None)
             self.metrics.outputs.labels("ok").inc()
             return 200, result

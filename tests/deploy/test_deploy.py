@@ -88,7 +88,7 @@ def test_compose_worker_has_a_gpu_its_sockets_on_a_volume_and_read_only_inputs()
 def test_compose_demo_shares_only_the_socket_volume_and_waits_for_it():
     doc = compose()
     worker, demo = doc["services"]["worker"], doc["services"]["demo"]
-    assert "ipc" not in demo and "pid" not in demo  # the fd route needs neither
+    assert "ipc" not in demo and "pid" not in demo  # the fd handover needs neither
     assert demo["depends_on"]["worker"]["condition"] == "service_healthy"
     sockets = str(Path(worker["environment"]["FRAMEWIRE_UDS"]).parent)
     assert _mounts(demo)[sockets] == _mounts(worker)[sockets]

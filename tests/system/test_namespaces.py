@@ -1,7 +1,7 @@
 """A rank in another container: its own IPC, PID and mount namespaces, sharing with the worker
 only the directory that holds the sockets (as two containers share one volume).
 
-The fd route must work there, byte-exact; the named-segment route cannot (the
+The fd handover must work there, byte-exact; the named-segment route cannot (the
 rank's /dev/shm is not the worker's), and must say so with ``shm_not_found``.
 Made with ``unshare`` (root, as in CI); nothing is mocked.
 """
@@ -90,6 +90,6 @@ def test_a_rank_in_another_container_encodes_over_the_fd_socket(workers, tmp_pat
     assert out["stream_sha256"] == expected
     assert sha256(w.outputs / "streamed-from-another-container.mp4") == expected
     assert out["named_segment"] == [404, "shm_not_found"]  # a name in the rank's /dev/shm only
-    assert out["dev_shm"] == []  # the fd route made no name; the named one was unlinked
+    assert out["dev_shm"] == []  # the fd handover made no name; the named one was unlinked
     with w.http() as h:
         assert h.get("/v2/systemsharedmemory/status").json() == []

@@ -102,7 +102,7 @@ def test_ffmpeg_killed_mid_encode(worker, baseline, segments, tmp_path, request)
     faultmatrix.record(
         request,
         fault="ffmpeg killed mid-encode",
-        observed=f"HTTP {status}, `route: {out['route']}`: redone on the reference route",
+        observed=f"HTTP {status}, `route: {out['route']}`: redone on the fallback route",
         output="the complete file; sha256 equal to imageio's",
         afterwards=CLEAN,
     )
@@ -327,7 +327,7 @@ def test_worker_killed_and_restarted(workers, tmp_path, segments, request):
             " removed by the next start"
         ),
         afterwards=(
-            "the same clients use the restarted worker: encode byte-exact (the fd route"
+            "the same clients use the restarted worker: encode byte-exact (the fd handover"
             " reconnected), decode from the worker; nothing left in /dev/shm"
         ),
     )

@@ -234,7 +234,7 @@ def test_status_while_regions_come_and_go():
 
 def test_one_user_cannot_take_every_region_slot(workers, tmp_path):
     """Past its quota a user's registrations are refused; the rank's still go through, and a
-    client refused on the fd route for room hands its frames over as a segment instead."""
+    client refused on the fd handover for room hands its frames over as a segment instead."""
     w = workers.start("--max-regions", "6", "--max-regions-per-owner", "2")
     clip = make_clip(frames=2, height=16, width=16)
     data = raw_bytes(clip)

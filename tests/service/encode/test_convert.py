@@ -120,7 +120,7 @@ def test_strided_blocks_of_a_larger_clip(kernel):
 
 
 def test_the_compiled_kernel_is_the_one_that_ran(kernel):
-    """Not a silent fallback: with numba here the compiled route is really taken."""
+    """Not a silent fallback: with numba here the compiled kernel is really taken."""
     if kernel == "compiled":
         assert kernels.kernels() is not None
     else:

@@ -1,7 +1,7 @@
 """Each engine profile byte-exact with that engine's own save path (tests/support/engines.py).
 
 Frames go through the worker's encoder with small chunks (several per clip), on
-the streaming route and on the fallback, against each engine's steps on the
+the stream route and on the fallback, against each engine's steps on the
 same frames: every dtype the engine takes, odd sizes, 23.976 fps, values out of
 range, fractional qualities, and audio from memory.
 """
@@ -35,7 +35,7 @@ CHUNK = 3 * 30 * 34 * 6  # a few frames a chunk: every clip spans several
 
 
 class _NoStream(Encoder):
-    """The streaming route fails at once: every output is redone on the fallback."""
+    """The stream route fails at once: every output is redone on the fallback."""
 
     def _stream(self, *args: object, **kw: object) -> None:
         raise OSError("injected: the fast path is unavailable")

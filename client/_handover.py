@@ -1,7 +1,7 @@
 """Which way a client's host frames travel: descriptors over the fd socket, else named
 POSIX shm segments (docs/api.md, "How frames travel").
 
-The fd route needs a connection to the worker's fd socket, the same worker that
+The fd handover needs a connection to the worker's fd socket, the same worker that
 answers HTTP. A socket named by the caller (``fd_socket=``, FRAMEWIRE_FD_SOCKET)
 is taken to be that worker's, and tried again on every call until it answers.
 Otherwise the path ``/v1/info`` gives is tried, and used only if the worker
@@ -23,7 +23,7 @@ from framewire.core.fdsocket import default_fd_socket
 RETRY_S = 10.0  # a socket that was not to be had is tried again after this long
 
 
-class HostRoute:
+class Handover:
     def __init__(self, fd_socket: str | os.PathLike[str] | None, timeout: float | None):
         self.fd_socket = fd_socket
         self.timeout = timeout
@@ -65,7 +65,7 @@ class HostRoute:
         return not self.named
 
     def connect(self, info: dict[str, Any] | None) -> None:
-        """Try the fd route (``info``: ``/v1/info``, when :meth:`wants_info`)."""
+        """Try the fd handover (``info``: ``/v1/info``, when :meth:`wants_info`)."""
         path = self.fd_socket or default_fd_socket()
         instance = None if info is None else info.get("instance")
         if info is not None:

@@ -1,4 +1,4 @@
-"""How the client hands host frames over: the fd route when it reaches the worker's fd socket,
+"""How the client hands host frames over: the fd handover when it reaches the worker's fd socket,
 named segments otherwise, and never the wrong worker's socket."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from framewire.client import AsyncClient, Client
-from framewire.client._route import HostRoute
+from framewire.client._handover import Handover
 from framewire.client._sharing import fd as fd_module
 
 from tests.support.media import make_clip, reference_mp4, sha256
@@ -88,10 +88,10 @@ def test_another_workers_socket_is_not_used(workers, tmp_path):
     a, b = workers.start(), workers.start()
     with a.http() as h:
         info = h.get("/v1/info").json()
-    route = HostRoute(None, 60)
+    route = Handover(None, 60)
     route.connect(info | {"sockets": {"fd_socket": str(b.fd_socket)}})
     assert route.name == "shm" and route.settled()  # so callers do not try it again
-    fresh = HostRoute(None, 60)
+    fresh = Handover(None, 60)
     fresh.connect(info)
     assert fresh.name == "fd"
     fresh.close()
@@ -101,9 +101,9 @@ def test_a_named_socket_is_tried_until_a_worker_answers_there(workers, tmp_path)
     root = tmp_path / "later"
     clip = make_clip(frames=3, height=16, width=16)
     with Client(f"unix://{root}/api.sock", fd_socket=root / "fd.sock") as c:
-        assert not c._route.settled()
-        c._update_route()  # nobody there yet: named segments, and try again later
-        assert c.host_route == "shm" and not c._route.settled()
+        assert not c._handover.settled()
+        c._update_handover()  # nobody there yet: named segments, and try again later
+        assert c.host_route == "shm" and not c._handover.settled()
         w = workers.start(root=root)
         result = c.save_video(clip, "late.mp4", fps=24)
         assert c.host_route == "fd"
@@ -116,7 +116,7 @@ def test_a_user_the_fd_socket_refuses_uses_named_segments(workers, tmp_path):
     clip = make_clip(frames=3, height=16, width=16)
     with Client(w.uds_url, fd_socket=w.fd_socket) as c:
         result = c.save_video(clip, "refused.mp4", fps=24)
-        assert c.host_route == "shm" and c._route.settled()  # refused once, not asked again
+        assert c.host_route == "shm" and c._handover.settled()  # refused once, not asked again
     assert result.sha256 == reference_mp4(clip, tmp_path / "ref.mp4")
 
 
