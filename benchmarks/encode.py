@@ -171,7 +171,7 @@ class Sampler:
 
 def imageio_save(x: Any, out: str | Path, threads: int) -> None:
     """The imageio path in process: a (3, T, H, W) float tensor converted whole with the
-    reference formula, then ``imageio.mimsave`` with the thread count pinned."""
+    standard formula, then ``imageio.mimsave`` with the thread count pinned."""
     import imageio
     import torch
 

@@ -71,7 +71,7 @@ def make_clip(frames: int, height: int, width: int, device: torch.device) -> tor
 
 
 def write_rgb(clip: torch.Tensor, path: Path) -> None:
-    """The reference conversion of ``clip`` as rgb24 frames, chunk by chunk, into ``path``."""
+    """The standard conversion of ``clip`` as rgb24 frames, chunk by chunk, into ``path``."""
     with open(path, "wb") as f:
         for t0 in range(0, clip.shape[1], GEN_CHUNK):
             chunk = clip[:, t0 : t0 + GEN_CHUNK]

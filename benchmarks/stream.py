@@ -147,7 +147,7 @@ def in_process_ffmpeg(spec: dict[str, Any]) -> subprocess.Popen[bytes]:
 
 
 def to_rgb24(chunk: np.ndarray) -> bytes:
-    """The reference conversion: (x * 255) clamped, truncated to uint8, as (t, H, W, 3)."""
+    """The standard conversion: (x * 255) clamped, truncated to uint8, as (t, H, W, 3)."""
     scaled = np.clip(chunk * np.float32(255), 0, 255).astype(np.uint8)
     return np.ascontiguousarray(scaled.transpose(1, 2, 3, 0)).tobytes()
 

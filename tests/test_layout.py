@@ -177,6 +177,31 @@ def test_each_layer_imports_only_those_below_and_only_their_public_modules():
     assert layer_violations(import_graph()) == []
 
 
+def documented_order() -> list[set[str]]:
+    """The service's layer line in docs/architecture.md, as groups, lowest first."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    [line] = [x for x in text.splitlines() if x.startswith("_ops") and " -> " in x]
+    return [{f"framewire.service.{n.strip()}" for n in g.split(",")} for g in line.split(" -> ")]
+
+
+def test_the_documented_service_layers_hold():
+    """Every service package and top-level module is in the documented line once, and
+    imports only those to its left."""
+    groups = documented_order()
+    rank = {m: i for i, group in enumerate(groups) for m in group}
+    graph = package_graph(import_graph())
+    service = {u for u in graph if top(u) == "framewire.service" and u != "framewire.service"}
+    assert sum(len(g) for g in groups) == len(rank)
+    assert set(rank) == service
+    upward = [
+        f"{a} -> {b}"
+        for a in sorted(service)
+        for b in sorted(graph[a] & service)
+        if rank[b] >= rank[a]
+    ]
+    assert upward == []
+
+
 def test_the_cycle_check_sees_cycles(tmp_path):
     """The check itself: a TYPE_CHECKING import back is a cycle too."""
     (tmp_path / "a.py").write_text("from framewire.client.b import x\n")

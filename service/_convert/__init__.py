@@ -1,1 +1,1 @@
-"""Frames to rgb24: the reference conversion, its compiled kernel, the staging slots it fills."""
+"""Frames to rgb24: the standard conversion, its compiled kernel, the staging slots it fills."""

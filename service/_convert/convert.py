@@ -1,6 +1,6 @@
 """Float video tensors to rgb24 frames, chunk by chunk, byte-identical to the reference.
 
-The reference conversion is ``(x * 255).clamp(0, 255).to(torch.uint8)`` in the
+The standard conversion is ``(x * 255).clamp(0, 255).to(torch.uint8)`` in the
 tensor's own dtype, then a permute to (T, H, W, 3). It is elementwise, so any
 split over T gives the same bytes. float32 goes through a compiled single-pass
 kernel when numba is there (``kernels.py``). Otherwise, and for the narrow

@@ -1,6 +1,6 @@
 """Compiled float32 -> rgb24 kernels: each source value read once, each byte written once.
 
-The reference conversion ``(x * 255).clamp(0, 255).to(torch.uint8)`` then a
+The standard conversion ``(x * 255).clamp(0, 255).to(torch.uint8)`` then a
 permute to (T, H, W, 3) takes four passes over a block on the pure kernel
 (scale, clamp, cast, interleave). These kernels do it in one, in the same
 float32 arithmetic: one multiply by 255.0f (exact IEEE single precision, no

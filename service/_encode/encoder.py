@@ -192,9 +192,9 @@ class Encoder:
         started = time.perf_counter()
         route: Route = "stream"
         fast_error: str | None = None
-        with atomic_output(directory, path.name) as temp_out:
+        with atomic_output(directory, path.name) as temp:
             try:
-                self._stream(source, temp_out, params, threads, check, progress)
+                self._stream(source, temp, params, threads, check, progress)
             except (Cancelled, BadRequest):
                 raise  # the caller's fault or wish: the fallback route would not help
             except (MediaError, OSError) as exc:
@@ -206,11 +206,11 @@ class Encoder:
                     raise
                 check()
                 route, fast_error = "fallback", str(exc)
-                self._fallback_route(source, temp_out, params, check, progress)
+                self._fallback_route(source, temp, params, check, progress)
             encode_ms = (time.perf_counter() - started) * 1e3
-            size, sha256 = temp_out.digest()
+            size, sha256 = temp.digest()
             if inspect is not None:
-                inspect(temp_out.path)
+                inspect(temp.path)
         return Encoded(
             path=path,
             bytes=size,
@@ -225,16 +225,16 @@ class Encoder:
         )
 
     def argv(
-        self, temp_out: TempOutput, width: int, height: int, params: EncodeParams, **kw: object
+        self, temp: TempOutput, width: int, height: int, params: EncodeParams, **kw: object
     ) -> list[str]:
-        """The encode command writing ``temp_out`` (``threads=``, ``stdin_name=`` pass on):
+        """The encode command writing ``temp`` (``threads=``, ``stdin_name=`` pass on):
         ffmpeg's, or the PyAV child's for the ``vllm-omni`` profile."""
         audio = None if params.audio is None else _audio(params)
         common = {
             "width": width,
             "height": height,
             "fps": params.fps,
-            "output": temp_out.path,
+            "output": temp.path,
             "quality": params.quality,
             "preset": params.resolved_preset,
         }
@@ -259,16 +259,16 @@ class Encoder:
     def _stream(
         self,
         source: FrameSource,
-        temp_out: TempOutput,
+        temp: TempOutput,
         params: EncodeParams,
         threads: int,
         check: Callable[[], None],
         progress: Progress | None = None,
     ) -> None:
         g = source.geometry
-        argv = self.argv(temp_out, g.width, g.height, params, threads=threads)
+        argv = self.argv(temp, g.width, g.height, params, threads=threads)
         per_chunk = self.frames_per_chunk(g)
-        with self.start(argv, temp_out, params) as ff:
+        with self.start(argv, temp, params) as ff:
             pipe = ff.input
             assert pipe is not None
             try:
@@ -291,7 +291,7 @@ class Encoder:
     def _fallback_route(
         self,
         source: FrameSource,
-        temp_out: TempOutput,
+        temp: TempOutput,
         params: EncodeParams,
         check: Callable[[], None] = lambda: None,
         progress: Progress | None = None,
@@ -321,10 +321,8 @@ class Encoder:
                 chunk, owned = source.read(t0, t1)
                 convert_into(chunk, g.layout, frames[t0:t1], inplace=owned)
         check()
-        argv = self.argv(
-            temp_out, g.width, g.height, params, threads=params.threads, stdin_name="-"
-        )
-        with self.start(argv, temp_out, params) as ff:
+        argv = self.argv(temp, g.width, g.height, params, threads=params.threads, stdin_name="-")
+        with self.start(argv, temp, params) as ff:
             pipe = ff.input
             assert pipe is not None
             data = frames.numpy().data.cast("B")
@@ -340,21 +338,17 @@ class Encoder:
             wait_for(ff, check)
 
     def writer(self, source: FrameSource, params: EncodeParams) -> ChunkWriter | None:
-        """The profile's converter for ``source``; None: the reference conversion."""
+        """The profile's converter for ``source``; None: the standard conversion."""
         return profile_writer(source, params.profile, params.value_range)
 
     def start(
-        self,
-        argv: list[str],
-        temp_out: TempOutput,
-        params: EncodeParams,
-        live_fd: int | None = None,
+        self, argv: list[str], temp: TempOutput, params: EncodeParams, live_fd: int | None = None
     ) -> FfmpegProcess:
         """ffmpeg running ``argv``, frames to be fed on its stdin (``live_fd``: the pipe
         its live view goes into, when ``argv`` has one)."""
         # The private directory's fd (and the audio's): ffmpeg names them through
         # /proc/self/fd, so it opens exactly what was judged.
-        fds = [temp_out.fd] if params.audio is None else [temp_out.fd, _audio(params).fd]
+        fds = [temp.fd] if params.audio is None else [temp.fd, _audio(params).fd]
         fds += [] if live_fd is None else [live_fd]
         # cwd "/": nothing a child resolves relative to it (an empty PYTHONPATH entry)
         # lies in whatever directory the worker was started from.

@@ -15,7 +15,7 @@ two differ, and are followed exactly as their engines write them (docs/engines.m
 
 Both are elementwise, so any block or chunk split gives the same bytes; they
 run on the host for every source (a CUDA source's blocks are copied over
-first), where the reference conversion may use the GPU or the compiled kernel.
+first), where the standard conversion may use the GPU or the compiled kernel.
 """
 
 from __future__ import annotations
@@ -71,6 +71,6 @@ def profile_writer(
     source: FrameSource, profile: str, value_range: tuple[float, float] | None = None
 ) -> ChunkWriter | None:
     """The converter ``profile`` needs for ``source``; None: the source's own or the
-    host's reference conversion."""
+    host's standard conversion."""
     convert = conversion(profile, value_range)
     return None if convert is None else HostWriter(source, convert)

@@ -99,7 +99,7 @@ def send_in_pieces(
 class HostWriter(ChunkWriter):
     """The CPU converter: cache-sized blocks of what the source's ``read`` returns.
 
-    ``convert`` (block, layout, out) replaces the reference conversion: an engine
+    ``convert`` (block, layout, out) replaces the standard conversion: an engine
     profile's own (profiles.py).
     """
 

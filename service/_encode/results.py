@@ -36,11 +36,11 @@ class Check:
     info: MediaInfo | None = field(default=None, init=False)
     ms: float = field(default=0.0, init=False)
 
-    def __call__(self, temp_out: str) -> None:
+    def __call__(self, temp: str) -> None:
         t0 = time.perf_counter()
         try:
             self.info = validate_output(
-                Path(temp_out),
+                Path(temp),
                 frames=self.frames,
                 width=self.width,
                 height=self.height,

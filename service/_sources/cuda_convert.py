@@ -1,7 +1,7 @@
 """CUDA frames converted where they lie: on their GPU, chunk by chunk, into host staging.
 
 Conversion runs on a stream of the encode's own, one chunk at a time, with the
-reference formula in the tensor's dtype: ``(x * 255).clamp(0, 255)``, then the
+standard formula in the tensor's dtype: ``(x * 255).clamp(0, 255)``, then the
 truncating cast to uint8 and the permute to (t, H, W, 3) in one copy
 (``.to(torch.uint8)`` runs that same copy kernel). Each chunk then goes from
 device to host straight into the staging slot that sendfile reads, page-locked

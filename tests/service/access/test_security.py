@@ -231,11 +231,11 @@ def test_swaps_while_the_output_is_written(tmp_path):
     target = resolve_output("sub/out.mp4", [str(root)])
     fd = open_output_dir(target, [str(root)])
     try:
-        with atomic_output(fd, target.name) as temp_out:
+        with atomic_output(fd, target.name) as temp:
             (root / "sub").rename(root / "moved")
             (root / "sub").symlink_to(outside)
             (root / "moved" / "out.mp4").symlink_to(outside / "victim")
-            Path(temp_out.path).write_bytes(b"data")  # what ffmpeg does, by name
+            Path(temp.path).write_bytes(b"data")  # what ffmpeg does, by name
     finally:
         os.close(fd)
     assert sorted(p.name for p in outside.iterdir()) == ["victim"]
@@ -247,8 +247,8 @@ def test_swaps_while_the_output_is_written(tmp_path):
 def test_private_directory_is_the_workers_alone(tmp_path):
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        with atomic_output(fd, "out.mp4") as temp_out:
-            private = Path(temp_out.path).parent.resolve()
+        with atomic_output(fd, "out.mp4") as temp:
+            private = Path(temp.path).parent.resolve()
             assert private.parent == tmp_path and stat.S_IMODE(private.stat().st_mode) == 0o700
             raise RuntimeError("abandon the write")
     except RuntimeError:

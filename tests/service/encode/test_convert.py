@@ -1,4 +1,4 @@
-"""Chunked conversion equals the whole-clip reference conversion, byte for byte."""
+"""Chunked conversion equals the whole-clip standard conversion, byte for byte."""
 
 from __future__ import annotations
 
