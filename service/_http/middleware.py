@@ -17,8 +17,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-# Routes that answer without the bearer token: probes by orchestrators (Kubernetes's
-# kubelet; Triton's health routes, which KServe deployments probe).
+# Endpoints that answer without the bearer token: probes by orchestrators (Kubernetes's
+# kubelet; Triton's health endpoints, which KServe deployments probe).
 INSTANCE_HEADER = "framewire-instance"
 OPEN_ROUTES = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 
@@ -128,9 +128,9 @@ class BodyGuard:
 
 
 class BearerAuth:
-    """Every route but ``OPEN_ROUTES`` needs ``Authorization: Bearer <token>`` when a token
+    """Every endpoint but ``OPEN_ROUTES`` needs ``Authorization: Bearer <token>`` when a token
     is set: the API, ``/metrics``, and the docs and schema (``/docs``, ``/openapi.json``).
-    ``signed(path, query)`` lets a live view's routes go with a signed URL instead."""
+    ``signed(path, query)`` lets a live view's endpoints go with a signed URL instead."""
 
     def __init__(
         self, app: ASGIApp, token: str | None, signed: Callable[[str, str], bool] | None = None

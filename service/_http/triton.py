@@ -1,5 +1,5 @@
 """NVIDIA Triton's HTTP protocol, as far as a Triton client needs it: server metadata, the
-health routes, and the shared-memory extension's region registry.
+health endpoints, and the shared-memory extension's region registry.
 
 The same paths, bodies and status codes as Triton's, so ``tritonclient`` works
 unchanged. Like Triton, the ``/v2`` routes read a request body as JSON whatever its

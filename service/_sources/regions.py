@@ -312,7 +312,7 @@ class RegionRegistry:
     def drop(self, region: Region) -> None:
         """Remove ``region`` itself, as :meth:`unregister` does, if it is still registered.
 
-        Its registrant holds the object, not the name: once the HTTP routes have
+        Its registrant holds the object, not the name: once the HTTP endpoints have
         unregistered it, the name may already be another registrant's region."""
         with self._lock:
             if self._regions.get(region.name) is region:
