@@ -379,6 +379,19 @@ def test_every_module_the_docs_name_exists():
     assert missing == []
 
 
+FIGURE = re.compile(r"\b\d+(?:\.\d+)?x\b|\b\d+(?:\.\d+)? (?:MiB|GiB|ms)\b")
+
+
+def test_the_readme_quotes_only_figures_of_the_benchmarks_readme():
+    """A figure in README.md (a ratio, a size, milliseconds) is one benchmarks/README.md
+    reports, so the two cannot come from different runs."""
+    readme = (REPO / "README.md").read_text()
+    measured = (REPO / "benchmarks" / "README.md").read_text()
+    quoted = set(FIGURE.findall(readme))
+    assert len(quoted) > 10
+    assert sorted(f for f in quoted if f not in measured) == []
+
+
 def test_every_package_is_installed():
     # The image installs the wheel, not the tree: a package missing from pyproject's
     # list is missing there (and only there).
