@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -67,7 +69,36 @@ def wait_for_ffmpeg(worker: Worker, timeout: float = 20) -> set[int]:
 
 
 def shm_names() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+    """The /dev/shm names this test process may have made: the client's (named after the
+    pid that made them: this process, its descendants, or one that died) and
+    tests.support.segments' (after this process). The suite's other processes (pytest -n)
+    make and remove theirs meanwhile."""
+    others = other_test_processes()
+    names = set()
+    for name in os.listdir("/dev/shm"):
+        made_by = re.match(r"framewire-(?:test-)?(\d+)-", name)
+        if made_by is not None and int(made_by.group(1)) not in others:
+            names.add(name)
+    return names
+
+
+def other_test_processes() -> set[int]:
+    """The pids of the suite's other processes and of everything they started."""
+    mine = os.getpid()
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    siblings = {pid for pid, parent in parents.items() if parent == parents.get(mine) != 1}
+    others = siblings - {mine}
+    grown = True
+    while grown:
+        more = {pid for pid, parent in parents.items() if parent in others} - others
+        others |= more
+        grown = bool(more)
+    return others
 
 
 @dataclass

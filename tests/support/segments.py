@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 from pathlib import Path
 from typing import Any
@@ -28,14 +29,15 @@ def raw_bytes(clip: torch.Tensor) -> bytes:
 
 
 class Segments:
-    """The segments one test makes (``/framewire-test-…`` unless told); all unlinked after it."""
+    """The segments one test makes (``/framewire-test-<pid>-…`` unless told); all unlinked
+    after it. The pid tells this test process's segments from those of the suite's others."""
 
     def __init__(self) -> None:
         self.keys: list[str] = []
 
     def write(self, data: bytes | torch.Tensor, prefix: str = "/framewire-test-") -> str:
         """A new segment holding ``data`` (a tensor's raw bytes); returns its key."""
-        key = f"{prefix}{secrets.token_hex(6)}"
+        key = f"{prefix}{os.getpid()}-{secrets.token_hex(6)}"
         raw = raw_bytes(data) if isinstance(data, torch.Tensor) else data
         Path(f"/dev/shm{key}").write_bytes(raw)
         self.keys.append(key)
