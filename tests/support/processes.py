@@ -8,8 +8,9 @@ from pathlib import Path
 
 def child_pids(pid: int | str = "self") -> set[int]:
     """Children of ``pid``, less the daemons that live as long as their interpreter:
-    torch's shm manager, and Python's multiprocessing resource tracker (which
-    multiprocessing.shared_memory, so tritonclient's regions, starts)."""
+    torch's shm manager, Python's multiprocessing resource tracker (which
+    multiprocessing.shared_memory, so tritonclient's regions, starts), and the zygote
+    workers are forked from (tests/support/zygote.py)."""
     pids: set[int] = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
@@ -25,7 +26,8 @@ def _daemon(pid: int) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    return comm.startswith("torch_shm_manag") or b"multiprocessing.resource_tracker" in cmdline
+    daemons = (b"multiprocessing.resource_tracker", b"tests/support/zygote.py")
+    return comm.startswith("torch_shm_manag") or any(d in cmdline for d in daemons)
 
 
 SPOOL = ".framewire-tmp-spool"  # the worker's upload spool: it stays, its contents may not

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from tests.support.processes import child_pids
+from tests.support.zygote import Forked, zygote
 
 
 def free_port() -> int:
@@ -24,9 +25,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Workers are forks of a zygote that has imported the worker once (tests/support/zygote.py);
+# FRAMEWIRE_TEST_FORK=0 starts each with its own interpreter instead.
+FORK = os.environ.get("FRAMEWIRE_TEST_FORK", "1") != "0"
+
+
 @dataclass
 class Worker:
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | Forked
     port: int
     uds: Path
     outputs: Path
@@ -93,8 +99,12 @@ def start_worker(
         "--output-roots", str(outputs), "--input-roots", str(inputs),
         "--log-level", "warning", *args,
     ]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    proc: subprocess.Popen[bytes] | Forked
+    if FORK and zygote().can_start(env):
+        proc = zygote().start(cmd[4:], log, env, cwd)  # what follows "-m framewire.service"
+    else:
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     worker = Worker(proc, port, uds, outputs, inputs, log)
     deadline = time.monotonic() + 60
     while True:

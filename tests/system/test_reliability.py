@@ -147,37 +147,46 @@ def test_full_disk(workers, tmp_path, segments, request, sigxfsz):
 # --- clients -------------------------------------------------------------------------------
 
 
+def owned_segments(pid: int) -> list[str]:
+    """The client's shm segments made by ``pid`` (named after it)."""
+    return sorted(f"/{n}" for n in os.listdir("/dev/shm") if n.startswith(f"framewire-{pid}-"))
+
+
 CLIENT = """
 import sys, numpy as np
 from framewire.client import Client
 with Client("unix://" + sys.argv[1], **eval(sys.argv[3])) as c:
     c.save_video(np.load(sys.argv[2]), "orphan.mp4", fps=24, preset="veryslow")
 """
-# How a client's host frames travel: over the fd socket (what a client of this worker
-# does), or through a named segment (a client without the fd socket).
-ROUTES = {"fd": {}, "shm": {"fd_socket": "/nonexistent/fd.sock"}}
+# How a client's host frames reach the worker (the handover): over the fd socket (what a
+# client of this worker does), or through a named segment (a client without the fd socket).
+HANDOVERS = {"fd": {}, "shm": {"fd_socket": "/nonexistent/fd.sock"}}
 
 
-@pytest.mark.parametrize("route", list(ROUTES))
-def test_client_killed_mid_request(worker, baseline, segments, tmp_path, request, route):
+@pytest.mark.parametrize("handover", list(HANDOVERS))
+def test_client_killed_mid_request(worker, baseline, segments, tmp_path, request, handover):
     """A client process calls save_video with a 120-frame clip and is SIGKILLed once ffmpeg
     runs."""
     np.save(tmp_path / "clip.npy", make_clip(frames=120, height=192, width=192).numpy())
     client = subprocess.Popen(
-        [sys.executable, "-c", CLIENT, str(worker.uds), tmp_path / "clip.npy", repr(ROUTES[route])]
-    )
+        [sys.executable, "-c", CLIENT, str(worker.uds), tmp_path / "clip.npy",
+         repr(HANDOVERS[handover])]
+    )  # fmt: skip
     try:
         ffmpeg = wait_for_ffmpeg(worker)
+        # What it holds as it dies is what it leaves (read while it lives: once it is dead,
+        # any process of the suite that shares or starts a worker may sweep it).
+        left = owned_segments(client.pid)
         client.kill()
     finally:
         client.wait()
     started = time.monotonic()
     wait_gone(ffmpeg)
     stopped_s = time.monotonic() - started
-    left = [f"/{n}" for n in os.listdir("/dev/shm") if n.startswith(f"framewire-{client.pid}-")]
-    if route == "shm":
+    if handover == "shm":
         assert len(left) == 1  # the killed client could not unlink its segment...
-        assert left[0] in remove_abandoned_segments()  # ...the next client's first share does
+        remove_abandoned_segments()  # ...the next client's first share does
+        assert owned_segments(client.pid) == []
         released = (
             "the killed client's shm segment is unlinked by the next client's first share"
             " (or the worker's next start)"
@@ -193,7 +202,7 @@ def test_client_killed_mid_request(worker, baseline, segments, tmp_path, request
     assert stopped_s < 5
     faultmatrix.record(
         request,
-        fault=f"client killed mid-request ({route} route)",
+        fault=f"client killed mid-request ({handover} handover)",
         observed="the encode is cancelled: ffmpeg killed within 5 s of the disconnect",
         output="nothing",
         afterwards=f"nothing leaked by the worker; {released}; the next encode is byte-exact",
@@ -421,15 +430,17 @@ with Client("unix://" + sys.argv[1], **eval(sys.argv[2])) as c:
 """
 
 
-@pytest.mark.parametrize("route", list(ROUTES))
-def test_producer_killed_mid_stream(workers, segments, tmp_path, request, route):
+@pytest.mark.parametrize("handover", list(HANDOVERS))
+def test_producer_killed_mid_stream(workers, segments, tmp_path, request, handover):
     """SIGKILL to a producer process that wrote 12 chunks through ``open_video`` and did
     not close; the worker's ``FRAMEWIRE_STREAM_IDLE_S`` is 1 s."""
     w = workers.start("--stream-idle-s", "1")
     baseline = Baseline.of(w)
-    producer = subprocess.Popen([sys.executable, "-c", PRODUCER, str(w.uds), repr(ROUTES[route])],
+    producer = subprocess.Popen([sys.executable, "-c", PRODUCER, str(w.uds),
+                                 repr(HANDOVERS[handover])],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
     assert producer.stdout is not None and producer.stdout.readline() == b"written\n"
+    left = owned_segments(producer.pid)  # read while it lives, as above
     producer.kill()
     producer.wait()
     killed_at, deadline = time.monotonic(), time.monotonic() + 20
@@ -442,19 +453,19 @@ def test_producer_killed_mid_stream(workers, segments, tmp_path, request, route)
         regions = h.get("/v2/systemsharedmemory/status").json()
     assert idle_aborts == 1 and aborted_after < 5
     assert not (w.outputs / "orphan.mp4").exists()
-    swept = [k for k in remove_abandoned_segments() if k.startswith(f"/framewire-{producer.pid}-")]
-    if route == "shm":
-        # Its two staging segments outlived it; the next client's first share sweeps them.
-        assert len(swept) == 2
-        staging = "the producer's 2 staging segments are swept by the next client"
+    remove_abandoned_segments()
+    if handover == "shm":
+        # Its two chunk buffers outlived it; the next client's first share sweeps them.
+        assert len(left) == 2 and owned_segments(producer.pid) == []
+        staging = "the producer's 2 chunk buffers are swept by the next client"
     else:
-        assert swept == [] and regions == []
-        staging = "the producer's 2 staging regions went with its fd-socket connection"
+        assert left == [] and regions == []
+        staging = "the producer's 2 chunk buffers (regions) went with its fd-socket connection"
     settle(w, baseline)
     still_serving(w, segments, tmp_path)
     faultmatrix.record(
         request,
-        fault=f"producer killed mid-stream ({route} route)",
+        fault=f"producer killed mid-stream ({handover} handover)",
         observed="the session aborted as idle within 5 s "
         f'(`framewire_stream_aborts_total{{cause="idle"}}`); {staging}',
         output="nothing",

@@ -1,0 +1,256 @@
+"""Worker processes forked from one that has already imported the worker.
+
+A worker's start is mostly its imports (torch, numba, FastAPI) and the load of its
+compiled kernels: about 2.4 s of CPU, paid again by every worker a test starts. A
+zygote pays them once per test process; each worker is then a fork of it that runs
+``framewire serve`` exactly as ``python -m framewire.service serve`` would (same argv
+parsing, settings, sockets, signals and exit status), in the test's environment and
+directory. A test that needs what only a fresh interpreter gives (another PYTHONPATH,
+other libraries) gets ``python -m framewire.service`` as before: ``start_worker``
+chooses.
+
+The zygote is the test process's child and each worker the zygote's: the zygote reaps
+them and reports their exit status on its stdout, so ``Forked`` answers what a
+``subprocess.Popen`` does for a worker (``pid``, ``poll``, ``wait``, ``send_signal``,
+``kill``, ``returncode``).
+
+Run as a script (``python -P zygote.py``), this file is the zygote; it imports nothing
+of the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+# Environment variables an interpreter reads as it starts or imports: a worker that is
+# given other values than the zygote started with is started afresh.
+AT_START = ("PYTHON", "LD_", "NUMBA_", "OMP_", "MKL_", "TORCH", "CUDA_", "MALLOC_")
+
+
+class Forked:
+    """A worker forked by the zygote, as much of ``subprocess.Popen`` as tests use."""
+
+    def __init__(self, zygote: Zygote, pid: int, args: list[str]):
+        self._zygote = zygote
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            self._zygote.wait_exit(self.pid, left)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """The test process's zygote: started once, lives as long as the test process."""
+
+    def __init__(self) -> None:
+        self.env = dict(os.environ)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-P", __file__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=self.env,
+        )
+        self._lock = threading.Lock()  # one request at a time
+        self._changed = threading.Condition()
+        self._started: list[int | str] = []
+        self._exits: dict[int, int] = {}
+        threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
+        self._wait_started(timeout=120)  # "ready": its imports are done
+
+    def can_start(self, env: dict[str, str] | None) -> bool:
+        if self._proc.poll() is not None:
+            return False
+        wanted = os.environ if env is None else env
+        keys = {k for k in {*wanted, *self.env} if k.startswith(AT_START)}
+        return all(wanted.get(k) == self.env.get(k) for k in keys)
+
+    def start(
+        self, args: list[str], log: Path, env: dict[str, str] | None, cwd: Path | None
+    ) -> Forked:
+        request = {
+            "argv": args,
+            "log": str(log),
+            "env": dict(os.environ if env is None else env),
+            "cwd": str(cwd or os.getcwd()),
+        }
+        with self._lock:
+            assert self._proc.stdin is not None
+            self._proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self._proc.stdin.flush()
+            pid = self._wait_started(timeout=30)
+        return Forked(self, pid, args)
+
+    def exit_code(self, pid: int) -> int | None:
+        with self._changed:
+            return self._exits.get(pid)
+
+    def wait_exit(self, pid: int, timeout: float | None) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self._exits, timeout)
+
+    def _wait_started(self, timeout: float) -> int:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._started, timeout):
+                raise RuntimeError("the zygote did not answer")
+            answer = self._started.pop(0)
+        if isinstance(answer, str):
+            raise RuntimeError(f"the zygote could not start a worker: {answer}")
+        return answer
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            event = json.loads(line)
+            with self._changed:
+                if "exited" in event:
+                    self._exits[event["exited"]] = event["code"]
+                else:
+                    self._started.append(event.get("started", event.get("error", "?")))
+                self._changed.notify_all()
+        with self._changed:  # the zygote is gone: so is every worker it had
+            self._started.append("the zygote exited")
+            self._changed.notify_all()
+
+
+_zygote: Zygote | None = None
+_zygote_lock = threading.Lock()
+
+
+def zygote() -> Zygote:
+    """This test process's zygote, started on first use."""
+    global _zygote
+    with _zygote_lock:
+        if _zygote is None or _zygote._proc.poll() is not None:
+            _zygote = Zygote()
+        return _zygote
+
+
+# --- the zygote itself ------------------------------------------------------------------------
+
+
+def _preload() -> None:
+    """What every worker imports and loads as it starts: done once, here."""
+    import framewire.service._cli.main
+    import framewire.service._worker  # noqa: F401
+    from framewire.service._convert import kernels
+
+    kernels.use("auto")
+    kernels.warm()  # numba's compiled kernels, loaded from its cache: forks inherit them
+    # No Python thread may run when it forks (a fork copies only the forking thread, and
+    # any lock another holds stays held). The native ones here are idle pools that
+    # expect forks: OpenBLAS's (numpy) and one numba starts as it loads a kernel.
+    if threading.active_count() != 1:
+        raise RuntimeError("the zygote must hold one Python thread when it forks")
+
+
+def _child(request: dict[str, object]) -> None:
+    """In the fork: become ``framewire serve`` with the request's argv, env and directory.
+    Its descriptors are those of ``python -m framewire.service`` started by Popen: 0 is
+    /dev/null, 1 and 2 the log, nothing else (the zygote's pipes and pidfds close)."""
+    code = 1
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        log = os.open(str(request["log"]), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        os.chdir(str(request["cwd"]))
+        env = request["env"]
+        assert isinstance(env, dict)
+        os.environ.clear()
+        os.environ.update(env)
+        argv = [str(a) for a in request["argv"]]  # type: ignore[attr-defined]
+        sys.argv = ["framewire", *argv]
+        from framewire.service._cli.main import main
+
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        import logging
+
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+def _serve() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the test process's to handle
+    _preload()
+    requests, answers = 0, os.dup(1)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing stray reaches the control pipe
+
+    def say(event: dict[str, object]) -> None:
+        os.write(answers, json.dumps(event).encode() + b"\n")
+
+    say({"started": 0})  # ready
+    children: dict[int, int] = {}  # pidfd -> pid
+    pending = b""
+    while True:
+        readable, _, _ = select.select([requests, *children], [], [])
+        for fd in readable:
+            if fd in children:
+                pid = children.pop(fd)
+                os.close(fd)
+                _, status = os.waitpid(pid, 0)
+                say({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+                continue
+            data = os.read(requests, 1 << 16)
+            if not data:
+                return  # the test process is gone: its workers are on their own
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    _child(request)
+                children[os.pidfd_open(pid)] = pid
+                say({"started": pid})
+
+
+if __name__ == "__main__":
+    _serve()
