@@ -79,7 +79,8 @@ class RawConnection:
             rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
             sent = self.sock.sendmsg([raw], rights)
             raw = raw[sent:]
-        self.sock.sendall(raw)
+        if raw:  # (an empty send to a worker that already answered and closed is EPIPE)
+            self.sock.sendall(raw)
 
     def reply(self) -> tuple[dict[str, Any], list[int]]:
         """(header, fds received with it); the caller closes the fds."""

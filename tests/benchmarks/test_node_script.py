@@ -1,0 +1,39 @@
+"""The node benchmark runs on a clip small enough for CI.
+
+See tests/support/benchruns.py for what is asserted and what is not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.support.benchruns import assert_figures, bench
+
+
+def test_node_benchmark(tmp_path: Path) -> None:
+    out, figures = tmp_path / "node.json", tmp_path / "figures"
+    r = bench("node.py", "--ranks", "2", "--frames", "8", "--width", "96", "--height", "64",
+              "--repeat", "1", "--json", str(out), "--figures", str(figures))  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert_figures(figures, "node.png")
+    results = json.loads(out.read_text())
+    rows, runs = results["rows"], results["runs"]
+    assert [row["path"] for row in rows] == [
+        "(a) bare ffmpeg", "(b) imageio", "(c) in-process pipe", "framewire save",
+        "framewire stream",
+    ]  # fmt: skip
+    assert len(runs) == 10 and all(run["ranks"] == 2 for run in runs)  # 5 paths, timed + probed
+    assert all(run["same"] for run in runs), runs
+    # What the node held, in its four parts; the worker's only in the worker's runs.
+    for run in runs:
+        parts = run["memory_parts_mib"]
+        assert set(parts) == {"ranks", "worker", "encoders", "shared"}, parts
+        assert run["path"] in ("save", "stream") or parts["worker"] == 0, run
+    # Every probed run timed its probes; the idle ones too.
+    assert all(run["probes"]["health_ms"] and run["probes"]["tiny_ms"]
+               for run in runs if run["probed"])  # fmt: skip
+    assert results["idle"]["health_ms"] and results["idle"]["tiny_ms"]
+    assert "| 2 | framewire stream |" in r.stdout
+    assert "every output equal to its rank's reference, every decode to the local one: True" in (
+        r.stdout
+    )

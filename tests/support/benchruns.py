@@ -1,0 +1,44 @@
+"""Running a benchmark script as the tests of tests/benchmarks/ do, and checking its figures.
+
+Wall times are printed, never asserted; what is asserted is that each script
+finishes, prints its table, finds framewire's bytes equal to its peers' (each
+exits 1 otherwise) and draws its figures: PNG files that decode to an image.
+The scripts are spread over several test files so that a parallel suite runs them
+side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support import REPO
+
+
+def bench(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_figures(directory: Path, *names: str) -> None:
+    """Exactly these PNGs were written, and each decodes to a picture of some size."""
+    import matplotlib.image
+
+    assert sorted(p.name for p in directory.iterdir()) == sorted(names)
+    for name in names:
+        path = directory / name
+        assert path.read_bytes()[:8] == PNG_SIGNATURE, name
+        pixels = matplotlib.image.imread(path)
+        assert pixels.ndim == 3 and pixels.shape[0] > 200 and pixels.shape[1] > 300, pixels.shape
+        assert pixels.std() > 0, f"{name} is blank"
