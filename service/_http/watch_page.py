@@ -57,16 +57,22 @@ b {{ color: #fff; font-variant-numeric: tabular-nums; }}
   await new Promise((r) => source.addEventListener("sourceopen", r, {{once: true}}));
   let buffer = null, ended = false;
   const queue = [];  // [bytes, frames after it]
+  // One append at a time, and one updateend handler for all of them: the buffer stops
+  // "updating" a task before its updateend fires, so a listener added per append could
+  // be spent on the previous append's event and leave the rest of the queue unappended.
+  let appending = null;  // frames after the fragment being appended, while one is
+  const appended = () => {{
+    if (appending) live.playable.push([appending, Date.now()]);
+    appending = null;
+    const r = video.buffered;
+    if (r.length && video.currentTime < r.start(0)) video.currentTime = r.start(0);
+    pump();
+  }};
   const pump = () => {{
-    if (buffer === null || buffer.updating) return;
+    if (buffer === null || appending !== null) return;
     if (queue.length) {{
       const [bytes, frames] = queue.shift();
-      buffer.addEventListener("updateend", () => {{
-        if (frames) live.playable.push([frames, Date.now()]);
-        const r = video.buffered;
-        if (r.length && video.currentTime < r.start(0)) video.currentTime = r.start(0);
-        pump();
-      }}, {{once: true}});
+      appending = frames;
       buffer.appendBuffer(bytes);
     }} else if (ended && source.readyState === "open") {{
       source.endOfStream();
@@ -95,6 +101,7 @@ b {{ color: #fff; font-variant-numeric: tabular-nums; }}
         init.reduce((at, b) => (all.set(b, at), at + b.length), 0);
         live.codecs = codecsOf(all);
         buffer = source.addSourceBuffer('video/mp4; codecs="' + live.codecs + '"');
+        buffer.addEventListener("updateend", appended);
         queue.push([all, 0]);
         setState("buffering");
       }}

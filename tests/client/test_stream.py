@@ -196,6 +196,38 @@ def test_the_async_writer_aborts_on_an_exception(worker):
     nothing_left(worker, "agone.mp4")
 
 
+def test_a_cancelled_async_writer_is_cancelled_and_leaves_nothing(worker):
+    """A task cancelled while its writer waits on a chunk's answer ends cancelled: the
+    CancelledError goes on up, never kept as the writer's error, and the session is
+    aborted."""
+    clip = make_clip(frames=6, height=48, width=64)
+
+    async def go() -> AsyncVideoWriter:
+        async with AsyncClient(worker.uds_url) as c:
+            w = c.open_video("cancelled.mp4", fps=24)
+            await w.write(clip[:, :3])
+            answer, real = asyncio.Event(), w._send_chunk
+
+            async def held(call: Any) -> Any:
+                await answer.wait()  # the worker's answer to the next chunk, held back
+                return await real(call)
+
+            w._send_chunk = held  # type: ignore[method-assign]
+            await w.write(clip[:, 3:])
+            closing = asyncio.create_task(w.close())
+            await asyncio.sleep(0.3)
+            assert not closing.done()  # waiting on the held chunk
+            closing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await closing
+            assert closing.cancelled()
+            return w
+
+    w = asyncio.run(go())
+    assert w.result is None
+    nothing_left(worker, "cancelled.mp4")
+
+
 def writer_api(cls: type) -> dict[str, Any]:
     return {n: f for n, f in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")}
 
