@@ -321,6 +321,16 @@ def test_the_public_names_are_pinned(package, names):
         assert getattr(mod, name) is not None
 
 
+def test_the_wire_helpers_that_left_the_client_are_still_found_with_a_warning():
+    import framewire.client.wire as wire
+    import framewire.core.wire as core_wire
+
+    with pytest.warns(DeprecationWarning, match="import it from framewire.core.wire"):
+        assert wire.normalize_uuid is core_wire.normalize_uuid
+    with pytest.raises(AttributeError):
+        _ = wire.no_such_name
+
+
 def test_importing_the_service_package_does_not_import_torch():
     import subprocess
     import sys
