@@ -15,19 +15,6 @@ from tests.support.processes import child_pids, framewire_temps
 from tests.support.segments import Segments
 from tests.support.worker import Worker, Workers
 
-# Run first: the directories whose files take longest (soaks, restarts, the GPU pack,
-# the benchmark scripts). A parallel run (scripts/test) hands files out in this order,
-# so the longest start early instead of ending the run alone.
-FIRST = ("tests/scripts/", "tests/system/", "tests/benchmarks/")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        path = item.nodeid
-        return next((i for i, first in enumerate(FIRST) if path.startswith(first)), len(FIRST))
-
-    items.sort(key=rank)  # stable: the order within each stays as collected
-
 
 @pytest.fixture(scope="session")
 def wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
