@@ -100,8 +100,9 @@ def start_worker(
         "--log-level", "warning", *args,
     ]  # fmt: skip
     proc: subprocess.Popen[bytes] | Forked
-    if FORK and zygote().can_start(env):
-        proc = zygote().start(cmd[4:], log, env, cwd)  # what follows "-m framewire.service"
+    forks = zygote() if FORK else None
+    if forks is not None and forks.can_start(env):
+        proc = forks.start(cmd[4:], log, env, cwd)  # what follows "-m framewire.service"
     else:
         with open(log, "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 # Environment variables an interpreter reads as it starts or imports: a worker that is
@@ -144,15 +145,21 @@ class Zygote:
 
 
 _zygote: Zygote | None = None
+_failed: str | None = None  # why the zygote could not start: workers are started afresh
 _zygote_lock = threading.Lock()
 
 
-def zygote() -> Zygote:
-    """This test process's zygote, started on first use."""
-    global _zygote
+def zygote() -> Zygote | None:
+    """This test process's zygote, started on first use; None if it cannot start (each
+    worker then gets its own interpreter, and the first start warns why)."""
+    global _zygote, _failed
     with _zygote_lock:
-        if _zygote is None or _zygote._proc.poll() is not None:
-            _zygote = Zygote()
+        if _failed is None and (_zygote is None or _zygote._proc.poll() is not None):
+            try:
+                _zygote = Zygote()
+            except RuntimeError as exc:
+                _failed, _zygote = str(exc), None
+                warnings.warn(f"workers start without the zygote: {exc}", stacklevel=2)
         return _zygote
 
 
