@@ -42,11 +42,21 @@ def framewire_temps(root: Path) -> list[Path]:
 
 
 def gone(pid: int) -> bool:
+    """Whether ``pid`` has stopped running, every thread of it: a killed process's main
+    thread is a zombie while its other threads (x264's) may still be exiting, holding its
+    descriptors (the read end of its stdin among them) a little longer."""
     try:
-        status = Path(f"/proc/{pid}/stat").read_text()
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return True
-    return status.rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has stopped running
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # that thread is gone
+        if stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+            return False
+    return True
 
 
 def wait_gone(pids: set[int], timeout: float = 10) -> None:
