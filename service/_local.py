@@ -112,15 +112,7 @@ class LocalEncoder:
             audio = stack.enter_context(memory_audio(audio, options))
         elif audio is not None:
             audio = Path(audio)
-        return EncodeParams(
-            fps=options.fps,
-            quality=options.quality,
-            preset=options.preset,
-            threads=options.threads,
-            audio=audio,
-            profile=options.profile,
-            value_range=options.value_range,
-        )
+        return EncodeParams.asked(options, audio)
 
 
 class LocalStream:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from framewire.core.errors import BadRequest
@@ -13,6 +14,23 @@ from framewire.core.wire import MAX_FPS, MIN_FPS, DType, profile_misfit
 from framewire.service._convert.convert import TORCH_DTYPES
 from framewire.service._probe import require_pyav
 from framewire.service._sources.audio import MemoryAudio
+
+
+class AskedFor(Protocol):
+    """What a request (the wire's options) or a local save asks of an encode."""
+
+    @property
+    def fps(self) -> float: ...
+    @property
+    def quality(self) -> float | None: ...
+    @property
+    def preset(self) -> str | None: ...
+    @property
+    def threads(self) -> int | None: ...
+    @property
+    def profile(self) -> str: ...
+    @property
+    def value_range(self) -> tuple[float, float] | None: ...
 
 
 @dataclass(frozen=True)
@@ -27,6 +45,22 @@ class EncodeParams:
     profile: str = "imageio"  # the engine save path reproduced (docs/engines.md)
     value_range: tuple[float, float] | None = None  # the vllm-omni profile's
     nice: int = 0  # niceness added to its encoder child (the worker's bulk encodes)
+
+    @classmethod
+    def asked(
+        cls, options: AskedFor, audio: Path | InputFile | None = None, nice: int = 0
+    ) -> EncodeParams:
+        """The parameters ``options`` ask for, with the audio already opened."""
+        return cls(
+            fps=options.fps,
+            quality=options.quality,
+            preset=options.preset,
+            threads=options.threads,
+            audio=audio,
+            profile=options.profile,
+            value_range=options.value_range,
+            nice=nice,
+        )
 
     @property
     def resolved_preset(self) -> str | None:

@@ -142,16 +142,8 @@ class Preparer:
             audio = await self._memory_audio(options.audio, options.profile, access)
         if audio is not None:
             stack.callback(audio.close)
-        params = EncodeParams(
-            fps=options.fps,
-            quality=options.quality,
-            preset=options.preset,
-            threads=options.threads,
-            audio=audio,
-            profile=options.profile,
-            value_range=options.value_range,
-            nice=self.settings.encode_nice,  # a small output runs without: jobs.py
-        )
+        # A small output runs without the niceness: jobs.py.
+        params = EncodeParams.asked(options, audio, nice=self.settings.encode_nice)
         check_params(params)
         return path, params, url
 
