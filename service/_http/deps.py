@@ -1,4 +1,4 @@
-"""What a route needs from the worker, handed over as FastAPI dependencies."""
+"""What an endpoint needs from the worker, handed over as FastAPI dependencies."""
 
 from __future__ import annotations
 
