@@ -298,7 +298,6 @@ class Sessions:
         cause: str | None,
         error: FramewireError | None,
     ) -> None:
-        session.state, session.error = state, error
         if cause is not None:
             self.metrics.stream_aborts.labels(cause).inc()
         if session.output is not None and state != "done":
@@ -308,6 +307,8 @@ class Sessions:
             await session.live.close("finished" if state == "done" else state)
         await session.stack.aclose()  # claim, directory, audio
         (keep_made if state == "done" else remove_made)(session.made)
+        # Only now: whoever reads a final state finds nothing of an unfinished output left.
+        session.state, session.error = state, error
         self._open.pop(session.id, None)
         self._closed[session.id] = self._state_of(session)
         while len(self._closed) > CLOSED_KEPT:

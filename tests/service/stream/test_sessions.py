@@ -306,7 +306,7 @@ def test_an_idle_session_is_aborted_and_leaves_nothing(workers, segments):
         deadline = time.monotonic() + 10
         while h.get(f"/v1/streams/{sid}").json()["state"] != "aborted":
             assert time.monotonic() < deadline, "the idle session was not aborted"
-            time.sleep(0.1)
+            time.sleep(0.01)  # often: a final state must already hold
         assert metric(h, 'framewire_stream_aborts_total{cause="idle"}') == 1
     assert not (w.outputs / "idle").exists()
     settle(w, baseline, keep=set(segments.keys))
