@@ -8,7 +8,7 @@ imageio-ffmpeg, and it reaches no package registry. This downloads their cp312
 manylinux wheels at the versions this checkout's .venv runs (so the GPU run tests
 what the CPU suite tests), follows their requirements down to what the host has,
 and moves imageio-ffmpeg's ffmpeg out of its wheel into ``ffmpeg.xz`` (the binary
-alone is most of what travels: x86 branch conversion then LZMA2 preset 6, in one xz
+alone is most of what travels: x86 branch conversion then LZMA2 preset 2, in one xz
 stream per part compressed on every core; ``lzma.decompress`` reads them as one).
 PyAV is left out (35 MB): the worker runs without it there, unvalidated.
 ``manifest.json`` lists every file with its sha256.
@@ -35,12 +35,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
+from packaging.utils import canonicalize_name, parse_wheel_filename
 
 REPO = Path(__file__).resolve().parents[1]
 CAP = 64 << 20  # bytes that may travel: tree plus carried folders
 MIB = 1 << 20
-XZ_FILTERS = [{"id": lzma.FILTER_X86}, {"id": lzma.FILTER_LZMA2, "preset": 6}]
+XZ_FILTERS = [{"id": lzma.FILTER_X86}, {"id": lzma.FILTER_LZMA2, "preset": 2}]
 # What the worker, the client and the CUDA tests import that the host lacks. Their
 # requirements are followed. typing-extensions is on the host, but pydantic needs a
 # newer one than an older image may hold, and it is 45 kB.
@@ -72,18 +72,22 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def download(name: str, version: str, dest: Path) -> Path:
-    """The cp312 manylinux x86_64 wheel (or a pure one) of ``name==version``."""
+def download(pins: dict[str, str], dest: Path) -> dict[str, Path]:
+    """The cp312 manylinux x86_64 wheels (or pure ones) of ``name==version`` for each of
+    ``pins``, in one pip run: name -> wheel."""
     before = set(dest.iterdir())
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
          "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-         *platforms, "--dest", str(dest), f"{name}=={version}"],
+         *platforms, "--dest", str(dest), *(f"{n}=={v}" for n, v in pins.items())],
         check=True,
     )  # fmt: skip
-    [wheel] = set(dest.iterdir()) - before
-    return wheel
+    wheels = {
+        canonicalize_name(parse_wheel_filename(w.name)[0]): w for w in set(dest.iterdir()) - before
+    }
+    assert wheels.keys() == pins.keys(), (sorted(wheels), sorted(pins))
+    return wheels
 
 
 def requirements(wheel: Path) -> list[Requirement]:
@@ -100,34 +104,36 @@ def requirements(wheel: Path) -> list[Requirement]:
     return found
 
 
+def installed(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        sys.exit(f"gpu-pack: {name} is not installed here: run scripts/bootstrap")
+
+
 def resolve(dest: Path) -> dict[str, tuple[str, Path]]:
-    """Download ROOTS and what they require, down to THERE: name -> (version, wheel)."""
+    """Download ROOTS and what they require, down to THERE: name -> (version, wheel).
+    One pip run per level of requirements (each run costs a second of CPU)."""
     packed: dict[str, tuple[str, Path]] = {}
-    wanted: list[tuple[str, Requirement | None]] = [(n, None) for n in ROOTS]
-    while wanted:
-        name, req = wanted.pop(0)
-        name = canonicalize_name(name)
-        if name in packed:
-            version = packed[name][0]
-        elif name in THERE:
-            continue
-        else:
-            try:
-                version = importlib.metadata.version(name)
-            except importlib.metadata.PackageNotFoundError:
-                sys.exit(f"gpu-pack: {name} is not installed here: run scripts/bootstrap")
-            wheel = download(name, version, dest)
-            packed[name] = (version, wheel)
-            wanted += [(r.name, r) for r in requirements(wheel)]
-        if req is not None and not req.specifier.contains(version, prereleases=True):
-            sys.exit(f"gpu-pack: {req} is wanted, this checkout runs {name} {version}")
+    level: list[Requirement] = [Requirement(n) for n in ROOTS]
+    while level:
+        names = {canonicalize_name(r.name) for r in level} - packed.keys() - THERE
+        wheels = download({n: installed(n) for n in sorted(names)}, dest) if names else {}
+        packed |= {n: (installed(n), w) for n, w in wheels.items()}
+        for req in level:
+            name = canonicalize_name(req.name)
+            if name in packed and not req.specifier.contains(packed[name][0], prereleases=True):
+                sys.exit(f"gpu-pack: {req} is wanted, this checkout runs {name} {packed[name][0]}")
+        level = [r for w in wheels.values() for r in requirements(w)]
     return packed
 
 
 def compress(raw: bytes) -> bytes:
     """``raw`` as concatenated xz streams, one per core. The x86 filter makes call
-    targets position-independent, which saves more than preset 9's bigger dictionary
-    (preset 9 alone: 46.2 MiB in 90 s of CPU; this: 46.6 MiB in 57 s, over every core)."""
+    targets position-independent. On ffmpeg 9.0.2 (164.7 MiB), over 2 cores: preset 2
+    gives 52.1 MiB for 14 s of CPU, preset 6 46.7 MiB for 57 s, preset 9 without the
+    filter 46.2 MiB for 90 s. The pack fits 64 MiB either way; the time is paid on
+    every pack (and every test run), the 5 MiB once per copy to the host."""
     parts = max(1, min(os.cpu_count() or 1, 8))
     step = -(-len(raw) // parts)
     pieces = [raw[i : i + step] for i in range(0, len(raw), step)]
