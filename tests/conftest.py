@@ -16,17 +16,6 @@ from tests.support.segments import Segments
 from tests.support.worker import Worker, Workers
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest files first (``pytest.mark.long``): the suite's processes take a file
-    each at a time, and a long file taken last would end the run alone."""
-    items.sort(key=lambda item: -expected_s(item))  # stable: each file's tests in order
-
-
-def expected_s(item: pytest.Item) -> float:
-    mark = item.get_closest_marker("long")
-    return float(mark.args[0]) if mark is not None else 0.0
-
-
 @pytest.fixture(scope="session")
 def wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One second of a 440 Hz tone, mono, 22050 Hz."""

@@ -12,8 +12,6 @@ import pytest
 
 from tests.support.benchruns import assert_figures, bench
 
-pytestmark = pytest.mark.long(50)
-
 
 def test_encode_benchmark(tmp_path: Path) -> None:
     out, figures = tmp_path / "rows.json", tmp_path / "figures"

@@ -7,11 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from tests.support.benchruns import assert_figures, bench
-
-pytestmark = pytest.mark.long(20)
 
 
 def test_node_benchmark(tmp_path: Path) -> None:

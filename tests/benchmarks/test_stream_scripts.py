@@ -11,8 +11,6 @@ import pytest
 
 from tests.support.benchruns import assert_figures, bench
 
-pytestmark = pytest.mark.long(30)
-
 
 def test_stream_benchmark(tmp_path: Path) -> None:
     out, figures = tmp_path / "stream.json", tmp_path / "figures"

@@ -23,8 +23,6 @@ from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.processes import framewire_temps
 from tests.support.worker import Worker
 
-pytestmark = pytest.mark.long(45)
-
 IDLE_S = 1.0
 GAP_S = 2.5  # past the worker's idle timeout and the client's keep-alive expiry
 ARGS = ("--idle-timeout-s", str(IDLE_S))

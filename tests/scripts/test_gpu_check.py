@@ -23,8 +23,6 @@ import pytest
 
 from tests.support import REPO
 
-pytestmark = pytest.mark.long(40)
-
 CAP = 64 << 20
 # The lent image's packages that the pack's part imports (its list in docs/deployment.md).
 IMAGE = [

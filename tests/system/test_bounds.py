@@ -39,8 +39,6 @@ from tests.support.requests import (
 from tests.support.segments import raw_bytes, shm_source
 from tests.support.worker import Worker
 
-pytestmark = pytest.mark.long(30)
-
 STALL_S, IDLE_S, CONNECTIONS = 1.5, 1.0, 16
 LIMITS = (
     "--stall-timeout-s", str(STALL_S), "--idle-timeout-s", str(IDLE_S),

@@ -33,8 +33,6 @@ from tests.support.requests import Baseline, encode_body, settle, still_serving,
 from tests.support.segments import raw_bytes, shm_source
 from tests.support.worker import Worker, metric
 
-pytestmark = pytest.mark.long(40)
-
 CLEAN = "nothing leaked; the next encode is byte-exact"
 
 

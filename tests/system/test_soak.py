@@ -5,14 +5,11 @@ benchmarks/soak.py runs the same cycles (tests/support/soak.py) twenty times and
 
 from __future__ import annotations
 
-import pytest
 from framewire.client import Client
 
 from tests.support.processes import child_pids
 from tests.support.soak import RESTARTS, Soak, open_fds
 from tests.support.worker import Worker
-
-pytestmark = pytest.mark.long(20)
 
 ARGS = ("--idle-timeout-s", "1")
 

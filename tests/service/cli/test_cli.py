@@ -18,8 +18,6 @@ from framewire.client.wire import Layout
 
 from tests.support.media import make_clip, reference_mp4, sha256
 
-pytestmark = pytest.mark.long(35)
-
 CLI = [sys.executable, "-m", "framewire.service"]
 
 

@@ -5,10 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
-pytestmark = pytest.mark.long(20)
-
 DEMO = [sys.executable, "-m", "framewire.service", "demo"]
 
 

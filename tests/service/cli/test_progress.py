@@ -26,8 +26,6 @@ from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.refclips import make_video
 from tests.support.worker import Worker
 
-pytestmark = pytest.mark.long(45)
-
 CLI = [sys.executable, "-m", "framewire.service"]
 ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 NO_WORKER = ["--fd-socket", "/nonexistent/fd.sock"]  # decode: the local fallback

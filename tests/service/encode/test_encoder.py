@@ -17,8 +17,6 @@ from framewire.service._sources.shm import open_shm
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.segments import Segments, raw_bytes
 
-pytestmark = pytest.mark.long(20)
-
 FRAME_64x48 = 3 * 64 * 48
 
 

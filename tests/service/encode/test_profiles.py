@@ -31,8 +31,6 @@ from tests.support.engines import (
 )
 from tests.support.media import make_clip, with_specials
 
-pytestmark = pytest.mark.long(20)
-
 CHUNK = 3 * 30 * 34 * 6  # a few frames a chunk: every clip spans several
 
 

@@ -17,8 +17,6 @@ from tests.support.media import make_clip, reference_mp4
 from tests.support.requests import RUNNING, saved_on_thread, wait_for
 from tests.support.worker import Worker
 
-pytestmark = pytest.mark.long(35)
-
 # ----------------------------------------------------------------------------- unit
 
 

@@ -33,8 +33,6 @@ from schemathesis.specs.openapi.schemas import OpenApiSchema
 
 from tests.support.worker import Worker
 
-pytestmark = pytest.mark.long(20)
-
 TOKEN = "fuzz-" + "t" * 24
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 MAX_EXAMPLES = 30

@@ -14,12 +14,9 @@ import time
 from collections.abc import Callable, Iterator
 
 import httpx
-import pytest
 
 from tests.support.refclips import RawConnection
 from tests.support.worker import Worker
-
-pytestmark = pytest.mark.long(20)
 
 
 def sockets_held(worker: Worker) -> int:

@@ -47,8 +47,6 @@ from tests.support.cuda_producer import clip_for
 from tests.support.media import FFMPEG, make_clip, reference_mp4, sha256
 from tests.support.worker import Worker, Workers
 
-pytestmark = pytest.mark.long(15)
-
 HAS_CUDA = torch.cuda.is_available()
 gpu_only = pytest.mark.skipif(
     not HAS_CUDA, reason="needs an NVIDIA GPU: torch.cuda.is_available() is False"

@@ -39,8 +39,6 @@ from tests.support.processes import framewire_temps
 from tests.support.segments import Segments
 from tests.support.worker import Worker, Workers
 
-pytestmark = pytest.mark.long(35)
-
 BUCKET = "frames"
 PART = 2048  # the small clip (~1.9 KiB) goes in one PUT, the long one in several parts
 ARGS = (

@@ -26,8 +26,6 @@ from tests.support.requests import Baseline, Request, raw_http, settle, wait_for
 from tests.support.segments import Segments, raw_bytes, shm_source
 from tests.support.worker import Worker, metric
 
-pytestmark = pytest.mark.long(15)
-
 # Chunks of 1 MiB at most are converted: a chunk can be larger than the budget.
 WORKER_ARGS = ("--chunk-bytes", str(1 << 20), "--stream-idle-s", "30", "--max-streams", "4")
 
