@@ -10,12 +10,12 @@ fused operations), a clamp written as two comparisons, a truncating cast.
 NaN is the one value whose bytes are not fixed by the formula: ``clamp``
 keeps it, and the cast of NaN to uint8 is left to the platform (x86 gives 0,
 for torch's kernels and these alike). The kernel maps it to 0 outright;
-tests/service/encode/test_kernels.py compares every value class (NaN, infinities,
+tests/service/encode/test_convert.py compares every value class (NaN, infinities,
 signed zeros, values a rounding step off each integer) with the pure kernel on
 the machine that runs them, and the byte-exactness tests run with both.
 
-numba compiles them on first use (``cache=True``: later processes load the
-machine code from ``__pycache__``, or ``NUMBA_CACHE_DIR``); without numba, or
+numba compiles them (``jitted.py``) on first use (``cache=True``: later processes
+load the machine code from ``__pycache__``, or ``NUMBA_CACHE_DIR``); without numba, or
 with ``FRAMEWIRE_KERNEL=pure``, the pure kernel runs with the same bytes.
 float16 and bfloat16 always take the pure kernel: their arithmetic rounds to
 the narrow type after the multiply, which the kernels do not model.
@@ -89,43 +89,6 @@ def warm() -> None:
 
 
 def _compile() -> tuple[Any, Any]:
-    import numba
+    from framewire.service._convert import jitted  # imports numba: only when wanted
 
-    jit = numba.njit(nogil=True, boundscheck=False, fastmath=False, cache=True)
-    lo, hi, scale = np.float32(0.0), np.float32(255.0), np.float32(255.0)
-
-    @jit
-    def to_byte(v: Any) -> Any:
-        v = v * scale
-        v = v if v > lo else lo  # NaN compares false: 0
-        v = v if v < hi else hi
-        return np.uint8(v)
-
-    @jit
-    def planar(src: Any, plane: int, frame: int, row: int, shape: Any, dst: Any) -> None:
-        """``shape`` (t, r, w) frames from planes ``plane`` elements apart in flat ``src``
-        (each row contiguous, ``row`` and ``frame`` apart) into flat (t, r, w, 3) ``dst``.
-
-        Flat, unit-stride arrays: with them the compiler knows the rows are contiguous
-        and vectorizes the loop (on strided 4-D arrays it cannot)."""
-        frames, rows, width = shape
-        for t in range(frames):
-            for y in range(rows):
-                s = t * frame + y * row
-                d = ((t * rows) + y) * width * 3
-                # Row views indexed from 0: indices the compiler knows are not negative
-                # (no wraparound check), so the loop vectorizes.
-                p0, p1, p2 = src[s : s + width], src[s + plane :], src[s + 2 * plane :]
-                out = dst[d : d + 3 * width]
-                for x in range(width):
-                    out[3 * x] = to_byte(p0[x])
-                    out[3 * x + 1] = to_byte(p1[x])
-                    out[3 * x + 2] = to_byte(p2[x])
-
-    @jit
-    def interleaved(src: Any, dst: Any) -> None:
-        """Flat float32 ``src`` into flat uint8 ``dst`` of the same size."""
-        for i in range(src.size):
-            dst[i] = to_byte(src[i])
-
-    return planar, interleaved
+    return jitted.planar, jitted.interleaved

@@ -3,6 +3,10 @@ whichever it is (the default, compiled, runs in every other encode test)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 from framewire.client import Client
 
 from tests.support.media import make_clip, reference_mp4, with_specials
@@ -42,3 +46,20 @@ def test_warming_compiles_the_signatures_an_encode_uses():
     for layout, clip in [(Layout.CTHW, planar), (Layout.THWC, interleaved)]:
         convert_into(clip, layout, torch.empty(2, 8, 8, 3, dtype=torch.uint8))
     assert [list(k.signatures) for k in found] == before
+
+
+def test_later_processes_load_the_kernels_from_numba_s_cache(tmp_path):
+    """A worker's start compiles once per host, then loads: the cache does not grow with
+    every process that starts (a kernel that closed over another compiled function
+    was keyed differently in each process, compiled again and added an entry)."""
+    warm = "from framewire.service._convert import kernels; kernels.use('compiled'); kernels.warm()"
+    env = os.environ | {"NUMBA_CACHE_DIR": str(tmp_path)}
+
+    def cached() -> dict[str, int]:
+        subprocess.run([sys.executable, "-c", warm], env=env, check=True, timeout=120)
+        return {p.name: p.stat().st_size for p in tmp_path.rglob("*") if p.is_file()}
+
+    first = cached()
+    assert any(name.endswith(".nbc") for name in first), first  # compiled, and written
+    assert cached() == first
+    assert cached() == first
