@@ -6,7 +6,7 @@ import math
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from framewire.core.wire._sources import Int, WireModel, _kind_required
+from framewire.core.wire._sources import Int, RegionName, ShmKey, WireModel, _kind_required
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -82,14 +82,14 @@ class ShmAudio(_AudioFields):
     """Samples in a POSIX shared-memory segment."""
 
     kind: Literal["shm"] = "shm"
-    key: str = Field(min_length=2, max_length=255, pattern=r"^/[A-Za-z0-9_.\-]+$")
+    key: ShmKey
 
 
 class RegionAudio(_AudioFields):
     """Samples in a registered region (one registered over the fd socket too)."""
 
     kind: Literal["region"] = "region"
-    region: str = Field(min_length=1, max_length=255)
+    region: RegionName
 
 
 AudioSource = Annotated[ShmAudio | RegionAudio, Field(discriminator="kind")]

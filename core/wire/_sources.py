@@ -24,6 +24,9 @@ MAX_FPS = 1000
 Int = Annotated[int, Strict()]
 Number = Annotated[float, Strict()]  # an int is a number too
 Flag = Annotated[bool, Strict()]
+# Names of shared memory that frames and audio alike are read from.
+ShmKey = Annotated[str, Field(min_length=2, max_length=255, pattern=r"^/[A-Za-z0-9_.\-]+$")]
+RegionName = Annotated[str, Field(min_length=1, max_length=255)]
 
 
 class DType(StrEnum):
@@ -134,14 +137,14 @@ class ShmSource(_HostBytes):
     """A POSIX shared-memory segment, opened read-only by the worker."""
 
     kind: Literal["shm"] = "shm"
-    key: str = Field(min_length=2, max_length=255, pattern=r"^/[A-Za-z0-9_.\-]+$")
+    key: ShmKey
 
 
 class RegionSource(_HostBytes):
     """Bytes inside a region registered with /v2/systemsharedmemory."""
 
     kind: Literal["region"] = "region"
-    region: str = Field(min_length=1, max_length=255)
+    region: RegionName
 
 
 IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t
