@@ -29,7 +29,7 @@ import os
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 from framewire.client._calls import AsyncSend, Call, Send
 from framewire.client._local import LocalFallback
@@ -38,8 +38,6 @@ from framewire.client._sharing.fd import FdRegions
 from framewire.core.errors import Unavailable
 from framewire.core.frames import is_cuda
 from framewire.core.wire import OutputResult, StreamChunkAck
-
-T = TypeVar("T")
 
 
 class VideoWriter(WriterBase):

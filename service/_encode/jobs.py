@@ -16,7 +16,6 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
 
 from framewire.core.errors import BadRequest, Cancelled, FramewireError, Unavailable
 from framewire.core.media.process import kill_running
@@ -37,14 +36,10 @@ from framewire.service._ops.disconnect import watch_caller
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
 
-if TYPE_CHECKING:
-    pass
-
 STOP_WAIT_S = 10.0  # how long a shutdown waits for stopped requests to send their answers
 SHUTTING_DOWN = "the worker is shutting down; the encode was stopped"
 
 log = logging.getLogger("framewire.jobs")
-T = TypeVar("T")
 
 
 class EncodeJobs:
