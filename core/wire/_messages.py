@@ -57,6 +57,8 @@ def profile_misfit(profile: str, fps: float, audio_rate: int | None) -> tuple[st
             f"the vllm-omni profile encodes AAC at the audio's own rate: {rates}; got {audio_rate}"
         )
     return None
+
+
 MAX_PRESIGN_S = 7 * 24 * 3600  # SigV4's own limit
 
 
