@@ -122,6 +122,7 @@ def save_options(
     value_range: tuple[float, float] | None,
     presign_s: int | None,
     validate: bool,
+    encoder: str | None = None,
 ) -> dict[str, Any]:
     """A save's keywords, as the worker's request and the local fallback both take them."""
     return {
@@ -135,6 +136,7 @@ def save_options(
         "value_range": value_range,
         "presign_s": presign_s,
         "validate": validate,
+        "encoder": encoder,
     }
 
 

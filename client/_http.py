@@ -105,6 +105,7 @@ class Client(BaseClient, Closing):
         value_range: tuple[float, float] | None = None,
         presign_s: int | None = None,
         validate: bool = True,
+        encoder: str | None = None,
         layout: Layout | str | None = None,
     ) -> list[OutputResult]:
         """Encode each video to its path; returns one result per output, in order.
@@ -112,12 +113,14 @@ class Client(BaseClient, Closing):
         The frames stay where they are (CUDA tensors are shared over CUDA IPC, host
         memory through shared memory); they are kept alive and must stay unmodified
         until the worker has answered. Work queued on the current CUDA stream is
-        waited for first.
+        waited for first. ``encoder``: the identity of the encoder the bytes must come
+        from (``framewire.core.media.identity``); a worker without it answers 409
+        ``encoder_unavailable``. ``threads=0`` is x264's own count.
         """
         self._check_pairs(videos, paths)
         options = save_options(
             fps, quality, preset, threads, audio, audio_sample_rate, profile, value_range,
-            presign_s, validate,
+            presign_s, validate, encoder,
         )  # fmt: skip
         try:
             return self._save_on_worker(videos, paths, options, layout)
@@ -163,6 +166,7 @@ class Client(BaseClient, Closing):
         value_range: tuple[float, float] | None = None,
         presign_s: int | None = None,
         validate: bool = True,
+        encoder: str | None = None,
         layout: Layout | str | None = None,
         live: bool = False,
     ) -> VideoWriter:
@@ -189,6 +193,7 @@ class Client(BaseClient, Closing):
             validate=validate,
             layout=layout,
             live=live,
+            encoder=encoder,
         )
 
     def decode_reference(
@@ -291,12 +296,13 @@ class AsyncClient(BaseClient):
         value_range: tuple[float, float] | None = None,
         presign_s: int | None = None,
         validate: bool = True,
+        encoder: str | None = None,
         layout: Layout | str | None = None,
     ) -> list[OutputResult]:
         self._check_pairs(videos, paths)
         options = save_options(
             fps, quality, preset, threads, audio, audio_sample_rate, profile, value_range,
-            presign_s, validate,
+            presign_s, validate, encoder,
         )  # fmt: skip
         try:
             return await self._save_on_worker(videos, paths, options, layout)
@@ -348,6 +354,7 @@ class AsyncClient(BaseClient):
         value_range: tuple[float, float] | None = None,
         presign_s: int | None = None,
         validate: bool = True,
+        encoder: str | None = None,
         layout: Layout | str | None = None,
         live: bool = False,
     ) -> AsyncVideoWriter:
@@ -368,6 +375,7 @@ class AsyncClient(BaseClient):
             validate=validate,
             layout=layout,
             live=live,
+            encoder=encoder,
         )
 
     @twin(Client.decode_reference)

@@ -67,6 +67,7 @@ class WriterBase:
         validate: bool,
         layout: Layout | str | None,
         live: bool = False,
+        encoder: str | None = None,
     ):
         if audio is not None and not isinstance(audio, (str, os.PathLike)):
             # Samples are judged when the session opens, before any chunk: hand them to
@@ -85,6 +86,7 @@ class WriterBase:
             "presign_s": presign_s,
             "validate": validate,
             "live": live,
+            "encoder": encoder,
         }
         self._layout = layout
         self.id: str | None = None

@@ -53,6 +53,7 @@ class Options:
     presign_s: int | None = None  # object URLs are the worker's: never written here
     live: bool = False  # a live view is the worker's: a local stream has no viewers
     validate: bool = True
+    encoder: str | None = None  # an encoder identity: refused unless this process runs it
 
 
 class LocalEncoder:
@@ -112,7 +113,8 @@ class LocalEncoder:
             audio = stack.enter_context(memory_audio(audio, options))
         elif audio is not None:
             audio = Path(audio)
-        return EncodeParams.asked(options, audio)
+        ffmpeg = self.encoder.encoders.pick(options.encoder, options.profile)
+        return EncodeParams.asked(options, audio, ffmpeg=ffmpeg)
 
 
 class LocalStream:

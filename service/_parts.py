@@ -10,6 +10,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 
+from framewire.core.media.process import resolve_ffmpeg
 from framewire.service._convert import kernels
 from framewire.service._decode.decoder import ReferenceDecoder
 from framewire.service._encode.encoder import Encoder
@@ -59,7 +60,8 @@ class Parts:
         resources = EncodeResources(settings, encoder, regions, scheduler, cuda)
         jobs = EncodeJobs(settings, resources, metrics)
         sessions = Sessions(settings, resources, metrics)
-        decoder = ReferenceDecoder(settings, encoder.ffmpeg, metrics)
+        decode_ffmpeg = resolve_ffmpeg(settings.decode_ffmpeg) if settings.decode_ffmpeg else None
+        decoder = ReferenceDecoder(settings, decode_ffmpeg or encoder.ffmpeg, metrics)
         instance = secrets.token_hex(8)
         fd_server = FdServer(settings, decoder, regions, metrics, instance)
         return cls(

@@ -31,6 +31,12 @@ class Settings(BaseSettings):
     shm_prefixes: CommaList = Field(default_factory=lambda: ["/framewire", "/torch_"])
     token: str | None = None
     ffmpeg: str | None = None
+    # More ffmpeg binaries a request may ask for by identity (docs/engines.md): those of
+    # the engines served here, whose pinned builds give other bytes than the default's.
+    encoders: CommaList = Field(default_factory=list)
+    # The binary of reference decodes (None: FRAMEWIRE_FFMPEG's): engines decode with
+    # their own, apart from the one they encode with.
+    decode_ffmpeg: str | None = None
     chunk_bytes: int = Field(default=128 << 20, ge=1)
     cpu_slots: int = Field(default_factory=lambda: len(os.sched_getaffinity(0)), ge=1)
     max_queue: int = Field(default=64, ge=0)
@@ -95,7 +101,7 @@ class Settings(BaseSettings):
             )
         return v
 
-    @field_validator("output_roots", "input_roots", "shm_prefixes", mode="before")
+    @field_validator("output_roots", "input_roots", "shm_prefixes", "encoders", mode="before")
     @classmethod
     def _split(cls, v: object) -> object:
         if isinstance(v, str):

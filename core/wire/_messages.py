@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from framewire.core.errors import BadRequest
 from framewire.core.media.argv import PROFILES, profile_rate, rate_arg
+from framewire.core.media.identity import is_identity
 from framewire.core.wire._audio import AAC_SAMPLE_RATES, Audio
 from framewire.core.wire._sources import (
     MAX_FPS,
@@ -74,18 +75,32 @@ class EncodeOptions(WireModel):
     fps: Number = Field(ge=MIN_FPS, le=MAX_FPS)
     quality: Number | None = Field(default=None, ge=0, le=10)
     preset: Preset | None = None
-    threads: Int | None = Field(default=None, ge=1, le=128)
+    # 0: x264's own count (what vLLM-omni passes); None: the profile's default.
+    threads: Int | None = Field(default=None, ge=0, le=128)
     audio: Audio | None = None
     profile: Profile = "imageio"
     value_range: tuple[Number, Number] | None = None  # vllm-omni: (0, 1) or (-1, 1)
     # An s3:// path: also answer a presigned GET URL of the object, valid this long.
     presign_s: Int | None = Field(default=None, ge=1, le=MAX_PRESIGN_S)
+    # The encoder whose bytes the output must have (core.media.identity: an ffmpeg
+    # binary's sha256, or PyAV's version); None: the worker's default. 409
+    # encoder_unavailable when the worker holds no such encoder.
+    encoder: str | None = Field(default=None, min_length=1, max_length=160)
 
     @field_validator("fps", "quality")
     @classmethod
     def _finite(cls, v: float | None) -> float | None:
         if v is not None and not math.isfinite(v):
             raise PydanticCustomError("not_finite", "must be finite")
+        return v
+
+    @field_validator("encoder")
+    @classmethod
+    def _identity(cls, v: str | None) -> str | None:
+        if v is not None and not is_identity(v):
+            raise PydanticCustomError(
+                "bad_encoder", "encoder is an identity: ffmpeg-sha256:<hex> or pyav:<version>"
+            )
         return v
 
     @field_validator("path", "audio")
@@ -277,6 +292,7 @@ OUR_CODES = {
     "audio_too_large",
     "audio_unsupported",
     "presign_needs_url",
+    "bad_encoder",
 }
 
 

@@ -37,9 +37,10 @@ from framewire.core.media.argv import (
     x264_auto_threads,
 )
 from framewire.core.media.inputs import InputFile
-from framewire.core.media.process import FfmpegExited, FfmpegProcess, resolve_ffmpeg
+from framewire.core.media.process import FfmpegExited, FfmpegProcess
 from framewire.service._convert.convert import chunk_frames, convert_into
 from framewire.service._convert.staging import ChunkWriter, slot_frames
+from framewire.service._encode.encoders import Encoders
 from framewire.service._encode.params import EncodeParams, check_geometry, check_params
 from framewire.service._encode.profiles import profile_writer
 from framewire.service._encode.pump import Progress, Pump, chunk_spans, send_in_pieces
@@ -82,8 +83,10 @@ class Encoder:
         chunk_bytes: int = 128 << 20,
         fallback: bool = True,
         stall_s: float | None = 60.0,
+        encoders: list[str] | None = None,
     ):
-        self.ffmpeg = resolve_ffmpeg(ffmpeg)
+        self.encoders = Encoders(ffmpeg, encoders)
+        self.ffmpeg = self.encoders.default
         self.chunk_bytes = chunk_bytes
         self.fallback = fallback
         self.stall_s = stall_s  # an ffmpeg making no progress this long is killed
@@ -95,6 +98,7 @@ class Encoder:
             chunk_bytes=settings.chunk_bytes,
             fallback=settings.fallback,
             stall_s=settings.stall_timeout_s,
+            encoders=settings.encoders,
         )
 
     def threads_for(self, height: int, params: EncodeParams) -> int:
@@ -249,7 +253,7 @@ class Encoder:
                 audio=audio.pyav_spec() if isinstance(audio, MemoryAudio) else None,
             )
         return encode_argv(
-            self.ffmpeg,
+            params.ffmpeg or self.ffmpeg,
             **common,  # type: ignore[arg-type]
             audio=None if audio is None else audio.ffmpeg_path,
             profile=params.profile,

@@ -38,19 +38,26 @@ class EncodeParams:
     fps: float
     quality: float | None = None  # None: the profile's default (imageio's 5)
     preset: str | None = None  # None: the profile's default (imageio's "fast")
-    threads: int | None = None  # None: x264's automatic count, passed explicitly
+    threads: int | None = None  # None or 0: x264's automatic count, passed explicitly
     # A file to mux: a path (opened here, a regular file only) or an open input (the
     # worker's, judged under its input roots, or samples from memory), the caller's.
     audio: Path | InputFile | None = None
     profile: str = "imageio"  # the engine save path reproduced (docs/engines.md)
     value_range: tuple[float, float] | None = None  # the vllm-omni profile's
     nice: int = 0  # niceness added to its encoder child (the worker's bulk encodes)
+    # The ffmpeg executable the request's encoder identity named (None: the encoder's
+    # default; the vllm-omni profile runs PyAV).
+    ffmpeg: str | None = None
 
     @classmethod
     def asked(
-        cls, options: AskedFor, audio: Path | InputFile | None = None, nice: int = 0
+        cls,
+        options: AskedFor,
+        audio: Path | InputFile | None = None,
+        nice: int = 0,
+        ffmpeg: str | None = None,
     ) -> EncodeParams:
-        """The parameters ``options`` ask for, with the audio already opened."""
+        """The parameters ``options`` ask for, with the audio opened and the encoder picked."""
         return cls(
             fps=options.fps,
             quality=options.quality,
@@ -60,6 +67,7 @@ class EncodeParams:
             profile=options.profile,
             value_range=options.value_range,
             nice=nice,
+            ffmpeg=ffmpeg,
         )
 
     @property
@@ -86,8 +94,8 @@ def check_params(params: EncodeParams) -> None:
             )
     if params.profile == "vllm-omni":
         require_pyav()  # its encoder is a PyAV child: 503 pyav_missing, before anything runs
-    if params.threads is not None and params.threads < 1:
-        raise BadRequest(f"threads must be >= 1, got {params.threads}", code="bad_threads")
+    if params.threads is not None and params.threads < 0:
+        raise BadRequest(f"threads must be >= 0, got {params.threads}", code="bad_threads")
     # What the wire model refuses for HTTP callers, for the API and the local CLI too:
     # otherwise the audio would be muxed where the engine writes none, or dropped.
     if params.audio is not None and params.profile == "diffusers":

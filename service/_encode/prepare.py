@@ -36,6 +36,7 @@ from framewire.service._access.paths import (
 )
 from framewire.service._access.peers import READ, SEARCH, WRITE, Access
 from framewire.service._access.urls import ObjectUrl, is_url
+from framewire.service._encode.encoders import Encoders
 from framewire.service._encode.params import EncodeParams, check_geometry, check_params
 from framewire.service._settings import Settings
 from framewire.service._sources.audio import MemoryAudio
@@ -102,9 +103,11 @@ class Preparer:
         settings: Settings,
         regions: RegionRegistry,
         uploads: Uploads,
+        encoders: Encoders,
         cuda: CudaRuntime | None = None,
     ):
         self.settings = settings
+        self.encoders = encoders  # which binary a request's encoder identity names
         self.regions = regions
         self.uploads = uploads
         self.cuda = cuda  # None: no usable GPU, cuda_ipc sources are refused
@@ -143,7 +146,8 @@ class Preparer:
         if audio is not None:
             stack.callback(audio.close)
         # A small output runs without the niceness: jobs.py.
-        params = EncodeParams.asked(options, audio, nice=self.settings.encode_nice)
+        ffmpeg = self.encoders.pick(options.encoder, options.profile)
+        params = EncodeParams.asked(options, audio, nice=self.settings.encode_nice, ffmpeg=ffmpeg)
         check_params(params)
         return path, params, url
 

@@ -36,7 +36,7 @@ class EncodeResources:
         self.encoder = encoder
         self.scheduler = scheduler
         self.uploads = Uploads(settings)
-        self.prepare = Preparer(settings, regions, self.uploads, cuda)
+        self.prepare = Preparer(settings, regions, self.uploads, encoder.encoders, cuda)
         # Every admitted encode has its thread; the scheduler, not the pool, limits them.
         self.pool = ThreadPoolExecutor(
             max(4, settings.cpu_slots + 2), thread_name_prefix="framewire-encode"

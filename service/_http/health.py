@@ -44,6 +44,10 @@ def info(parts: WorkerParts) -> dict[str, object]:
         "instance": parts.instance,
         "ffmpeg": parts.encoder.ffmpeg,
         "ffmpeg_version": ffmpeg_version(parts.encoder.ffmpeg),
+        # Every encoder a request may name by its identity (docs/engines.md): each ffmpeg
+        # binary (the default first) and PyAV, with the libx264 build each runs.
+        "encoders": parts.encoder.encoders.describe(),
+        "decode_ffmpeg": parts.fd_server.decoder.ffmpeg,
         "device": "cuda" if cuda else "cpu",
         "cuda": cuda.info() if cuda else None,  # devices and their memory figures
         "limits": {
