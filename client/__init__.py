@@ -30,6 +30,7 @@ from framewire.core.errors import (
     Unauthorized,
     Unavailable,
 )
+from framewire.core.media.identity import ffmpeg_identity, pyav_identity
 from framewire.core.reference import ReferenceFrames, decode_reference
 from framewire.core.wire import Layout, MediaInfo, OutputResult
 
@@ -82,6 +83,8 @@ __all__ = [
     "VideoWriter",
     "__version__",
     "decode_reference",
+    "ffmpeg_identity",
+    "pyav_identity",
     "save_video",
     "save_videos",
 ]

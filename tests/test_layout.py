@@ -21,6 +21,8 @@ PACKAGES = {
     "framewire.core": REPO / "core",
     "framewire.client": REPO / "client",
     "framewire.service": REPO / "service",
+    # Beside the service, not under it: stands on the client alone (a test says so).
+    "framewire.integrations": REPO / "integrations",
 }
 LAYERS = list(PACKAGES)
 MAX_LINES = 400
@@ -30,13 +32,17 @@ PUBLIC_MODULES = {
     "framewire.client.distributed",
     "framewire.service",
     "framewire.service.__main__",
+    "framewire.integrations",
+    "framewire.integrations.sglang",
+    "framewire.integrations.vllm_omni",
+    "framewire.integrations.diffusers",
 }
 CLIENT_API = [
     "AsyncClient", "AsyncVideoWriter", "BadRequest", "Cancelled", "Client", "Conflict",
     "Forbidden", "FramewireError", "InsufficientStorage", "Layout", "MediaError", "MediaInfo",
     "NotFound", "OutputResult", "Overloaded", "ReferenceFrames", "Stalled", "StoreError",
-    "Unauthorized", "Unavailable", "VideoWriter", "__version__", "decode_reference", "save_video",
-    "save_videos",
+    "Unauthorized", "Unavailable", "VideoWriter", "__version__", "decode_reference",
+    "ffmpeg_identity", "pyav_identity", "save_video", "save_videos",
 ]  # fmt: skip
 WIRE_API = [
     "MAX_CHANNELS", "MAX_FPS", "MAX_FRAMES", "MAX_SAMPLE_RATE", "MAX_SIDE", "MIN_FPS",
@@ -160,6 +166,22 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
         for n in targets:
             units.setdefault(n, set())
     return units
+
+
+def test_the_integrations_stand_on_the_client_alone():
+    """Engines import framewire.integrations: it reaches the worker through the client's
+    public names only, never the core or the service."""
+    graph = import_graph()
+    outside = {
+        f"{m} -> {n}"
+        for m, targets in graph.items()
+        if top(m) == "framewire.integrations"
+        for n in targets
+        if top(n) != "framewire.integrations" and n != "framewire.client"
+    }
+    assert outside == set()
+    assert not [m for m, t in graph.items() if top(m) != "framewire.integrations"
+                and any(top(n) == "framewire.integrations" for n in t)]  # fmt: skip
 
 
 def test_no_import_cycles():

@@ -1,0 +1,139 @@
+"""What every engine integration shares: whether it is on, the process's client, which
+paths the worker may write, and the engine's own function whenever framewire cannot
+give its bytes.
+
+The engine's process is not ours to configure, so everything comes from the
+environment: ``FRAMEWIRE_INTEGRATIONS`` (which integrations act), ``FRAMEWIRE_URL``
+and ``FRAMEWIRE_TOKEN`` (the worker). One client per process, made at the first
+routed save and made again in a forked child (a client's connections and fd socket
+are its parent's). It never encodes locally: with no worker the engine's own
+function runs, with its own bytes and dependencies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from framewire.client import Client, FramewireError
+
+ENV = "FRAMEWIRE_INTEGRATIONS"
+NAMES = ("sglang", "vllm-omni", "diffusers")
+INFO_TTL_S = 30.0  # the worker's roots, asked again after this long (or a restart)
+
+log = logging.getLogger("framewire.integrations")
+T = TypeVar("T")
+
+_counts: Counter[str] = Counter()
+_said: set[str] = set()
+_lock = threading.Lock()
+
+
+def enabled(name: str) -> bool:
+    """Whether ``FRAMEWIRE_INTEGRATIONS`` (comma-separated, or ``all``) names ``name``."""
+    asked = {n.strip().lower() for n in os.environ.get(ENV, "").split(",") if n.strip()}
+    return name in asked or "all" in asked
+
+
+def counts() -> dict[str, int]:
+    """Saves of this process by where they went: ``<engine>:routed`` through the worker,
+    ``<engine>:engine:<why>`` to the engine's own function."""
+    with _lock:
+        return dict(_counts)
+
+
+def count(key: str) -> None:
+    with _lock:
+        _counts[key] += 1
+
+
+def say_once(key: str, message: str, *args: object, level: int = logging.INFO) -> None:
+    """Log ``message`` the first time ``key`` is seen in this process."""
+    with _lock:
+        if key in _said:
+            return
+        _said.add(key)
+    log.log(level, message, *args)
+
+
+class Declined(Exception):
+    """This save is not one framewire reproduces: the engine's own function runs."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
+
+
+class Worker:
+    """The process's client of the worker, and what the worker lets it write."""
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._client: Client | None = None
+        self._roots: list[str] = []
+        self._roots_at = -INFO_TTL_S
+        self._lock = threading.Lock()
+
+    def client(self) -> Client:
+        with self._lock:
+            if self._client is None or self._pid != os.getpid():
+                # A forked child drops its parent's client without closing it: closing
+                # would close the parent's fd socket under it.
+                url = os.environ.get("FRAMEWIRE_URL") or "http://127.0.0.1:7700"
+                token = os.environ.get("FRAMEWIRE_TOKEN") or None
+                self._client = Client(url, token=token, local_fallback=False)
+                self._pid, self._roots_at = os.getpid(), -INFO_TTL_S
+            return self._client
+
+    def output_roots(self) -> list[str]:
+        """The worker's absolute output roots (asked again every INFO_TTL_S)."""
+        client = self.client()
+        if time.monotonic() - self._roots_at >= INFO_TTL_S:
+            info = client.info()
+            roots = [str(r) for r in info.get("output_roots", [])]
+            self._roots = [os.path.realpath(r) for r in roots if os.path.isabs(r)]
+            self._roots_at = time.monotonic()
+        return self._roots
+
+    def target(self, path: str | os.PathLike[str]) -> str:
+        """``path`` made absolute as the engine would open it (from this process's working
+        directory); Declined unless it lies under one of the worker's output roots."""
+        absolute = os.path.abspath(os.fspath(path))
+        real = os.path.realpath(absolute)
+        for root in self.output_roots():
+            if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+                return absolute
+        raise Declined("the path is outside the worker's output roots")
+
+
+WORKER = Worker()
+
+
+def route(
+    engine: str,
+    routed: Callable[[], T],
+    original: Callable[..., T],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+) -> T:
+    """``routed()`` through the worker; when it declines or the worker fails, the
+    engine's ``original(*args, **kwargs)`` (its bytes, its errors), said once per cause."""
+    try:
+        result = routed()
+    except Declined as exc:
+        why, level, said = exc.why, logging.INFO, exc.why
+    except FramewireError as exc:  # no worker, another encoder, a refusal
+        why = f"the worker answered {exc.code}"
+        level, said = logging.WARNING, f"{why} ({exc.message})"
+    else:
+        count(f"{engine}:routed")
+        return result
+    count(f"{engine}:engine:{why}")
+    say_once(f"{engine}:{why}", "framewire: a %s save runs the engine's own code: %s",
+             engine, said, level=level)  # fmt: skip
+    return original(*args, **kwargs)

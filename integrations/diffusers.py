@@ -1,0 +1,121 @@
+"""diffusers' ``export_to_video``, saved through the worker with diffusers' own bytes.
+
+diffusers has no plugin system: import the drop-in instead of diffusers' name,
+
+    from framewire.integrations.diffusers import export_to_video
+
+or call :func:`install` once (``FRAMEWIRE_INTEGRATIONS=diffusers`` is not needed
+then) to rebind ``diffusers.utils.export_to_video`` for code that looks it up
+there. Same parameters, defaults and return as diffusers 0.42.1's. Routed: float32
+numpy frames or PIL images, to an ``.mp4`` under the worker's output roots, at
+diffusers' defaults for ``bitrate`` and ``macro_block_size``, with the encoder
+diffusers' imageio runs. Everything else (no path: a temporary file; a bitrate;
+another macro block size; float64 or uint8 arrays, which diffusers scales by 255
+with numpy's wrap-around; a worker that does not answer) runs diffusers' own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+from framewire.client import ffmpeg_identity
+from framewire.integrations._route import WORKER, Declined, route
+
+_original: Any = None
+_installed = False
+
+
+def _diffusers_export() -> Any:
+    global _original
+    if _original is None:
+        _original = importlib.import_module("diffusers.utils.export_utils").export_to_video
+    return _original
+
+
+def _identity() -> str:
+    imageio_ffmpeg = importlib.import_module("imageio_ffmpeg")
+    return ffmpeg_identity(imageio_ffmpeg.get_ffmpeg_exe())
+
+
+def _rate_spelled_alike(fps: float) -> bool:
+    """Whether diffusers' imageio-ffmpeg spells this rate as framewire's profile does:
+    0.6 and older write ``{fps:.02f}``, newer ones the exact fraction."""
+    if float(fps).is_integer():
+        return True
+    version = importlib.import_module("imageio_ffmpeg").__version__
+    major, minor = (int(p) for p in version.split(".")[:2])
+    return (major, minor) >= (0, 7) and Fraction(fps).limit_denominator() == Fraction(fps)
+
+
+def _frames(video_frames: Any) -> np.ndarray:
+    first = video_frames[0]
+    if isinstance(first, np.ndarray):
+        if any(not isinstance(f, np.ndarray) or f.dtype != np.float32 for f in video_frames):
+            raise Declined("frames that are not float32 arrays")
+        video = np.stack(video_frames)
+    elif type(first).__module__.startswith("PIL."):
+        video = np.stack([np.array(f) for f in video_frames])
+        if video.dtype != np.uint8:
+            raise Declined("images that are not 8-bit")
+    else:
+        raise Declined("frames that are neither arrays nor PIL images")
+    if video.ndim != 4 or video.shape[3] != 3:
+        raise Declined("frames that are not (H, W, 3)")
+    return video
+
+
+def export_to_video(
+    video_frames: list[np.ndarray] | list[Any],
+    output_video_path: str | None = None,
+    fps: int = 10,
+    quality: float = 5.0,
+    bitrate: int | None = None,
+    macro_block_size: int | None = 16,
+) -> str:
+    """diffusers' ``export_to_video``: the frames to an MP4 at ``output_video_path``
+    (a temporary file when None); returns the path. Routed through the worker when
+    framewire gives diffusers' bytes, else diffusers' own function runs."""
+    args = (video_frames, output_video_path, fps, quality, bitrate, macro_block_size)
+
+    def routed() -> str:
+        if output_video_path is None:
+            raise Declined("no output path (a temporary file)")
+        if bitrate is not None or macro_block_size != 16 or quality is None:
+            raise Declined("a bitrate, a macro block size or no quality")
+        if os.path.splitext(output_video_path)[1].lower() != ".mp4":
+            raise Declined("not an .mp4 output")
+        if not 0 <= quality <= 10 or not _rate_spelled_alike(fps):
+            raise Declined("a quality or rate diffusers' imageio spells otherwise")
+        if not len(video_frames):
+            raise Declined("no frames")
+        video = _frames(video_frames)
+        WORKER.client().save_video(
+            video, WORKER.target(output_video_path), fps=fps, quality=quality,
+            profile="diffusers", encoder=_identity(), layout="THWC",
+        )  # fmt: skip
+        return output_video_path
+
+    path: str = route("diffusers", routed, _diffusers_export(), args, {})
+    return path
+
+
+def install() -> None:
+    """Rebind ``diffusers.utils.export_to_video`` (and ``export_utils``') to the drop-in."""
+    global _installed
+    _diffusers_export()
+    for name in ("diffusers.utils", "diffusers.utils.export_utils"):
+        setattr(importlib.import_module(name), "export_to_video", export_to_video)  # noqa: B010
+    _installed = True
+
+
+def uninstall() -> None:
+    """Put diffusers' own function back."""
+    global _installed
+    if _installed:
+        for name in ("diffusers.utils", "diffusers.utils.export_utils"):
+            setattr(importlib.import_module(name), "export_to_video", _original)  # noqa: B010
+        _installed = False

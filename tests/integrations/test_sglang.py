@@ -1,0 +1,103 @@
+"""SGLang 0.5.23's own code, in SGLang's own pins (imageio-ffmpeg 0.5.1: ffmpeg 4.2.2),
+saving through a real worker: its plugin loader finds framewire by the entry point,
+its hook registry applies the hooks, and every output's sha256 equals SGLang's own
+save of the same frames (tests/support/engine_sglang.py runs the cases)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import REPO
+from tests.support.engine_site import engine_env, engine_ffmpeg, engine_site
+from tests.support.worker import Worker, free_port
+
+pytestmark = pytest.mark.registry
+
+ROUTED = ["float32", "odd-size-23.976", "bf16-audio", "stereo-inferred-rate", "two-outputs",
+          "materialized"]  # fmt: skip
+LEFT = ["uint8-tensor", "bad-quality"]  # SGLang's own path (uint8 via its materialized route)
+HOOKED = ["_try_save_cuda_video_direct", "_try_save_cuda_videos_direct", "_save_video_ffmpeg"]
+
+
+@pytest.fixture(scope="module")
+def site() -> Path:
+    return engine_site("sglang")
+
+
+def run(site: Path, out: Path, names: list[str], **env: str) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.support.engine_sglang", str(out), *names],
+        env=engine_env(site, **env), cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    report["log"] = done.stderr
+    return report
+
+
+@pytest.fixture(scope="module")
+def own(site: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """SGLang's own saves: the integration installed (it is) but not enabled."""
+    return run(site, tmp_path_factory.mktemp("own"), ROUTED + LEFT)
+
+
+def test_not_enabled_nothing_is_hooked(own):
+    assert own["unchanged"] == dict.fromkeys(HOOKED, True)  # the very same functions
+    assert own["hooked"] == dict.fromkeys(HOOKED, False)
+    assert own["counts"] == {}
+    assert "framewire:" not in own["log"]  # SGLang names the plugin it ran; we say nothing
+    assert own["ffmpeg"].endswith("ffmpeg-linux64-v4.2.2")  # SGLang's pin, not ours
+
+
+def test_every_save_through_the_worker_has_sglangs_bytes(site, own, workers, tmp_path):
+    worker = workers.start("--encoders", str(engine_ffmpeg(site)))
+    url = worker.uds_url
+    on = run(site, worker.outputs / "on", ROUTED + LEFT, FRAMEWIRE_INTEGRATIONS="sglang",
+             FRAMEWIRE_URL=url)  # fmt: skip
+    assert on["hooked"] == dict.fromkeys(HOOKED, True)
+    assert on["results"] == own["results"]
+    assert "ValueError" in on["results"]["bad-quality"]["error"]  # SGLang's own refusal
+    # Every routed case went to the worker (the parallel pair in one request, the uint8
+    # tensor through SGLang's materialized frames); the others ran SGLang's code.
+    assert on["counts"]["sglang:routed"] == len(ROUTED) + 1
+    assert on["counts"]["sglang:engine:frames of torch.uint8"] == 1
+    assert "framewire: SGLang's _try_save_cuda_video_direct" in on["log"]
+    assert sorted(p.name for p in (worker.outputs / "on").iterdir()) == sorted(
+        f"{n}-{i}.mp4" for n in ROUTED + LEFT if n != "bad-quality"
+        for i in range(2 if n == "two-outputs" else 1)
+    )  # fmt: skip
+
+
+def test_a_worker_without_sglangs_encoder_leaves_it_to_sglang(site, own, workers):
+    worker = workers.start()  # only the test environment's ffmpeg (9.x)
+    on = run(site, worker.outputs / "on", ["float32", "bf16-audio"],
+             FRAMEWIRE_INTEGRATIONS="sglang", FRAMEWIRE_URL=worker.uds_url)  # fmt: skip
+    assert on["results"] == {n: own["results"][n] for n in ("float32", "bf16-audio")}
+    # Each refused twice: SGLang's direct save, then its materialized one (bf16-audio's
+    # materialized save writes a WAV first: not routed).
+    assert on["counts"] == {"sglang:engine:the worker answered encoder_unavailable": 3,
+                            "sglang:engine:audio from a WAV file": 1}  # fmt: skip
+    assert on["log"].count("encoder_unavailable") == 1  # said once
+
+
+def test_no_worker_leaves_it_to_sglang(site, own, tmp_path):
+    on = run(site, tmp_path / "on", ["float32", "two-outputs"], FRAMEWIRE_INTEGRATIONS="sglang",
+             FRAMEWIRE_URL=f"http://127.0.0.1:{free_port()}")  # fmt: skip
+    assert on["results"] == {n: own["results"][n] for n in ("float32", "two-outputs")}
+    assert set(on["counts"]) == {"sglang:engine:the worker answered unavailable"}
+
+
+def test_a_path_outside_the_roots_leaves_it_to_sglang(site, own, workers, tmp_path):
+    worker: Worker = workers.start("--encoders", str(engine_ffmpeg(site)))
+    on = run(site, tmp_path / "elsewhere", ["float32"], FRAMEWIRE_INTEGRATIONS="sglang",
+             FRAMEWIRE_URL=worker.uds_url)  # fmt: skip
+    assert on["results"]["float32"] == own["results"]["float32"]
+    # Declined twice: SGLang's direct save, then its materialized one.
+    assert on["counts"] == {"sglang:engine:the path is outside the worker's output roots": 2}

@@ -1,0 +1,140 @@
+"""Run in SGLang's own environment (tests/support/engine_site.py): SGLang 0.5.23's
+plugin loader and save functions, on cases named here; prints what came of each.
+
+``python -m tests.support.engine_sglang OUT_DIR CASE...``. SGLang's packages are
+entered as path-only shells (their ``__init__`` would import the whole runtime)
+and the few modules ``runtime/entrypoints/utils.py`` imports for types it does
+not use on these paths are stubs; the loader (``platforms/plugins.py``), the
+hook registry and every save function are SGLang's own files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+import json
+import logging
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+UTILS = "sglang.multimodal_gen.runtime.entrypoints.utils"
+PLUGINS = "sglang.multimodal_gen.runtime.platforms.plugins"
+HOOKED = ("_try_save_cuda_video_direct", "_try_save_cuda_videos_direct", "_save_video_ffmpeg")
+SHELLS = (
+    "sglang", "sglang.multimodal_gen", "sglang.multimodal_gen.runtime", "sglang.srt",
+    "sglang.multimodal_gen.configs", "sglang.multimodal_gen.configs.sample",
+    "sglang.multimodal_gen.runtime.pipelines_core", "sglang.multimodal_gen.runtime.utils",
+    "sglang.srt.observability", "sglang.multimodal_gen.runtime.entrypoints",
+)  # fmt: skip
+
+
+class DataType(enum.Enum):  # sampling_params' (the values save_outputs compares)
+    IMAGE = "image"
+    VIDEO = "video"
+    ACTION = "action"
+
+
+def _enter_sglang() -> None:
+    [site] = [p for p in sys.path if (Path(p) / "sglang").is_dir()][:1]
+    for name in SHELLS:
+        mod = types.ModuleType(name)
+        mod.__path__ = [os.path.join(site, *name.split("."))]
+        sys.modules[name] = mod
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, mod)
+
+    def stub(name: str, **attrs: Any) -> None:
+        mod = types.ModuleType(name)
+        mod.__dict__.update(attrs)
+        sys.modules[name] = mod
+
+    stub("sglang.multimodal_gen.configs.sample.sampling_params", DataType=DataType,
+         SamplingParams=object)  # fmt: skip
+    stub("sglang.multimodal_gen.runtime.pipelines_core.request_utils",
+         expand_request_outputs=None, normalize_output_seeds=None)  # fmt: skip
+    stub("sglang.multimodal_gen.runtime.pipelines_core.schedule_batch", Req=object)
+    stub("sglang.multimodal_gen.runtime.server_args", ServerArgs=object)
+    stub("sglang.multimodal_gen.runtime.utils.profiler",
+         maybe_record_function=lambda name: contextlib.nullcontext())  # fmt: skip
+    stub("sglang.srt.observability.trace", TraceReqContext=object)
+    # envs reads the platform override only here; the real one imports zmq and more.
+    override = os.environ.get("SGLANG_DIFFUSION_PLATFORM_OVERRIDE", "cpu")
+    stub("sglang.multimodal_gen.envs", SGLANG_DIFFUSION_PLATFORM_OVERRIDE=override)
+
+
+def _clip(seed: int, t: int, h: int, w: int, dtype: str, spread: float = 1.0) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(3, t, h, w, generator=g) * spread - (spread - 1) / 2  # past [0, 1] too
+    return x.to(getattr(torch, dtype))
+
+
+def _tone(seed: int, samples: int, channels: int) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(samples, channels, generator=g) * 0.6  # some past [-1, 1]
+
+
+# name: (outputs, save_outputs keywords). Sizes are small: the suite runs them twice.
+def cases() -> dict[str, tuple[list[Any], dict[str, Any]]]:
+    return {
+        "float32": ([_clip(1, 12, 64, 96, "float32", 1.4)], {"fps": 24}),
+        "odd-size-23.976": ([_clip(2, 10, 35, 51, "float16")],
+                            {"fps": 23.976, "output_compression": 70, "x264_preset": "ultrafast"}),
+        "bf16-audio": ([_clip(3, 8, 48, 64, "bfloat16", 1.2)],
+                       {"fps": 24, "audio": _tone(4, 16000 // 3, 1), "audio_sample_rate": 16000}),
+        "stereo-inferred-rate": ([_clip(5, 12, 32, 48, "float32")],
+                                 {"fps": 12, "audio": _tone(6, 24000, 2)}),
+        "two-outputs": ([_clip(7, 8, 48, 64, "float32"), _clip(8, 8, 48, 64, "float32")],
+                        {"fps": 16, "x264_preset": "veryfast"}),
+        "materialized": ([_clip(9, 9, 40, 56, "float32")], {"fps": 8, "frames_out": []}),
+        "uint8-tensor": ([(_clip(10, 6, 32, 32, "float32") * 255).to(__import__("torch").uint8)],
+                         {"fps": 24}),
+        "bad-quality": ([_clip(11, 6, 32, 32, "float32")], {"fps": 24, "output_compression": 5}),
+    }  # fmt: skip
+
+
+def main() -> None:
+    out, names = Path(sys.argv[1]), sys.argv[2:]
+    # A server's logging: SGLang's processes log at INFO.
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+    _enter_sglang()
+    import importlib
+
+    utils = importlib.import_module(UTILS)
+    plugins = importlib.import_module(PLUGINS)
+    originals = {name: getattr(utils, name) for name in HOOKED}
+    plugins.load_plugins()
+    plugins.apply_plugin_hooks()
+    import framewire.integrations as integrations
+    import framewire.integrations.sglang as fw_sglang
+
+    report: dict[str, Any] = {
+        "unchanged": {n: getattr(utils, n) is originals[n] for n in HOOKED},
+        "hooked": fw_sglang.check(),
+        "ffmpeg": utils._resolve_ffmpeg_exe(),
+        "results": {},
+    }
+    every = cases()
+    for name in names:
+        outputs, kw = every[name]
+        paths = [out / f"{name}-{i}.mp4" for i in range(len(outputs))]
+        try:
+            utils.save_outputs(outputs, DataType.VIDEO, kw.pop("fps"), True,
+                               lambda i, paths=paths: str(paths[i]), **kw)  # fmt: skip
+            report["results"][name] = [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
+        except Exception as exc:
+            report["results"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+    report["counts"] = integrations.counts()
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

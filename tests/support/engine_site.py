@@ -1,0 +1,65 @@
+"""The engines' own code at their own pins, installed apart from the test environment.
+
+Each engine's site is a directory of wheels installed ``--no-deps`` with
+``pip --target`` (made once per machine under ``.venv/engines``, rebuilt when its
+pins change): the engine's package, and the media packages it pins, which shadow
+the test environment's when the site comes first on ``PYTHONPATH``. What the
+engines import beyond that comes from the test environment (torch, numpy,
+scipy), or is stubbed by the engine's driver (tests/support/engine_*.py) where
+it would import a GPU runtime.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support import REPO
+
+# sglang[diffusion] 0.5.23 pins imageio-ffmpeg 0.5.1 (ffmpeg 4.2.2) and imageio 2.36.0;
+# its platform module needs psutil.
+PINS = {
+    "sglang": ["sglang==0.5.23", "imageio-ffmpeg==0.5.1", "imageio==2.36.0", "psutil"],
+    "vllm-omni": ["vllm-omni==0.30.0"],
+}
+ROOT = REPO / ".venv" / "engines"
+
+
+def engine_site(engine: str) -> Path:
+    """The site directory of ``engine``'s pins (made on first use; a lock keeps the
+    suite's processes from making it twice)."""
+    pins = PINS[engine]
+    tag = hashlib.sha256("\n".join(pins).encode()).hexdigest()[:12]
+    site = ROOT / f"{engine}-{tag}"
+    ROOT.mkdir(parents=True, exist_ok=True)
+    with open(ROOT / f"{engine}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (site / ".complete").exists():
+            shutil.rmtree(site, ignore_errors=True)
+            subprocess.run(
+                [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                 "--no-deps", "--no-compile", "--target", str(site), *pins],
+                check=True, stdout=subprocess.DEVNULL,
+            )  # fmt: skip
+            (site / ".complete").touch()
+    return site
+
+
+def engine_ffmpeg(site: Path) -> Path:
+    """The ffmpeg binary of the imageio-ffmpeg the site pins."""
+    [exe] = (site / "imageio_ffmpeg" / "binaries").glob("ffmpeg-*")
+    return exe
+
+
+def engine_env(site: Path, **extra: str) -> dict[str, str]:
+    """The environment of an engine process: its site first on the path, no
+    integration unless ``extra`` names one."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FRAMEWIRE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO)])
+    env.update(extra)
+    return env
