@@ -1,10 +1,9 @@
 """Client and AsyncClient: the worker's HTTP API as Python calls.
 
-Every request is built, and every answer read, by :class:`BaseClient`; the two
-twins differ only in how the bytes move (``httpx.Client`` or ``httpx.AsyncClient``)
-and in where blocking work runs (the async twin copies frames into shared memory
-and waits on CUDA streams off the event loop). Their public methods have the
-same signatures and the same docstrings (a test holds them to it).
+:class:`BaseClient` builds every request and reads every answer; the twins differ only
+in how the bytes move (``httpx.Client`` or ``httpx.AsyncClient``) and where blocking work
+runs (the async twin copies frames and waits on CUDA streams off the event loop). Their
+public methods have the same signatures and docstrings (a test holds them to it).
 """
 
 from __future__ import annotations
@@ -24,11 +23,7 @@ from framewire.client._stream import AsyncVideoWriter, VideoWriter
 from framewire.core.closing import Closing
 from framewire.core.errors import Unavailable
 from framewire.core.reference import ReferenceFrames, make_request
-from framewire.core.wire import (
-    Layout,
-    MediaInfo,
-    OutputResult,
-)
+from framewire.core.wire import Layout, MediaInfo, OutputResult
 
 T = TypeVar("T")
 
@@ -113,9 +108,7 @@ class Client(BaseClient, Closing):
         The frames stay where they are (CUDA tensors are shared over CUDA IPC, host
         memory through shared memory); they are kept alive and must stay unmodified
         until the worker has answered. Work queued on the current CUDA stream is
-        waited for first. ``encoder``: the identity of the encoder the bytes must come
-        from (``framewire.core.media.identity``); a worker without it answers 409
-        ``encoder_unavailable``. ``threads=0`` is x264's own count.
+        waited for first. ``encoder``: the identity the bytes must come from (docs/api.md).
         """
         self._check_pairs(videos, paths)
         options = save_options(
@@ -221,8 +214,7 @@ class Client(BaseClient, Closing):
         return self._fetch(request, local_fallback)
 
     def close(self) -> None:
-        """Close the connection pool and the fd socket (the worker drops this client's
-        regions with it)."""
+        """Close the connection pool and the fd socket (the worker drops its regions)."""
         self._handover.close()
         self._http.close()
 
@@ -396,8 +388,7 @@ class AsyncClient(BaseClient):
         return await asyncio.to_thread(self._fetch, request, local_fallback)
 
     async def aclose(self) -> None:
-        """Close the connection pool and the fd socket (the worker drops this client's
-        regions with it)."""
+        """Close the connection pool and the fd socket (the worker drops its regions)."""
         self._handover.close()
         await self._http.aclose()
 

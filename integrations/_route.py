@@ -73,21 +73,22 @@ class Worker:
     """The process's client of the worker, and what the worker lets it write."""
 
     def __init__(self) -> None:
-        self._pid = -1
+        self._made_for: tuple[int, str, str | None] | None = None  # pid, url, token
         self._client: Client | None = None
         self._roots: list[str] = []
         self._roots_at = -INFO_TTL_S
         self._lock = threading.Lock()
 
     def client(self) -> Client:
+        url = os.environ.get("FRAMEWIRE_URL") or "http://127.0.0.1:7700"
+        token = os.environ.get("FRAMEWIRE_TOKEN") or None
+        wanted = (os.getpid(), url, token)
         with self._lock:
-            if self._client is None or self._pid != os.getpid():
+            if self._client is None or self._made_for != wanted:
                 # A forked child drops its parent's client without closing it: closing
                 # would close the parent's fd socket under it.
-                url = os.environ.get("FRAMEWIRE_URL") or "http://127.0.0.1:7700"
-                token = os.environ.get("FRAMEWIRE_TOKEN") or None
                 self._client = Client(url, token=token, local_fallback=False)
-                self._pid, self._roots_at = os.getpid(), -INFO_TTL_S
+                self._made_for, self._roots_at = wanted, -INFO_TTL_S
             return self._client
 
     def output_roots(self) -> list[str]:

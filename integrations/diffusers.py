@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import os
-from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -48,7 +47,7 @@ def _rate_spelled_alike(fps: float) -> bool:
         return True
     version = importlib.import_module("imageio_ffmpeg").__version__
     major, minor = (int(p) for p in version.split(".")[:2])
-    return (major, minor) >= (0, 7) and Fraction(fps).limit_denominator() == Fraction(fps)
+    return (major, minor) >= (0, 7)
 
 
 def _frames(video_frames: Any) -> np.ndarray:

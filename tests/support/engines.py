@@ -57,8 +57,9 @@ def sglang_save(
     audio: np.ndarray | None = None,
     sample_rate: int = 24000,
     cuda_command: bool = False,
+    ffmpeg: str = FFMPEG,
 ) -> str:
-    """SGLang's save of one video (and its audio); returns the file's sha256."""
+    """SGLang's save of one video (and its audio) with ``ffmpeg``; returns the sha256."""
     quality = output_compression / 10 if output_compression is not None else 5
     frames = sglang_frames(sample)
     height, width = frames[0].shape[:2]
@@ -67,7 +68,7 @@ def sglang_save(
         if audio is not None:
             wav = os.path.join(tmp, "audio.wav")
             scipy.io.wavfile.write(wav, sample_rate, sglang_audio(audio))
-        cmd = [FFMPEG, "-y", "-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}"]
+        cmd = [ffmpeg, "-y", "-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}"]
         cmd += ["-pix_fmt", "rgb24", "-r", f"{fps:.02f}", "-i", "pipe:0"]
         cmd += ["-an"] if wav is None else ["-i", wav]
         if wav is not None and not cuda_command:
