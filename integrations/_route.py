@@ -131,6 +131,10 @@ def route(
     except FramewireError as exc:  # no worker, another encoder, a refusal
         why = f"the worker answered {exc.code}"
         level, said = logging.WARNING, f"{why} ({exc.message})"
+    except Exception as exc:  # framewire's own failure must not fail a save the engine can do
+        why = f"framewire failed ({type(exc).__name__})"
+        level, said = logging.WARNING, f"{why}: {exc}"
+        log.debug("framewire: the routed %s save failed", engine, exc_info=True)
     else:
         count(f"{engine}:routed")
         return result

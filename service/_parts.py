@@ -46,6 +46,7 @@ class Parts:
         # on the kernels' lock instead of loading them in its own window.
         threading.Thread(target=kernels.warm, name="framewire-kernels", daemon=True).start()
         encoder = Encoder.from_settings(settings)
+        encoder.encoders.warm()
         metrics = Metrics()
         cuda = CudaRuntime.start()
         regions = RegionRegistry(

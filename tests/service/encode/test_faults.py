@@ -142,7 +142,7 @@ def test_audio_that_is_not_audio_fails_with_stderr_tail(tmp_path):
         (EncodeParams(fps=-24), "bad_fps"),
         (EncodeParams(fps=float("nan")), "bad_fps"),
         (EncodeParams(fps=24, quality=11), "bad_quality"),
-        (EncodeParams(fps=24, threads=0), "bad_threads"),
+        (EncodeParams(fps=24, threads=-1), "bad_threads"),  # 0 is x264's own count
         (EncodeParams(fps=24, quality=float("nan")), "bad_quality"),
         (EncodeParams(fps=24, profile="ffmpeg"), "bad_profile"),
         (EncodeParams(fps=24, value_range=(0.0, 1.0)), "bad_value_range"),
