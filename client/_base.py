@@ -13,6 +13,7 @@ from framewire.client._handover import Handover
 from framewire.client._local import LocalFallback, worker_gone
 from framewire.client._sharing.audio import shared_audio
 from framewire.core.errors import Unavailable
+from framewire.core.fdsocket import take_output
 from framewire.core.reference import ReferenceFrames, fetch
 from framewire.core.wire import DecodeRequest, OutputResult
 
@@ -104,11 +105,22 @@ class BaseClient:
         is not to be had)."""
         return self._handover.name
 
-    def _fetch(self, request: DecodeRequest, local_fallback: bool) -> ReferenceFrames:
-        # The fd handover's socket once it is known (the one /v1/info named), else as configured.
+    def _fd_path(self) -> str | os.PathLike[str] | None:
+        """The fd socket: as configured, else the one the handover found (else the default)."""
         regions = self._handover.regions
-        path = self.fd_socket or (regions.path if regions is not None else None)
-        return fetch(request, path, local_fallback=local_fallback, timeout=self.fd_timeout)
+        return self.fd_socket or (regions.path if regions is not None else None)
+
+    def _take_data(self, results: list[OutputResult]) -> list[OutputResult]:
+        """Take the bytes of each ``memory://`` output into its result's ``data``."""
+        for result in results:
+            if result.handoff is not None and result.data is None:
+                result.data = take_output(result.handoff, self._fd_path(), self.fd_timeout)
+        return results
+
+    def _fetch(self, request: DecodeRequest, local_fallback: bool) -> ReferenceFrames:
+        return fetch(
+            request, self._fd_path(), local_fallback=local_fallback, timeout=self.fd_timeout
+        )
 
 
 def save_options(

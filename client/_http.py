@@ -139,7 +139,7 @@ class Client(BaseClient, Closing):
             audios = self._share_audio(
                 stack, options["audio"], options["audio_sample_rate"], len(paths)
             )
-            return self._send(self._encode_call(sources, audios, paths, options))
+            return self._take_data(self._send(self._encode_call(sources, audios, paths, options)))
 
     def save_video(self, video: Any, path: str | os.PathLike[str], **kw: Any) -> OutputResult:
         """:meth:`save_videos` of one video; the same keywords."""
@@ -325,7 +325,8 @@ class AsyncClient(BaseClient):
                 self._share_audio, stack, options["audio"], options["audio_sample_rate"],
                 len(paths),
             )  # fmt: skip
-            return await self._send(self._encode_call(sources, audios, paths, options))
+            results = await self._send(self._encode_call(sources, audios, paths, options))
+        return await asyncio.to_thread(self._take_data, results)
 
     @twin(Client.save_video)
     async def save_video(self, video: Any, path: str | os.PathLike[str], **kw: Any) -> OutputResult:

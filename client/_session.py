@@ -18,6 +18,7 @@ from framewire.client._calls import Call, stream_lost
 from framewire.client._local import LocalFallback, worker_gone
 from framewire.client._sharing.fd import NO_ROOM, FdRegions, RegisteredMemfd
 from framewire.core.errors import FramewireError, Unavailable
+from framewire.core.fdsocket import take_output
 from framewire.core.frames import Frames, describe
 from framewire.core.shm import Segment
 from framewire.core.wire import (
@@ -44,6 +45,9 @@ class LocalStream(Protocol):
 
 def _nothing(body: Any) -> None:
     return None
+
+
+TAKE_TIMEOUT_S = 60.0  # taking a finished output's bytes: one request on a local socket
 
 
 class WriterBase:
@@ -106,6 +110,13 @@ class WriterBase:
         self._instance: str | None = None  # the worker process holding the session
         self._fallback = local
         self._local: LocalStream | None = None  # in this process, when no worker took it
+
+    def _take_data(self, result: OutputResult) -> OutputResult:
+        """A ``memory://`` output's bytes, taken into ``result.data`` (over the fd socket)."""
+        if result.handoff is not None and result.data is None:
+            path = self._regions.path if self._regions is not None else None
+            result.data = take_output(result.handoff, path, TAKE_TIMEOUT_S)
+        return result
 
     def _check_open(self) -> None:
         if self._error is not None:

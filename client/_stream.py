@@ -102,7 +102,7 @@ class VideoWriter(WriterBase):
                 return self.result
             self._settle(wait=True)
             try:
-                self.result = self._send(self._finish_call())
+                self.result = self._take_data(self._send(self._finish_call()))
             except Unavailable as exc:
                 raise self._lost(exc) from exc
             return self.result
@@ -231,7 +231,8 @@ class AsyncVideoWriter(WriterBase):
                 return self.result
             await self._settle(wait=True)
             try:
-                self.result = await self._send(self._finish_call())
+                finished = await self._send(self._finish_call())
+                self.result = await asyncio.to_thread(self._take_data, finished)
             except Unavailable as exc:
                 raise self._lost(exc) from exc
             return self.result

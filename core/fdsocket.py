@@ -151,3 +151,30 @@ def ping(path: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> F
     if not reply.ok:
         raise error_from(reply)
     return reply
+
+
+def take_output(ticket: str, path: str | os.PathLike[str] | None, timeout: float | None) -> bytes:
+    """The bytes of the ``memory://`` output held under ``ticket`` (its result's
+    ``handoff``), taken from the worker behind the fd socket; once per ticket."""
+    with FdSocket(path or default_fd_socket(), timeout) as conn:
+        reply, fd = conn.call({"op": "take", "ticket": ticket})
+    if fd is None:
+        raise (
+            error_from(reply)
+            if not reply.ok
+            else FramewireError("the take reply carried no descriptor", code="protocol")
+        )
+    try:
+        size = os.fstat(fd).st_size
+        if size != reply.byte_size:
+            raise FramewireError(f"{size} bytes held, {reply.byte_size} announced", code="protocol")
+        data = bytearray(size)
+        view, done = memoryview(data), 0
+        while done < size:  # the memfd is sealed: its size cannot change under us
+            n = os.preadv(fd, [view[done:]], done)
+            if n == 0:
+                raise FramewireError("the held output ended early", code="protocol")
+            done += n
+        return bytes(data)
+    finally:
+        os.close(fd)

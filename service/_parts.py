@@ -64,7 +64,9 @@ class Parts:
         decode_ffmpeg = resolve_ffmpeg(settings.decode_ffmpeg) if settings.decode_ffmpeg else None
         decoder = ReferenceDecoder(settings, decode_ffmpeg or encoder.ffmpeg, metrics)
         instance = secrets.token_hex(8)
-        fd_server = FdServer(settings, decoder, regions, metrics, instance)
+        fd_server = FdServer(
+            settings, decoder, regions, metrics, instance, resources.uploads.handoffs
+        )
         return cls(
             settings,
             encoder,

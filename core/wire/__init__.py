@@ -20,6 +20,7 @@ from framewire.core.wire._fdsocket import (
     DecodeRequest,
     FdRegister,
     FdReply,
+    FdTake,
     FdUnregister,
 )
 from framewire.core.wire._messages import (
@@ -94,6 +95,7 @@ __all__ = [
     "ErrorInfo",
     "FdRegister",
     "FdReply",
+    "FdTake",
     "FdUnregister",
     "Flag",
     "Int",

@@ -96,3 +96,11 @@ class FdUnregister(WireModel):
 
     op: Literal["unregister"] = "unregister"
     name: str = Field(pattern=REGION_NAME)
+
+
+class FdTake(WireModel):
+    """``take``: the sealed memfd holding a ``memory://`` output, by the ticket its result
+    named (``handoff``); answered with ``byte_size`` and the descriptor, once per ticket."""
+
+    op: Literal["take"] = "take"
+    ticket: str = Field(pattern=r"^[0-9a-f]{32}$")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -128,7 +129,7 @@ class EncodeOptions(WireModel):
         misfit = profile_misfit(self.profile, self.fps, audio_rate)
         if misfit is not None:
             raise PydanticCustomError(*misfit)
-        if self.presign_s is not None and "://" not in self.path:
+        if self.presign_s is not None and not self.path.startswith("s3://"):
             raise PydanticCustomError("presign_needs_url", "presign_s is for s3:// outputs")
         if self.audio is not None and self.profile == "diffusers":
             raise PydanticCustomError(
@@ -201,6 +202,10 @@ class OutputResult(BaseModel):
     ok: bool
     url: str | None = None  # an object URL output: the object, once stored
     presigned_url: str | None = None  # when presign_s asked for one
+    # A memory:// output: the ticket its bytes are taken with (fd socket, "take"), and the
+    # bytes, once the client took them (never on the wire).
+    handoff: str | None = None
+    data: builtins.bytes | None = Field(default=None, exclude=True, repr=False)  # not .bytes
     bytes: int | None = None
     sha256: str | None = None
     frames: int | None = None

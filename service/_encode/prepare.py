@@ -48,7 +48,7 @@ from framewire.service._store.spool import discard
 
 if TYPE_CHECKING:
     from framewire.service._sources.cuda_ipc import CudaRuntime
-    from framewire.service._store.uploads import Uploads
+    from framewire.service._store.uploads import Target, Uploads
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Prepared:
     path: Path
     source: FrameSource
     params: EncodeParams
-    url: ObjectUrl | None = None  # an object URL output: ``path`` is its spool file
+    url: Target | None = None  # an object or memory output: ``path`` is its spool file
     directory: int = -1  # fd of path's directory, opened without following links
     made: list[Path] = field(default_factory=list)  # directories made for it, outermost first
 
@@ -125,15 +125,16 @@ class Preparer:
 
     async def judge_options(
         self, options: EncodeOptions, access: Access, stack: contextlib.AsyncExitStack
-    ) -> tuple[Path, EncodeParams, ObjectUrl | None]:
+    ) -> tuple[Path, EncodeParams, Target | None]:
         """Where the output goes (judged, nothing made; an object URL's spool file) and
         how it is encoded (the audio opened, closed with ``stack``)."""
-        url: ObjectUrl | None = None
+        url: Target | None = None
         if is_url(options.path):
             # The allow-list is the caller's right here; the spool is the worker's own.
             target = await asyncio.to_thread(self.uploads.target, options.path)
             url, path = target
-            self.claims.claim_url(target[0], stack)
+            if isinstance(url, ObjectUrl):  # a memory output is its request's alone
+                self.claims.claim_url(url, stack)
             stack.push_async_callback(asyncio.to_thread, discard, path)  # whatever happens
         else:
             # Off the event loop: judging paths is the filesystem's time.

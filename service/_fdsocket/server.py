@@ -22,7 +22,14 @@ from typing import Any
 
 from framewire.client import __version__
 from framewire.core.errors import FramewireError, NotFound
-from framewire.core.wire import DecodeRequest, FdRegister, FdReply, FdUnregister, refusal
+from framewire.core.wire import (
+    DecodeRequest,
+    FdRegister,
+    FdReply,
+    FdTake,
+    FdUnregister,
+    refusal,
+)
 from framewire.service._access.peers import Access, Peer, unix_peer
 from framewire.service._access.peers import allowed as is_allowed
 from framewire.service._decode.decoder import ReferenceDecoder
@@ -37,6 +44,7 @@ from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
 from framewire.service._sockets import UnixListener, accept_forever
 from framewire.service._sources.regions import FdRegion, RegionRegistry
+from framewire.service._store.handoff import Handoffs
 from pydantic import BaseModel, ValidationError
 
 log = logging.getLogger("framewire.fdsocket")
@@ -45,6 +53,7 @@ OPS: dict[str, type[BaseModel] | None] = {
     "decode": DecodeRequest,
     "register": FdRegister,
     "unregister": FdUnregister,
+    "take": FdTake,
     "ping": None,
 }
 
@@ -80,8 +89,10 @@ class FdServer:
         regions: RegionRegistry,
         metrics: Metrics,
         instance: str,
+        handoffs: Handoffs | None = None,
     ):
         self.settings = settings
+        self.handoffs = handoffs or Handoffs()  # memory:// outputs waiting to be taken
         self.decoder = decoder
         self.regions = regions
         self.metrics = metrics
@@ -198,6 +209,9 @@ class FdServer:
                 return self._register(request, fds, state), None, op
             if isinstance(request, FdUnregister):
                 return self._unregister(request, state), None, op
+            if isinstance(request, FdTake):
+                fd, size = self.handoffs.take(request.ticket)
+                return FdReply(ok=True, byte_size=size), fd, op
             assert isinstance(request, DecodeRequest)
             return await self._decode(request, state.access)
         except FramewireError as exc:

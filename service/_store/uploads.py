@@ -1,4 +1,5 @@
-"""An encoded output delivered to object storage: uploaded, reported, and its spool file gone.
+"""An encoded output delivered where its URL names, and its spool file gone: uploaded to
+object storage (``s3://``), or held in memory for its caller to take (``memory://``).
 
 Runs after the encode has given back its CPU slots: an upload waits on the
 network, not the cores, and runs on its own pool so it never takes an encode's
@@ -21,8 +22,12 @@ from framewire.core.wire import OutputResult
 from framewire.service._access.urls import ObjectUrl, judge_url
 from framewire.service._ops.threads import in_thread
 from framewire.service._settings import Settings
+from framewire.service._store.handoff import SCHEME as MEMORY
+from framewire.service._store.handoff import Handoffs, MemoryTarget, parse_memory
 from framewire.service._store.s3 import S3Store, Uploaded
 from framewire.service._store.spool import discard, spool_path
+
+Target = ObjectUrl | MemoryTarget
 
 log = logging.getLogger("framewire.store")
 
@@ -31,25 +36,32 @@ class Uploads:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.store = S3Store(settings)
+        self.handoffs = Handoffs()  # memory:// outputs, until the caller takes them
         self.pool = ThreadPoolExecutor(
             max(4, settings.cpu_slots * 2), thread_name_prefix="framewire-upload"
         )
 
-    def target(self, raw: str) -> tuple[ObjectUrl, Path]:
-        """The object ``raw`` names (judged) and the spool file it is encoded to first."""
-        url = judge_url(raw, self.settings.output_urls)
+    def target(self, raw: str) -> tuple[Target, Path]:
+        """The object or memory output ``raw`` names (judged) and the spool file it is
+        encoded to first."""
+        if raw.startswith(MEMORY):
+            url: Target = parse_memory(raw)
+        else:
+            url = judge_url(raw, self.settings.output_urls)
         return url, spool_path(self.settings.output_roots, url.suffix)
 
     async def deliver(
         self,
         result: OutputResult,
         local: Path,
-        url: ObjectUrl,
+        url: Target,
         presign_s: int | None,
         cancel: threading.Event,
     ) -> OutputResult:
         """The result once the encoded ``local`` file is stored at ``url`` (raises what
         failed: nothing stored); ``local`` is removed either way."""
+        if isinstance(url, MemoryTarget):
+            return await self._hold(result, local, url)
         t0 = time.perf_counter()
         try:
             await in_thread(self.pool, cancel, self._upload, local, result, url, cancel)
@@ -61,6 +73,15 @@ class Uploads:
         result.path = result.url = str(url)
         result.presigned_url = presigned
         result.timings.upload_ms = (time.perf_counter() - t0) * 1e3
+        result.timings.finished_at = time.time()
+        return result
+
+    async def _hold(self, result: OutputResult, local: Path, url: MemoryTarget) -> OutputResult:
+        try:
+            result.handoff, _ = await asyncio.to_thread(self.handoffs.hold, local, url.name)
+        finally:
+            await asyncio.to_thread(discard, local)
+        result.path = result.url = str(url)
         result.timings.finished_at = time.time()
         return result
 
@@ -88,3 +109,4 @@ class Uploads:
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.store.close()
+        self.handoffs.close()

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from framewire.core.errors import Cancelled, Conflict, FramewireError
 from framewire.core.wire import StreamOpen, StreamStateName
-from framewire.service._access.urls import ObjectUrl
 from framewire.service._encode.params import EncodeParams
 from framewire.service._sources.frames import Geometry
+from framewire.service._store.uploads import Target
 from framewire.service._stream.live import LiveFeed
 from framewire.service._stream.output import StreamOutput
 
@@ -32,7 +32,7 @@ class Session:
     directory: int
     made: list[Path]
     stack: contextlib.AsyncExitStack  # the claim, the directory, the audio
-    url: ObjectUrl | None = None  # an object URL output: ``path`` is its spool file
+    url: Target | None = None  # an object or memory output: ``path`` is its spool file
     admission: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     state: StreamStateName = "open"
     received: int = 0
