@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from framewire.client._calls import Call, stream_lost
 from framewire.client._local import LocalFallback, worker_gone
+from framewire.client._sharing.audio import shared_audio
 from framewire.client._sharing.fd import NO_ROOM, FdRegions, RegisteredMemfd
 from framewire.core.errors import FramewireError, Unavailable
 from framewire.core.fdsocket import take_output
@@ -73,11 +74,10 @@ class WriterBase:
         live: bool = False,
         encoder: str | None = None,
     ):
+        # Samples are shared for the opening call alone: the worker reads them then.
+        self._samples = None
         if audio is not None and not isinstance(audio, (str, os.PathLike)):
-            # Samples are judged when the session opens, before any chunk: hand them to
-            # save_video, or write them to a file under the worker's input roots.
-            raise ValueError("a stream's audio is a file path; audio samples go to save_video")
-        del audio_sample_rate  # the same keywords as save_video: a path has its own rate
+            self._samples, audio = (audio, audio_sample_rate), None
         self._options: dict[str, Any] = {
             "path": os.fspath(path),
             "fps": fps,
@@ -134,9 +134,16 @@ class WriterBase:
         self._layout = described.layout
         return described
 
-    def _open_call(self, first: Frames) -> Call[StreamOpened]:
+    def _shared_audio(self) -> contextlib.AbstractContextManager[Any]:
+        """The session's audio samples shared for the opening call (None: no samples)."""
+        if self._samples is None:
+            return contextlib.nullcontext(None)
+        return shared_audio(*self._samples, self._regions)
+
+    def _open_call(self, first: Frames, audio: Any = None) -> Call[StreamOpened]:
         _, _, height, width = first.dims
         fields = self._options | {
+            "audio": audio or self._options["audio"],
             "dtype": first.dtype,
             "layout": first.layout,
             "height": height,
@@ -181,6 +188,8 @@ class WriterBase:
         if self._fallback is None or not worker_gone(exc):
             raise exc
         fields = {k: v for k, v in self._options.items() if k != "path"}
+        if self._samples is not None:
+            fields["audio"], fields["audio_sample_rate"] = self._samples
         self._local = self._fallback.open(exc, self._options["path"], fields, first)
 
     def _write_here(self, chunk: Frames) -> None:

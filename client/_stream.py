@@ -66,7 +66,8 @@ class VideoWriter(WriterBase):
         if self.id is None and self._local is None:
             try:
                 self._regions = self._regions_of()
-                self._opened(self._send(self._open_call(chunk)))
+                with self._shared_audio() as audio:
+                    self._opened(self._send(self._open_call(chunk, audio)))
             except Unavailable as exc:
                 self._open_here(exc, chunk)
         if self._local is not None:
@@ -187,7 +188,12 @@ class AsyncVideoWriter(WriterBase):
         if self.id is None and self._local is None:
             try:
                 self._regions = await self._regions_of()
-                self._opened(await self._send(self._open_call(chunk)))
+                shared = self._shared_audio()
+                audio = await asyncio.to_thread(shared.__enter__)
+                try:
+                    self._opened(await self._send(self._open_call(chunk, audio)))
+                finally:
+                    await asyncio.to_thread(shared.__exit__, None, None, None)
             except Unavailable as exc:
                 await asyncio.to_thread(self._open_here, exc, chunk)
         if self._local is not None:
