@@ -1,20 +1,209 @@
-"""vLLM-omni (0.30.0): loaded by ``load_omni_general_plugins`` (entry point ``framewire``
-of ``vllm_omni.general_plugins``).
+"""vLLM-omni (0.30.0) encodes its chunked pre-encode through the worker.
 
-``VLLM_PLUGINS``, when set, is an allow-list for vLLM's ``vllm.general_plugins`` and
-vLLM-omni's group alike: it must name ``framewire`` (and, for vLLM-omni's own models,
-what vLLM-omni registers there too).
+Loaded by vLLM-omni's ``load_omni_general_plugins`` (entry point ``framewire`` of
+``vllm_omni.general_plugins``) in every diffusion rank, the stage process and the
+API server; it acts only when ``FRAMEWIRE_INTEGRATIONS`` names ``vllm-omni``.
+**Trap:** ``VLLM_PLUGINS``, when set, is an allow-list for vLLM's
+``vllm.general_plugins`` and vLLM-omni's group alike: it must name ``framewire``
+(and what vLLM-omni registers for its own models).
+
+Routed: ``diffusion/utils/chunked_video``'s ``ChunkedMP4Encoder`` (looked up by
+``ChunkedVideoMP4Session`` when it opens its encoders): each batch entry becomes a
+stream session with the ``vllm-omni`` profile whose output is ``memory://``, so
+``finish()`` returns the MP4's bytes as the engine's does. A chunk is copied out
+when ``push`` returns, so ``on_consumed`` fires then (exactly once, also when the
+push fails). Left to vLLM-omni: another codec or crf, codec options other than
+``preset`` and ``threads``, odd sizes, audio rates AAC does not open at, a worker
+that is down or holds another PyAV (checked when the encoder opens, at the first
+chunk), and ``_encode_video_bytes``, whose direct path feeds PyAV planar ``gbrp``
+frames that framewire's profile (rgb24, as ``mux_video_audio_bytes``) does not
+reproduce.
 """
 
 from __future__ import annotations
 
-from framewire.integrations._route import enabled, say_once
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from framewire.client import FramewireError, VideoWriter, pyav_identity
+from framewire.integrations._route import WORKER, count, enabled, say_once
+
+MEDIA = "vllm_omni.diffusion.utils.media_utils"
+CHUNKED = "vllm_omni.diffusion.utils.chunked_video"
+AAC_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)
+log = logging.getLogger("framewire.integrations")
+_original: Any = None
+
+
+def _declined(
+    width: int,
+    height: int,
+    audio: Any,
+    rate: int | None,
+    video_codec: str,
+    audio_codec: str,
+    crf: str,
+    options: dict[str, str] | None,
+) -> str | None:
+    """Why framewire would not give vLLM-omni's bytes for this encoder, or None."""
+    if (video_codec, audio_codec, str(crf)) != ("h264", "aac", "18"):
+        return "another codec or crf"
+    if set(options or {}) - {"preset", "threads"}:
+        return "codec options other than preset and threads"
+    if width % 2 or height % 2:
+        return "an odd size"
+    if audio is not None and (44100 if rate is None else rate) not in AAC_RATES:
+        return "an audio rate AAC does not open at"
+    return None
+
+
+def _samples(audio: np.ndarray) -> np.ndarray:
+    """vLLM-omni's waveform (``(N,)``, ``(N, C)`` or ``(C, N)``) as framewire's
+    ``[samples, channels]``: the channels are where vLLM-omni puts them."""
+    samples = np.asarray(audio, dtype=np.float32)
+    if samples.ndim == 2 and samples.shape[0] <= samples.shape[1]:
+        samples = samples.T  # vLLM-omni takes the shorter side as the channels
+    return np.ascontiguousarray(samples)
+
+
+class ChunkedMP4Encoder:
+    """vLLM-omni's ``ChunkedMP4Encoder`` (same constructor, ``push``, ``finish``,
+    ``abort``): a worker's stream session when framewire gives its bytes, else an
+    instance of vLLM-omni's own class."""
+
+    def __new__(cls, **kw: Any) -> Any:
+        why = _declined(kw["width"], kw["height"], kw.get("audio_waveform"),
+                        kw.get("audio_sample_rate"), kw.get("video_codec", "h264"),
+                        kw.get("audio_codec", "aac"), kw.get("crf", "18"),
+                        kw.get("video_codec_options"))  # fmt: skip
+        if why is None:
+            return super().__new__(cls)
+        count(f"vllm-omni:engine:{why}")
+        say_once(f"vllm-omni:{why}", "framewire: a vllm-omni save runs the engine's own code: %s",
+                 why)  # fmt: skip
+        return _original(**kw)
+
+    def __init__(self, **kw: Any) -> None:
+        self._kw = kw
+        options = kw.get("video_codec_options") or {}
+        audio = kw.get("audio_waveform")
+        self._save = {
+            "fps": kw["fps"],
+            "profile": "vllm-omni",
+            "preset": options.get("preset"),
+            "threads": int(options["threads"]) if "threads" in options else None,
+            "audio": None if audio is None else _samples(audio),
+            "audio_sample_rate": None if audio is None else kw.get("audio_sample_rate") or 44100,
+            "encoder": pyav_identity(importlib.import_module("av").__version__),
+            "layout": "THWC",
+        }
+        self._writer: VideoWriter | None = None
+        self._engine: Any = None  # vLLM-omni's own, when the worker did not take the first chunk
+        self.width, self.height = int(kw["width"]), int(kw["height"])
+
+    def push(self, chunk: np.ndarray, *, on_consumed: Callable[[], None] | None = None) -> None:
+        """Hand over a (T, H, W, 3) uint8 chunk; ``on_consumed`` fires once it is copied
+        (exactly once, also when this raises)."""
+        handed = False  # on_consumed given to vLLM-omni's own encoder, which calls it
+        try:
+            if self._writer is None and self._engine is None and self._opened_with(chunk):
+                return
+            if self._engine is not None:
+                handed = True
+                self._engine.push(chunk, on_consumed=on_consumed)
+                return
+            assert self._writer is not None
+            self._writer.write(chunk)
+        finally:
+            if on_consumed is not None and not handed:
+                on_consumed()
+
+    def _opened_with(self, first: np.ndarray) -> bool:
+        """Open the session with the first chunk (True); if the worker does not take it,
+        vLLM-omni's own encoder takes over (False): no chunk went anywhere yet."""
+        writer = WORKER.client().open_video("memory://video.mp4", **self._save)
+        try:
+            writer.write(first)
+        except FramewireError as exc:
+            writer.abort()
+            why = f"the worker answered {exc.code}"
+            count(f"vllm-omni:engine:{why}")
+            say_once(f"vllm-omni:{why}", "framewire: a vllm-omni save runs the engine's own "
+                     "code: %s (%s)", why, exc.message, level=logging.WARNING)  # fmt: skip
+            self._engine = _original(**self._kw)
+            return False
+        self._writer = writer
+        count("vllm-omni:routed")
+        return True
+
+    def finish(self) -> bytes:
+        """The MP4's bytes, once every chunk is encoded."""
+        if self._engine is not None:
+            data: bytes = self._engine.finish()
+            return data
+        if self._writer is None:  # no chunk came: as vLLM-omni's, which muxes an empty video
+            self._engine = _original(**self._kw)
+            return self.finish()
+        result = self._writer.close()
+        assert result.data is not None
+        return result.data
+
+    close = finish
+
+    def abort(self) -> None:
+        """Drop the output: nothing of it remains."""
+        if self._engine is not None:
+            self._engine.abort()
+        elif self._writer is not None:
+            self._writer.abort()
+
+    def __enter__(self) -> ChunkedMP4Encoder:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abort()
 
 
 def register() -> None:
-    """The plugin's entry point, called in every rank, the stage process and the API
-    server. vLLM-omni's saves are not routed yet: they return MP4 bytes, and the
-    worker's outputs to memory are still to come (docs/engines.md)."""
+    """The plugin's entry point. Replaces ``ChunkedMP4Encoder`` where vLLM-omni looks it
+    up, only when ``FRAMEWIRE_INTEGRATIONS`` names ``vllm-omni``."""
+    global _original
+    if not enabled("vllm-omni"):
+        return
+    media = importlib.import_module(MEDIA)
+    chunked = importlib.import_module(CHUNKED)
+    if _original is None:
+        _original = media.ChunkedMP4Encoder
+    for module in (media, chunked):
+        setattr(module, "ChunkedMP4Encoder", ChunkedMP4Encoder)  # noqa: B010
+    check()
+
+
+def hooked() -> dict[str, bool]:
+    """Whether each module vLLM-omni looks the encoder up in holds framewire's now."""
+    return {name: getattr(sys.modules.get(name), "ChunkedMP4Encoder", None) is ChunkedMP4Encoder
+            for name in (MEDIA, CHUNKED)}  # fmt: skip
+
+
+def check() -> dict[str, bool]:
+    """Log once what is routed (or that the replacement did not take)."""
+    found = hooked()
     if enabled("vllm-omni"):
-        say_once("vllm-omni:none", "framewire: no vLLM-omni save is routed yet; "
-                 "vLLM-omni's own code runs")  # fmt: skip
+        url = os.environ.get("FRAMEWIRE_URL") or "the default address"
+        if all(found.values()):
+            say_once("vllm-omni:routes", "framewire: vLLM-omni's ChunkedMP4Encoder encodes "
+                     "through the worker at %s; every other save runs vLLM-omni's own code",
+                     url)  # fmt: skip
+        else:
+            say_once("vllm-omni:missing", "framewire: vLLM-omni's ChunkedMP4Encoder is not "
+                     "replaced in %s", [n for n, ok in found.items() if not ok],
+                     level=logging.ERROR)  # fmt: skip
+    return found

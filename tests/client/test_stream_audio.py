@@ -35,9 +35,9 @@ def test_a_local_stream_with_audio_samples_has_the_same_bytes(tmp_path, worker):
         whole = fw.save_video(clip, worker.outputs / "w.mp4", fps=24, profile="sglang",
                               audio=audio, audio_sample_rate=16000)  # fmt: skip
     nobody = f"unix://{tmp_path / 'none.sock'}"
-    with Client(nobody, output_root=tmp_path) as local:
-        with local.open_video("s.mp4", fps=24, profile="sglang", audio=audio,
-                              audio_sample_rate=16000) as writer:  # fmt: skip
-            writer.write(clip)
+    local = Client(nobody, output_root=tmp_path)
+    with local, local.open_video("s.mp4", fps=24, profile="sglang", audio=audio,
+                                 audio_sample_rate=16000) as writer:  # fmt: skip
+        writer.write(clip)
     assert writer.result is not None and writer.result.route == "local"
     assert writer.result.sha256 == whole.sha256

@@ -1,0 +1,81 @@
+"""vLLM-omni 0.30.0's own code against a real worker: ``load_omni_general_plugins`` finds
+framewire by its entry point, and its chunked pre-encode (``ChunkedVideoMP4Session``)
+returns the same MP4 bytes through the worker as with its own encoder
+(tests/support/engine_vllm_omni.py runs the cases)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import REPO
+from tests.support.engine_site import engine_env, engine_site
+from tests.support.worker import free_port
+
+pytestmark = pytest.mark.registry
+
+ROUTED = ["wan-ultrafast", "minimax-fast-2-threads", "batch-with-audio", "mono-default-rate"]
+LEFT = ["odd-size"]  # libx264 refuses it in vLLM-omni itself
+
+
+@pytest.fixture(scope="module")
+def site() -> Path:
+    return engine_site("vllm-omni")
+
+
+def run(site: Path, names: list[str], **env: str) -> dict[str, Any]:
+    # VLLM_PLUGINS names framewire: vLLM-omni's own vllm.general_plugins entry point
+    # registers its models with vLLM, which is not installed here.
+    env = {"VLLM_PLUGINS": "framewire", **env}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.support.engine_vllm_omni", *names],
+        env=engine_env(site, **env), cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    report["log"] = done.stderr
+    return report
+
+
+@pytest.fixture(scope="module")
+def own(site: Path) -> dict[str, Any]:
+    return run(site, ROUTED + LEFT)
+
+
+def test_not_enabled_nothing_is_replaced(own):
+    assert own["unchanged"] == [True, True]
+    assert own["counts"] == {}
+    assert "avcodec_open2" in own["results"]["odd-size"]["error"]
+
+
+def test_the_chunked_pre_encode_through_the_worker_has_vllm_omnis_bytes(site, own, workers):
+    worker = workers.start()
+    on = run(site, ROUTED + LEFT, FRAMEWIRE_INTEGRATIONS="vllm-omni", FRAMEWIRE_URL=worker.uds_url)
+    assert on["unchanged"] == [False, False]
+    assert on["results"] == own["results"]
+    # One stream session per batch entry (batch-with-audio has two), the odd size left.
+    assert on["counts"] == {"vllm-omni:routed": 5, "vllm-omni:engine:an odd size": 1}
+    assert "ChunkedMP4Encoder encodes through the worker" in on["log"]
+    spool = worker.outputs / ".framewire-tmp-spool"
+    assert list(worker.outputs.iterdir()) in ([], [spool]) and list(spool.iterdir()) == []
+
+
+def test_no_worker_leaves_it_to_vllm_omni(site, own):
+    on = run(site, ["wan-ultrafast", "batch-with-audio"], FRAMEWIRE_INTEGRATIONS="vllm-omni",
+             FRAMEWIRE_URL=f"http://127.0.0.1:{free_port()}")  # fmt: skip
+    assert on["results"] == {n: own["results"][n] for n in ("wan-ultrafast", "batch-with-audio")}
+    assert on["counts"] == {"vllm-omni:engine:the worker answered unavailable": 3}
+
+
+def test_vllm_plugins_without_framewire_loads_nothing(site, own, workers):
+    """The trap: VLLM_PLUGINS is an allow-list for vLLM-omni's group too."""
+    worker = workers.start()
+    on = run(site, ["wan-ultrafast"], FRAMEWIRE_INTEGRATIONS="vllm-omni",
+             FRAMEWIRE_URL=worker.uds_url, VLLM_PLUGINS="some-other-plugin")  # fmt: skip
+    assert on["unchanged"] == [True, True] and on["counts"] == {}
+    assert on["results"]["wan-ultrafast"] == own["results"]["wan-ultrafast"]
