@@ -67,6 +67,11 @@ def _video(sample: Any) -> tuple[Any, Any]:
     return (video.unsqueeze(1) if video.dim() == 3 else video), audio
 
 
+def _dims(video: Any) -> tuple[int, int]:
+    """Frames and height of a (3, T, H, W) tensor."""
+    return int(video.shape[1]), int(video.shape[-2])
+
+
 def _checked(path: str, quality: float, preset: str | None, fps: float) -> None:
     if os.path.splitext(path)[1].lower() != ".mp4":
         raise Declined("not an .mp4 output")
@@ -78,16 +83,17 @@ def _checked(path: str, quality: float, preset: str | None, fps: float) -> None:
         raise Declined(f"fps {fps}")
 
 
-def _options(video: Any, audio: Any, fps: float, sample_rate: Any, quality: float,
-             preset: str | None) -> dict[str, Any]:  # fmt: skip
-    """What SGLang's save would do, as framewire's save options."""
+def _options(frames: int, height: int, audio: Any, fps: float, sample_rate: Any,
+             quality: float, preset: str | None) -> dict[str, Any]:  # fmt: skip
+    """What SGLang's save of ``frames`` frames ``height`` tall would do, as framewire's
+    save options."""
     utils = _utils()
     options: dict[str, Any] = {
         "fps": fps,
         "quality": quality,
         "preset": preset,
         # SGLang's own count in SGLang's process: x264's bytes depend on it.
-        "threads": utils._x264_auto_thread_count(int(video.shape[-2])),
+        "threads": utils._x264_auto_thread_count(height),
         "profile": "sglang",
         "encoder": _identity(),
     }
@@ -98,7 +104,7 @@ def _options(video: Any, audio: Any, fps: float, sample_rate: Any, quality: floa
         options["audio"] = samples
         options["audio_sample_rate"] = utils._pick_audio_sample_rate(
             audio_np=samples, audio_sample_rate=sample_rate, fps=fps,
-            num_frames=int(video.shape[1]),
+            num_frames=frames,
         )  # fmt: skip
     return options
 
@@ -116,8 +122,8 @@ def save_direct(original: Callable[..., bool], *args: Any, **kw: Any) -> bool:
         path, quality = kw["save_file_path"], _quality(kw.get("output_compression"))
         _checked(path, quality, kw.get("x264_preset"), kw["fps"])
         video, audio = _video(kw["sample"])
-        options = _options(video, audio, kw["fps"], kw.get("audio_sample_rate"), quality,
-                           kw.get("x264_preset"))  # fmt: skip
+        options = _options(*_dims(video), audio, kw["fps"], kw.get("audio_sample_rate"),
+                           quality, kw.get("x264_preset"))  # fmt: skip
         WORKER.client().save_video(video, WORKER.target(path), **options)
         return True
 
@@ -136,8 +142,8 @@ def save_parallel(original: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         for sample, path in zip(samples, paths, strict=True):
             _checked(path, quality, preset, kw["fps"])
             video, audio = _video(sample)
-            each.append((video, _options(video, audio, kw["fps"], kw.get("audio_sample_rate"),
-                                         quality, preset)))  # fmt: skip
+            rate = kw.get("audio_sample_rate")
+            each.append((video, _options(*_dims(video), audio, kw["fps"], rate, quality, preset)))
         shared = {k: v for k, v in each[0][1].items() if k != "audio"}
         if any({k: v for k, v in o.items() if k != "audio"} != shared for _, o in each):
             raise Declined("outputs of different sizes or audio rates")
@@ -172,6 +178,42 @@ def save_frames(original: Callable[..., None], *args: Any, **kw: Any) -> None:
     return route("sglang", routed, original, args, kw)
 
 
+class StreamedEncoder:
+    """SGLang's ``CudaVideoEncoder`` (``write``, ``close``, ``abort``, ``save_file_path``)
+    as a worker stream session: each [3, t, H, W] chunk handed over while the VAE decodes
+    the next (CUDA chunks over CUDA IPC), the file SGLang's encoder would write."""
+
+    def __init__(self, save_file_path: str, target: str, options: dict[str, Any]):
+        self.save_file_path = save_file_path
+        self._writer = WORKER.client().open_video(target, **options, layout="CTHW")
+
+    def write(self, frames: Any) -> None:
+        self._writer.write(frames.unsqueeze(1) if frames.dim() == 3 else frames)
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def abort(self) -> None:
+        self._writer.abort()
+
+
+def open_streamed(original: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """AROUND ``CudaVideoEncoder.open`` (encode while decoding, CUDA frames): a
+    :class:`StreamedEncoder`, else SGLang's own encoder (or its None: not this path)."""
+
+    def routed() -> StreamedEncoder:
+        _cls, path = _bind(args, kw, ("cls", "save_file_path"))
+        if getattr(kw["device"], "type", None) != "cuda":
+            raise Declined("frames not on a CUDA device")  # SGLang's own answer: None
+        quality = _quality(kw.get("output_compression"))
+        _checked(path, quality, kw.get("x264_preset"), kw["fps"])
+        options = _options(kw["num_frames"], kw["height"], kw.get("audio"), kw["fps"],
+                           kw.get("audio_sample_rate"), quality, kw.get("x264_preset"))  # fmt: skip
+        return StreamedEncoder(path, WORKER.target(path), options)
+
+    return route("sglang", routed, original, args, kw)
+
+
 def _bind(args: Sequence[Any], kw: dict[str, Any], names: tuple[str, ...]) -> list[Any]:
     """The leading parameters ``names``, given by position or keyword."""
     return [args[i] if i < len(args) else kw[name] for i, name in enumerate(names)]
@@ -181,6 +223,7 @@ HOOKS = {
     "_try_save_cuda_video_direct": save_direct,
     "_try_save_cuda_videos_direct": save_parallel,
     "_save_video_ffmpeg": save_frames,
+    "CudaVideoEncoder.open": open_streamed,
 }
 
 
@@ -198,8 +241,14 @@ def register() -> None:
 def hooked() -> dict[str, bool]:
     """Whether each function of SGLang's ``utils`` is bound to framewire's hook now."""
     utils = sys.modules.get(UTILS)
-    return {name: utils is not None and _wraps(getattr(utils, name), hook)
+    return {name: utils is not None and _wraps(_attr(utils, name), hook)
             for name, hook in HOOKS.items()}  # fmt: skip
+
+
+def _attr(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return getattr(obj, "__func__", obj)  # a classmethod: its function
 
 
 def _wraps(fn: Any, hook: Callable[..., Any]) -> bool:

@@ -20,9 +20,10 @@ from tests.support.worker import Worker, free_port
 pytestmark = pytest.mark.registry
 
 ROUTED = ["float32", "odd-size-23.976", "bf16-audio", "stereo-inferred-rate", "two-outputs",
-          "materialized"]  # fmt: skip
+          "materialized", "streamed-whole"]  # fmt: skip
 LEFT = ["uint8-tensor", "bad-quality"]  # SGLang's own path (uint8 via its materialized route)
-HOOKED = ["_try_save_cuda_video_direct", "_try_save_cuda_videos_direct", "_save_video_ffmpeg"]
+HOOKED = ["_try_save_cuda_video_direct", "_try_save_cuda_videos_direct", "_save_video_ffmpeg",
+          "CudaVideoEncoder.open"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def own(site: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_not_enabled_nothing_is_hooked(own):
-    assert own["unchanged"] == dict.fromkeys(HOOKED, True)  # the very same functions
+    assert own["unchanged"] == dict.fromkeys(HOOKED, True)  # the very same objects
     assert own["hooked"] == dict.fromkeys(HOOKED, False)
     assert own["counts"] == {}
     assert "framewire:" not in own["log"]  # SGLang names the plugin it ran; we say nothing
@@ -59,19 +60,24 @@ def test_not_enabled_nothing_is_hooked(own):
 def test_every_save_through_the_worker_has_sglangs_bytes(site, own, workers, tmp_path):
     worker = workers.start("--encoders", str(engine_ffmpeg(site)))
     url = worker.uds_url
-    on = run(site, worker.outputs / "on", ROUTED + LEFT, FRAMEWIRE_INTEGRATIONS="sglang",
-             FRAMEWIRE_URL=url)  # fmt: skip
+    on = run(site, worker.outputs / "on", [*ROUTED, *LEFT, "streamed"],
+             FRAMEWIRE_INTEGRATIONS="sglang", FRAMEWIRE_URL=url)  # fmt: skip
     assert on["hooked"] == dict.fromkeys(HOOKED, True)
     assert on["results"] == own["results"]
+    # Encode while decoding: CPU frames are not its (None, as SGLang answers); chunks of
+    # the clip through the stream session give the whole clip's bytes.
+    assert on["streamed-cpu"] is None
+    assert on["streamed"] == own["results"]["streamed-whole"][0]
     assert "ValueError" in on["results"]["bad-quality"]["error"]  # SGLang's own refusal
     # Every routed case went to the worker (the parallel pair in one request, the uint8
     # tensor through SGLang's materialized frames); the others ran SGLang's code.
-    assert on["counts"]["sglang:routed"] == len(ROUTED) + 1
+    assert on["counts"]["sglang:routed"] == len(ROUTED) + 1 + 1  # + uint8, + streamed
     assert on["counts"]["sglang:engine:frames of torch.uint8"] == 1
+    assert on["counts"]["sglang:engine:frames not on a CUDA device"] == 1
     assert "framewire: SGLang's _try_save_cuda_video_direct" in on["log"]
     assert sorted(p.name for p in (worker.outputs / "on").iterdir()) == sorted(
-        f"{n}-{i}.mp4" for n in ROUTED + LEFT if n != "bad-quality"
-        for i in range(2 if n == "two-outputs" else 1)
+        [f"{n}-{i}.mp4" for n in ROUTED + LEFT if n != "bad-quality"
+         for i in range(2 if n == "two-outputs" else 1)] + ["streamed.mp4"]
     )  # fmt: skip
 
 

@@ -23,7 +23,16 @@ from typing import Any
 
 UTILS = "sglang.multimodal_gen.runtime.entrypoints.utils"
 PLUGINS = "sglang.multimodal_gen.runtime.platforms.plugins"
-HOOKED = ("_try_save_cuda_video_direct", "_try_save_cuda_videos_direct", "_save_video_ffmpeg")
+HOOKED = ("_try_save_cuda_video_direct", "_try_save_cuda_videos_direct", "_save_video_ffmpeg",
+          "CudaVideoEncoder.open")  # fmt: skip
+
+
+def _bound(utils: Any, name: str) -> Any:
+    """The object bound at ``name`` in SGLang's utils (a class's own attribute, as stored)."""
+    owner, _, attr = name.rpartition(".")
+    return vars(getattr(utils, owner))[attr] if owner else getattr(utils, attr)
+
+
 SHELLS = (
     "sglang", "sglang.multimodal_gen", "sglang.multimodal_gen.runtime", "sglang.srt",
     "sglang.multimodal_gen.configs", "sglang.multimodal_gen.configs.sample",
@@ -76,10 +85,12 @@ def _clip(seed: int, t: int, h: int, w: int, dtype: str, spread: float = 1.0) ->
 
 
 def _tone(seed: int, samples: int, channels: int) -> Any:
+    """One output's waveform as save_outputs takes a request's: batched, (1, samples,
+    channels) (SGLang gives output i ``audio[i]``)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(samples, channels, generator=g) * 0.6  # some past [-1, 1]
+    return torch.randn(1, samples, channels, generator=g) * 0.6  # some past [-1, 1]
 
 
 # name: (outputs, save_outputs keywords). Sizes are small: the suite runs them twice.
@@ -98,7 +109,28 @@ def cases() -> dict[str, tuple[list[Any], dict[str, Any]]]:
         "uint8-tensor": ([(_clip(10, 6, 32, 32, "float32") * 255).to(__import__("torch").uint8)],
                          {"fps": 24}),
         "bad-quality": ([_clip(11, 6, 32, 32, "float32")], {"fps": 24, "output_compression": 5}),
+        # The encode-while-decoding stage's clip, saved whole: what its stream must equal.
+        "streamed-whole": ([_clip(12, 12, 40, 72, "float32", 1.2)],
+                           {"fps": 24, "audio": _tone(13, 8000, 1), "audio_sample_rate": 16000,
+                            "output_compression": 60, "x264_preset": "veryfast"}),
     }  # fmt: skip
+
+
+def streamed(utils: Any, path: Path, device: Any) -> str | None:
+    """``streamed-whole``'s clip through ``CudaVideoEncoder.open`` in 3 chunks, as the
+    encode-while-decoding stage feeds it; the sha256, or None when ``open`` says no."""
+    [clip], kw = cases()["streamed-whole"]
+    encoder = utils.CudaVideoEncoder.open(
+        str(path), device=device, height=40, width=72, fps=kw["fps"], num_frames=12,
+        audio=kw["audio"][0], audio_sample_rate=kw["audio_sample_rate"],
+        output_compression=kw["output_compression"], x264_preset=kw["x264_preset"],
+    )  # fmt: skip
+    if encoder is None:
+        return None
+    for t0 in range(0, 12, 5):
+        encoder.write(clip[:, t0 : t0 + 5])
+    encoder.close()
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def main() -> None:
@@ -110,19 +142,29 @@ def main() -> None:
 
     utils = importlib.import_module(UTILS)
     plugins = importlib.import_module(PLUGINS)
-    originals = {name: getattr(utils, name) for name in HOOKED}
+    originals = {name: _bound(utils, name) for name in HOOKED}
     plugins.load_plugins()
     plugins.apply_plugin_hooks()
     import framewire.integrations as integrations
     import framewire.integrations.sglang as fw_sglang
 
     report: dict[str, Any] = {
-        "unchanged": {n: getattr(utils, n) is originals[n] for n in HOOKED},
+        "unchanged": {n: _bound(utils, n) is originals[n] for n in HOOKED},
         "hooked": fw_sglang.check(),
         "ffmpeg": utils._resolve_ffmpeg_exe(),
         "results": {},
     }
     every = cases()
+    if "streamed" in names:  # CPU frames: SGLang's own open says no (None) to them
+        names.remove("streamed")
+        import torch
+
+        report["streamed-cpu"] = streamed(utils, out / "streamed-cpu.mp4", torch.device("cpu"))
+        # Only the device check reads the device: a stand-in that says "cuda" lets the
+        # rest of the route run on CPU frames (their transport is the host's, not IPC).
+        if report["hooked"]["CudaVideoEncoder.open"]:
+            cuda = types.SimpleNamespace(type="cuda")
+            report["streamed"] = streamed(utils, out / "streamed.mp4", cuda)
     for name in names:
         outputs, kw = every[name]
         paths = [out / f"{name}-{i}.mp4" for i in range(len(outputs))]
