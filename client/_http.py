@@ -199,6 +199,7 @@ class Client(BaseClient, Closing):
         start: float = 0.0,
         max_frames: int | None = None,
         local_fallback: bool = True,
+        decoder: str | None = None,
     ) -> ReferenceFrames:
         """The ``(T, H, W, 3)`` uint8 frames of a reference video, mapped (docs/api.md).
 
@@ -206,11 +207,10 @@ class Client(BaseClient, Closing):
         request once per host and shares the pages; when it cannot be reached
         the same decode runs in this process (unless ``local_fallback=False``:
         then :class:`Unavailable`). Relative paths are taken from this process's
-        working directory. Close the result (or use it as a context manager).
+        working directory; ``decoder``: the ffmpeg they must come from. Close the result.
         """
-        request = make_request(
-            path, fps=fps, width=width, height=height, start=start, max_frames=max_frames
-        )
+        request = make_request(path, fps=fps, width=width, height=height, start=start,
+                               max_frames=max_frames, decoder=decoder)  # fmt: skip
         return self._fetch(request, local_fallback)
 
     def close(self) -> None:
@@ -382,10 +382,10 @@ class AsyncClient(BaseClient):
         start: float = 0.0,
         max_frames: int | None = None,
         local_fallback: bool = True,
+        decoder: str | None = None,
     ) -> ReferenceFrames:
-        request = make_request(
-            path, fps=fps, width=width, height=height, start=start, max_frames=max_frames
-        )
+        request = make_request(path, fps=fps, width=width, height=height, start=start,
+                               max_frames=max_frames, decoder=decoder)  # fmt: skip
         return await asyncio.to_thread(self._fetch, request, local_fallback)
 
     async def aclose(self) -> None:

@@ -62,23 +62,26 @@ def decode_reference_shared(
     max_frames: int | None = None,
     group: Any = None,
     client: Client | None = None,
+    decoder: str | None = None,
+    local_fallback: bool = True,
 ) -> ReferenceFrames:
     """Every rank of ``group`` (default: the world) gets the frames, or every rank raises.
 
     Each rank asks its host's worker (``client``'s fd socket, else the default
-    one) and decodes locally when the worker cannot be reached. All ranks must
+    one) and decodes locally when the worker cannot be reached (unless
+    ``local_fallback=False``; ``decoder``: the ffmpeg identity asked for). All ranks must
     call this together: it always runs exactly one ``all_gather_object``.
     Without an initialized process group it is a plain :func:`decode_reference`.
     """
     import torch.distributed as dist
 
     def one_rank() -> ReferenceFrames:
-        request = make_request(
-            path, fps=fps, width=width, height=height, start=start, max_frames=max_frames
-        )
+        request = make_request(path, fps=fps, width=width, height=height, start=start,
+                               max_frames=max_frames, decoder=decoder)  # fmt: skip
         if client is not None:
-            return client.decode_reference(request.path, **request.parameters())
-        return fetch(request)
+            params = request.parameters()
+            return client.decode_reference(request.path, local_fallback=local_fallback, **params)
+        return fetch(request, local_fallback=local_fallback)
 
     if not (dist.is_available() and dist.is_initialized()):
         return one_rank()

@@ -132,9 +132,11 @@ def make_request(
     height: int,
     start: float = 0.0,
     max_frames: int | None = None,
+    decoder: str | None = None,
 ) -> DecodeRequest:
     """The validated request. Paths become absolute here, so the worker and a local
-    fallback read the same file."""
+    fallback read the same file. ``decoder``: the identity of the ffmpeg the frames must
+    come from (a worker running another answers ``encoder_unavailable``)."""
     try:
         return DecodeRequest(
             path=os.path.abspath(os.fspath(path)),
@@ -143,6 +145,7 @@ def make_request(
             height=height,
             start=start,
             max_frames=max_frames,
+            decoder=decoder,
         )
     except ValidationError as exc:
         # The fd socket's code for every refused request: the same whichever way it went.
@@ -207,15 +210,15 @@ def decode_reference(
     fd_socket: str | os.PathLike[str] | None = None,
     local_fallback: bool = True,
     timeout: float | None = DEFAULT_TIMEOUT,
+    decoder: str | None = None,
 ) -> ReferenceFrames:
     """The frames of one reference decode: from the worker, else (if allowed) decoded here.
 
     Only an unreachable worker leads to the local decode; an answer of the worker
     (bad request, forbidden, not found, decode failed, overloaded) is raised.
     """
-    request = make_request(
-        path, fps=fps, width=width, height=height, start=start, max_frames=max_frames
-    )
+    request = make_request(path, fps=fps, width=width, height=height, start=start,
+                           max_frames=max_frames, decoder=decoder)  # fmt: skip
     return fetch(request, fd_socket, local_fallback=local_fallback, timeout=timeout)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -35,6 +36,7 @@ from typing import Any
 
 import numpy as np
 from framewire.client import ffmpeg_identity
+from framewire.client.distributed import decode_reference_shared
 from framewire.integrations._route import WORKER, Declined, enabled, route, say_once
 
 UTILS = "sglang.multimodal_gen.runtime.entrypoints.utils"
@@ -214,6 +216,41 @@ def open_streamed(original: Callable[..., Any], *args: Any, **kw: Any) -> Any:
     return route("sglang", routed, original, args, kw)
 
 
+H3 = "sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.minimax_h3"
+H3_REFERENCE = f"{H3}.reference_encoding"
+PARALLEL_STATE = "sglang.multimodal_gen.runtime.distributed.parallel_state"
+
+
+def decode_reference_frames(original: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """AROUND MiniMax-H3's ``minimax_h3_decode_reference_video_frames``: the worker's
+    decode (once per host, the same command), a writable (T, H, W, 3) uint8 array as
+    SGLang's. Shared across the replica group in one collective round: every rank gets
+    the frames, or every rank runs SGLang's own decode (which has its own rounds)."""
+
+    def routed() -> Any:
+        [path] = _bind(args, kw, ("video_path",))
+        width, height = kw["target_width"], kw["target_height"]
+        count, fps = kw["target_frame_count"], float(kw.get("fps", 24))
+        start = float(kw.get("start_time_seconds", 0.0))
+        if min(width, height, count) <= 0 or not fps > 0 or not start >= 0:
+            raise Declined("arguments SGLang refuses")  # its own error, from its own code
+        exe = shutil.which("ffmpeg")  # SGLang decodes with the ffmpeg on PATH
+        if exe is None:
+            raise Declined("no ffmpeg on PATH")
+        asked = {"fps": fps, "width": width, "height": height, "start": start,
+                 "max_frames": count, "decoder": ffmpeg_identity(exe)}  # fmt: skip
+        group = importlib.import_module(PARALLEL_STATE).get_replica_group()
+        if kw.get("share_across_replicas") and group.world_size > 1:
+            frames = decode_reference_shared(path, group=group.cpu_group, client=WORKER.client(),
+                                             local_fallback=False, **asked)  # fmt: skip
+        else:
+            frames = WORKER.client().decode_reference(path, local_fallback=False, **asked)
+        with frames:  # the writable view is a private mapping of its own
+            return frames.writable()
+
+    return route("sglang", routed, original, args, kw)
+
+
 def _bind(args: Sequence[Any], kw: dict[str, Any], names: tuple[str, ...]) -> list[Any]:
     """The leading parameters ``names``, given by position or keyword."""
     return [args[i] if i < len(args) else kw[name] for i, name in enumerate(names)]
@@ -225,6 +262,8 @@ HOOKS = {
     "_save_video_ffmpeg": save_frames,
     "CudaVideoEncoder.open": open_streamed,
 }
+# Other modules of SGLang's with a save or decode framewire takes over: module -> {name: hook}.
+MORE_HOOKS = {H3_REFERENCE: {"minimax_h3_decode_reference_video_frames": decode_reference_frames}}
 
 
 def register() -> None:
@@ -233,16 +272,20 @@ def register() -> None:
     if not enabled("sglang"):
         return
     plugins = importlib.import_module(PLUGINS)
-    for name, hook in HOOKS.items():
-        plugins.HookRegistry.register(f"{UTILS}.{name}", hook, plugins.HookType.AROUND)
+    for module, hooks in [(UTILS, HOOKS), *MORE_HOOKS.items()]:
+        for name, hook in hooks.items():
+            plugins.HookRegistry.register(f"{module}.{name}", hook, plugins.HookType.AROUND)
     threading.Thread(target=_check_later, name="framewire-sglang-check", daemon=True).start()
 
 
 def hooked() -> dict[str, bool]:
     """Whether each function of SGLang's ``utils`` is bound to framewire's hook now."""
-    utils = sys.modules.get(UTILS)
-    return {name: utils is not None and _wraps(_attr(utils, name), hook)
-            for name, hook in HOOKS.items()}  # fmt: skip
+    found = {}
+    for module, hooks in [(UTILS, HOOKS), *MORE_HOOKS.items()]:
+        loaded = sys.modules.get(module)
+        found.update({name: loaded is not None and _wraps(_attr(loaded, name), hook)
+                      for name, hook in hooks.items()})  # fmt: skip
+    return found
 
 
 def _attr(obj: Any, dotted: str) -> Any:

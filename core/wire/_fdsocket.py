@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
+from framewire.core.media.identity import FFMPEG as FFMPEG_IDENTITY
 from framewire.core.wire._sources import (
     MAX_FPS,
     MAX_FRAMES,
@@ -36,6 +37,15 @@ class DecodeRequest(WireModel):
     height: Int = Field(ge=1, le=MAX_SIDE)
     start: Number = Field(default=0.0, ge=0)
     max_frames: Int | None = Field(default=None, ge=1, le=MAX_FRAMES)
+    # The ffmpeg the frames must come from (core.media.identity); None: the worker's.
+    decoder: str | None = Field(default=None, min_length=1, max_length=160)
+
+    @field_validator("decoder")
+    @classmethod
+    def _identity(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(FFMPEG_IDENTITY):
+            raise PydanticCustomError("bad_decoder", "decoder is ffmpeg-sha256:<hex>")
+        return v
 
     @field_validator("fps", "start")
     @classmethod
@@ -56,9 +66,11 @@ class DecodeRequest(WireModel):
         return self.width * self.height * 3
 
     def parameters(self) -> dict[str, Any]:
-        """The decode's keywords (fps, width, height, start, max_frames), for the calls
-        that take them one by one."""
-        return self.model_dump(include={"fps", "width", "height", "start", "max_frames"})
+        """The decode's keywords (fps, width, height, start, max_frames, and the decoder
+        when one is named), for the calls that take them one by one."""
+        return self.model_dump(
+            include={"fps", "width", "height", "start", "max_frames", "decoder"}, exclude_none=True
+        )
 
 
 class FdReply(BaseModel):

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from framewire.core.decode import Decoded, DecodeRun
-from framewire.core.errors import MediaError, NotFound, Overloaded, Unavailable
+from framewire.core.errors import Conflict, MediaError, NotFound, Overloaded, Unavailable
+from framewire.core.media.identity import ffmpeg_identity
 from framewire.core.media.inputs import InputFile
 from framewire.core.wire import DecodeRequest
 from framewire.service._access.paths import open_input, real_roots
@@ -137,11 +138,21 @@ class ReferenceDecoder:
             access.check_path(path, real_roots(roots), READ, raw, os.fstat(source.fd))
             return path, source.identity()
 
+    def _check_decoder(self, asked: str) -> None:
+        held = ffmpeg_identity(self.ffmpeg)  # hashed once per binary
+        if asked != held:
+            raise Conflict(
+                f"this worker decodes with {held}, not {asked!r} (FRAMEWIRE_DECODE_FFMPEG)",
+                code="encoder_unavailable",
+            )
+
     async def decode(self, request: DecodeRequest, access: Access = TRUSTED) -> Answer:
         """The answer to one request: from the cache, a running decode, or a new one.
 
         ``access``: whose request it is; they must be able to read the video themselves.
         """
+        if request.decoder is not None:
+            await asyncio.to_thread(self._check_decoder, request.decoder)
         # Path checks and stat touch the filesystem: off the event loop.
         path, ident = await asyncio.to_thread(self._identify, request.path, access)
         key = DecodeKey(

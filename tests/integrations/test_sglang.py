@@ -6,6 +6,8 @@ save of the same frames (tests/support/engine_sglang.py runs the cases)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,8 @@ import pytest
 
 from tests.support import REPO
 from tests.support.engine_site import engine_env, engine_ffmpeg, engine_site
-from tests.support.worker import Worker, free_port
+from tests.support.media import FFMPEG
+from tests.support.worker import Worker, free_port, metric
 
 pytestmark = pytest.mark.registry
 
@@ -24,6 +27,7 @@ ROUTED = ["float32", "odd-size-23.976", "bf16-audio", "stereo-inferred-rate", "t
 LEFT = ["uint8-tensor", "bad-quality"]  # SGLang's own path (uint8 via its materialized route)
 HOOKED = ["_try_save_cuda_video_direct", "_try_save_cuda_videos_direct", "_save_video_ffmpeg",
           "CudaVideoEncoder.open"]  # fmt: skip
+CHECKED = [*HOOKED, "minimax_h3_decode_reference_video_frames"]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +55,7 @@ def own(site: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_not_enabled_nothing_is_hooked(own):
     assert own["unchanged"] == dict.fromkeys(HOOKED, True)  # the very same objects
-    assert own["hooked"] == dict.fromkeys(HOOKED, False)
+    assert own["hooked"] == dict.fromkeys(CHECKED, False)
     assert own["counts"] == {}
     assert "framewire:" not in own["log"]  # SGLang names the plugin it ran; we say nothing
     assert own["ffmpeg"].endswith("ffmpeg-linux64-v4.2.2")  # SGLang's pin, not ours
@@ -62,7 +66,7 @@ def test_every_save_through_the_worker_has_sglangs_bytes(site, own, workers, tmp
     url = worker.uds_url
     on = run(site, worker.outputs / "on", [*ROUTED, *LEFT, "streamed"],
              FRAMEWIRE_INTEGRATIONS="sglang", FRAMEWIRE_URL=url)  # fmt: skip
-    assert on["hooked"] == dict.fromkeys(HOOKED, True)
+    assert on["hooked"] == dict.fromkeys(CHECKED, True)
     assert on["results"] == own["results"]
     # Encode while decoding: CPU frames are not its (None, as SGLang answers); chunks of
     # the clip through the stream session give the whole clip's bytes.
@@ -107,3 +111,71 @@ def test_a_path_outside_the_roots_leaves_it_to_sglang(site, own, workers, tmp_pa
     assert on["results"]["float32"] == own["results"]["float32"]
     # Declined twice: SGLang's direct save, then its materialized one.
     assert on["counts"] == {"sglang:engine:the path is outside the worker's output roots": 2}
+
+
+# --- MiniMax-H3's reference decode, shared across two gloo ranks -----------------------
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, Path]:
+    """A reference video, and a PATH directory whose ``ffmpeg`` is the test's (SGLang
+    decodes references with the ffmpeg on PATH)."""
+    root = tmp_path_factory.mktemp("h3")
+    video = root / "ref.mp4"
+    subprocess.run([FFMPEG, "-v", "error", "-f", "lavfi", "-i", "testsrc=size=80x60:rate=25",
+                    "-t", "1.2", "-pix_fmt", "yuv420p", str(video)], check=True)  # fmt: skip
+    (root / "bin").mkdir()
+    (root / "bin" / "ffmpeg").symlink_to(FFMPEG)
+    return video, root / "bin"
+
+
+def h3(site: Path, reference: tuple[Path, Path], out: Path, video: Path, **env: str) -> list:
+    """Two ranks of SGLang's shared decode; each rank's report."""
+    path_dir = reference[1]
+    env = {"PATH": f"{path_dir}:{os.environ['PATH']}", **env}
+    port = free_port()
+    out.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "tests.support.engine_sglang", "h3"]
+    procs = [
+        subprocess.Popen(
+            [*argv, str(rank), "2", str(port), str(video), str(out / f"rank{rank}.json")],
+            env=engine_env(site, **env),
+            cwd=REPO,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_minimax_h3_reference_decode_once_in_the_worker(site, reference, workers, tmp_path):
+    own = h3(site, reference, tmp_path / "own", reference[0])
+    assert own[0]["sha256"] == own[1]["sha256"] and own[0]["shape"] == [10, 48, 64, 3]
+    assert own[0]["counts"] == {}
+
+    worker = workers.start()  # decodes with the test's ffmpeg: the one on SGLang's PATH
+    video = worker.inputs / "ref.mp4"
+    shutil.copy(reference[0], video)
+    on = h3(site, reference, tmp_path / "on", video, FRAMEWIRE_INTEGRATIONS="sglang",
+            FRAMEWIRE_URL=worker.uds_url, FRAMEWIRE_FD_SOCKET=str(worker.fd_socket))  # fmt: skip
+    assert [r["sha256"] for r in on] == [own[0]["sha256"]] * 2
+    assert [r["counts"] for r in on] == [{"sglang:routed": 1}] * 2
+    with worker.http() as http:
+        assert metric(http, "framewire_decodes_total") == 1  # one decode for both ranks
+
+
+def test_a_worker_decoding_with_another_ffmpeg_leaves_it_to_sglang(site, reference, workers,
+                                                                   tmp_path):  # fmt: skip
+    own = h3(site, reference, tmp_path / "own", reference[0])
+    worker = workers.start("--decode-ffmpeg", str(engine_ffmpeg(site)))  # 4.2.2, not PATH's
+    video = worker.inputs / "ref.mp4"
+    shutil.copy(reference[0], video)
+    on = h3(site, reference, tmp_path / "on", video, FRAMEWIRE_INTEGRATIONS="sglang",
+            FRAMEWIRE_URL=worker.uds_url, FRAMEWIRE_FD_SOCKET=str(worker.fd_socket))  # fmt: skip
+    assert [r["sha256"] for r in on] == [own[0]["sha256"]] * 2  # SGLang's own, on both ranks
+    assert [r["counts"] for r in on] == [
+        {"sglang:engine:the worker answered encoder_unavailable": 1}] * 2  # fmt: skip

@@ -23,8 +23,12 @@ from typing import Any
 
 UTILS = "sglang.multimodal_gen.runtime.entrypoints.utils"
 PLUGINS = "sglang.multimodal_gen.runtime.platforms.plugins"
+H3_REFERENCE = ("sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages"
+                ".minimax_h3.reference_encoding")  # fmt: skip
 HOOKED = ("_try_save_cuda_video_direct", "_try_save_cuda_videos_direct", "_save_video_ffmpeg",
           "CudaVideoEncoder.open")  # fmt: skip
+# The hooks framewire registers (SGLang's utils, then MiniMax-H3's reference decode).
+CHECKED = (*HOOKED, "minimax_h3_decode_reference_video_frames")
 
 
 def _bound(utils: Any, name: str) -> Any:
@@ -38,7 +42,35 @@ SHELLS = (
     "sglang.multimodal_gen.configs", "sglang.multimodal_gen.configs.sample",
     "sglang.multimodal_gen.runtime.pipelines_core", "sglang.multimodal_gen.runtime.utils",
     "sglang.srt.observability", "sglang.multimodal_gen.runtime.entrypoints",
+    "sglang.multimodal_gen.runtime.pipelines_core.stages",
+    "sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages",
+    "sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.minimax_h3",
+    "sglang.multimodal_gen.runtime.distributed", "sglang.multimodal_gen.runtime.managers",
+    "sglang.multimodal_gen.configs.models", "sglang.multimodal_gen.configs.models.vaes",
 )  # fmt: skip
+
+
+class ReplicaGroup:
+    """What MiniMax-H3's decode reads of SGLang's replica group (a GroupCoordinator):
+    the torch.distributed world of the test's ranks, its gloo group as ``cpu_group``."""
+
+    @property
+    def world_size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    @property
+    def rank_in_group(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def cpu_group(self) -> Any:
+        import torch.distributed as dist
+
+        return dist.group.WORLD
 
 
 class DataType(enum.Enum):  # sampling_params' (the values save_outputs compares)
@@ -71,6 +103,10 @@ def _enter_sglang() -> None:
     stub("sglang.multimodal_gen.runtime.utils.profiler",
          maybe_record_function=lambda name: contextlib.nullcontext())  # fmt: skip
     stub("sglang.srt.observability.trace", TraceReqContext=object)
+    stub("sglang.multimodal_gen.runtime.distributed.parallel_state",
+         get_replica_group=ReplicaGroup)  # fmt: skip
+    stub("sglang.multimodal_gen.runtime.managers.forward_context",
+         set_forward_context=lambda **kw: contextlib.nullcontext())  # fmt: skip
     # envs reads the platform override only here; the real one imports zmq and more.
     override = os.environ.get("SGLANG_DIFFUSION_PLATFORM_OVERRIDE", "cpu")
     stub("sglang.multimodal_gen.envs", SGLANG_DIFFUSION_PLATFORM_OVERRIDE=override)
@@ -133,7 +169,44 @@ def streamed(utils: Any, path: Path, device: Any) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def h3_rank(rank: int, world: int, port: int, video: str, report_path: str) -> None:
+    """One rank of MiniMax-H3's shared reference decode (``share_across_replicas``)."""
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+    _enter_sglang()
+    import importlib
+
+    import torch.distributed as dist
+
+    plugins = importlib.import_module(PLUGINS)
+    plugins.load_plugins()
+    plugins.apply_plugin_hooks()
+    reference = importlib.import_module(H3_REFERENCE)
+    import framewire.integrations as integrations
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        frames = reference.minimax_h3_decode_reference_video_frames(
+            video, target_width=64, target_height=48, target_frame_count=10, fps=12,
+            start_time_seconds=0.25, share_across_replicas=True,
+        )  # fmt: skip
+        frames[0, 0, 0] = 7  # SGLang's callers may write into it
+        frames[0, 0, 0] = frames[1, 0, 0]
+        digest = hashlib.sha256(frames[1:].tobytes()).hexdigest()
+        result: dict[str, Any] = {"sha256": digest, "shape": list(frames.shape)}
+    except Exception as exc:
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        dist.destroy_process_group()
+    result["counts"] = integrations.counts()
+    Path(report_path).write_text(json.dumps(result))
+
+
 def main() -> None:
+    if sys.argv[1] == "h3":
+        rank, world, port = (int(a) for a in sys.argv[2:5])
+        h3_rank(rank, world, port, sys.argv[5], sys.argv[6])
+        return
     out, names = Path(sys.argv[1]), sys.argv[2:]
     # A server's logging: SGLang's processes log at INFO.
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
