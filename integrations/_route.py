@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 from framewire.client import Client, FramewireError
 
 ENV = "FRAMEWIRE_INTEGRATIONS"
@@ -113,6 +114,20 @@ class Worker:
 
 
 WORKER = Worker()
+CHUNK_FRAMES = 8  # frames of a caller's list stacked at a time
+
+
+def write_frames(
+    target: str,
+    frames: Sequence[Any],
+    convert: Callable[[Any], np.ndarray] = np.asarray,
+    **options: Any,
+) -> None:
+    """A list of (H, W, 3) frames to ``target`` through a stream session, CHUNK_FRAMES
+    at a time: the list is never stacked whole (the bytes are save_video's of the stack)."""
+    with WORKER.client().open_video(target, layout="THWC", **options) as writer:
+        for t0 in range(0, len(frames), CHUNK_FRAMES):
+            writer.write(np.stack([convert(f) for f in frames[t0 : t0 + CHUNK_FRAMES]]))
 
 
 def route(

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 from framewire.client import ffmpeg_identity
-from framewire.integrations._route import WORKER, Declined, route
+from framewire.integrations._route import WORKER, Declined, route, write_frames
 
 _original: Any = None
 _installed = False
@@ -50,21 +50,19 @@ def _rate_spelled_alike(fps: float) -> bool:
     return (major, minor) >= (0, 7)
 
 
-def _frames(video_frames: Any) -> np.ndarray:
+def _converter(video_frames: Any) -> Any:
+    """How each frame is handed over: float32 arrays as they are (the profile scales them
+    as diffusers does), PIL images as their 8-bit arrays; Declined for anything else."""
     first = video_frames[0]
     if isinstance(first, np.ndarray):
         if any(not isinstance(f, np.ndarray) or f.dtype != np.float32 for f in video_frames):
             raise Declined("frames that are not float32 arrays")
-        video = np.stack(video_frames)
-    elif type(first).__module__.startswith("PIL."):
-        video = np.stack([np.array(f) for f in video_frames])
-        if video.dtype != np.uint8:
+        return np.asarray
+    if type(first).__module__.startswith("PIL."):
+        if np.array(first).dtype != np.uint8:
             raise Declined("images that are not 8-bit")
-    else:
-        raise Declined("frames that are neither arrays nor PIL images")
-    if video.ndim != 4 or video.shape[3] != 3:
-        raise Declined("frames that are not (H, W, 3)")
-    return video
+        return np.array
+    raise Declined("frames that are neither arrays nor PIL images")
 
 
 def export_to_video(
@@ -91,11 +89,9 @@ def export_to_video(
             raise Declined("a quality or rate diffusers' imageio spells otherwise")
         if not len(video_frames):
             raise Declined("no frames")
-        video = _frames(video_frames)
-        WORKER.client().save_video(
-            video, WORKER.target(output_video_path), fps=fps, quality=quality,
-            profile="diffusers", encoder=_identity(), layout="THWC",
-        )  # fmt: skip
+        convert = _converter(video_frames)
+        write_frames(WORKER.target(output_video_path), video_frames, convert, fps=fps,
+                     quality=quality, profile="diffusers", encoder=_identity())  # fmt: skip
         return output_video_path
 
     path: str = route("diffusers", routed, _diffusers_export(), args, {})

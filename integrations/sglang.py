@@ -37,7 +37,14 @@ from typing import Any
 import numpy as np
 from framewire.client import ffmpeg_identity
 from framewire.client.distributed import decode_reference_shared
-from framewire.integrations._route import WORKER, Declined, enabled, route, say_once
+from framewire.integrations._route import (
+    WORKER,
+    Declined,
+    enabled,
+    route,
+    say_once,
+    write_frames,
+)
 
 UTILS = "sglang.multimodal_gen.runtime.entrypoints.utils"
 PLUGINS = "sglang.multimodal_gen.runtime.platforms.plugins"
@@ -171,11 +178,9 @@ def save_frames(original: Callable[..., None], *args: Any, **kw: Any) -> None:
         if any(np.asarray(f).dtype != np.uint8 or np.shape(f) != first.shape for f in frames):
             raise Declined("frames of other shapes or dtypes")  # SGLang refuses them itself
         threads = _utils()._x264_auto_thread_count(first.shape[0])
-        WORKER.client().save_video(
-            np.stack(frames), WORKER.target(path), fps=kw["fps"], quality=kw["quality"],
-            preset=kw.get("x264_preset"), threads=threads, profile="sglang",
-            encoder=_identity(), layout="THWC",
-        )  # fmt: skip
+        write_frames(WORKER.target(path), frames, fps=kw["fps"], quality=kw["quality"],
+                     preset=kw.get("x264_preset"), threads=threads, profile="sglang",
+                     encoder=_identity())  # fmt: skip
 
     return route("sglang", routed, original, args, kw)
 
