@@ -12,6 +12,7 @@ function runs, with its own bytes and dependencies.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -115,6 +116,31 @@ class Worker:
 
 WORKER = Worker()
 CHUNK_FRAMES = 8  # frames of a caller's list stacked at a time
+CHUNK_BYTES = 64 << 20  # a host tensor's frames handed over at a time
+
+
+def save_tensors(targets: Sequence[str], videos: Sequence[Any], options: dict[str, Any],
+                 audios: Sequence[Any] | None = None) -> None:  # fmt: skip
+    """(3, T, H, W) tensors to ``targets``, all at once (the worker encodes them in
+    parallel under its admission). CUDA tensors go whole over CUDA IPC; host tensors
+    through stream sessions, CHUNK_BYTES at a time, so this process never holds a copy
+    of a clip (a whole host clip would be copied into shared memory once)."""
+    client = WORKER.client()
+    audios = list(audios) if audios is not None else [options.get("audio")] * len(videos)
+    rest = {k: v for k, v in options.items() if k != "audio"}
+    if all(v.device.type == "cuda" for v in videos):
+        client.save_videos(list(videos), list(targets), audio=audios, **rest)
+        return
+    with contextlib.ExitStack() as stack:
+        writers = [
+            stack.enter_context(client.open_video(t, layout="CTHW", audio=a, **rest))
+            for t, a in zip(targets, audios, strict=True)
+        ]
+        step = min(max(1, CHUNK_BYTES // (v[:, 0].numel() * v.element_size())) for v in videos)
+        for t0 in range(0, max(int(v.shape[1]) for v in videos), step):  # round robin
+            for writer, video in zip(writers, videos, strict=True):
+                if t0 < video.shape[1]:
+                    writer.write(video[:, t0 : t0 + step])
 
 
 def write_frames(

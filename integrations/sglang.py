@@ -42,6 +42,7 @@ from framewire.integrations._route import (
     Declined,
     enabled,
     route,
+    save_tensors,
     say_once,
     write_frames,
 )
@@ -133,7 +134,7 @@ def save_direct(original: Callable[..., bool], *args: Any, **kw: Any) -> bool:
         video, audio = _video(kw["sample"])
         options = _options(*_dims(video), audio, kw["fps"], kw.get("audio_sample_rate"),
                            quality, kw.get("x264_preset"))  # fmt: skip
-        WORKER.client().save_video(video, WORKER.target(path), **options)
+        save_tensors([WORKER.target(path)], [video], options)
         return True
 
     return route("sglang", routed, original, args, kw)
@@ -158,7 +159,7 @@ def save_parallel(original: Callable[..., Any], *args: Any, **kw: Any) -> Any:
             raise Declined("outputs of different sizes or audio rates")
         audios = [o.get("audio") for _, o in each]
         targets = [WORKER.target(p) for p in paths]
-        WORKER.client().save_videos([v for v, _ in each], targets, audio=audios, **shared)
+        save_tensors(targets, [v for v, _ in each], shared, audios)
         return [True] * len(samples)
 
     return route("sglang", routed, original, args, kw)
