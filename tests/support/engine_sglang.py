@@ -79,7 +79,7 @@ class DataType(enum.Enum):  # sampling_params' (the values save_outputs compares
     ACTION = "action"
 
 
-def _enter_sglang() -> None:
+def enter_sglang() -> None:
     [site] = [p for p in sys.path if (Path(p) / "sglang").is_dir()][:1]
     for name in SHELLS:
         mod = types.ModuleType(name)
@@ -172,7 +172,7 @@ def streamed(utils: Any, path: Path, device: Any) -> str | None:
 def h3_rank(rank: int, world: int, port: int, video: str, report_path: str) -> None:
     """One rank of MiniMax-H3's shared reference decode (``share_across_replicas``)."""
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
-    _enter_sglang()
+    enter_sglang()
     import importlib
 
     import torch.distributed as dist
@@ -210,7 +210,7 @@ def main() -> None:
     out, names = Path(sys.argv[1]), sys.argv[2:]
     # A server's logging: SGLang's processes log at INFO.
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
-    _enter_sglang()
+    enter_sglang()
     import importlib
 
     utils = importlib.import_module(UTILS)

@@ -40,7 +40,7 @@ def _load_general_plugins() -> None:
             plugin.load()()
 
 
-def _enter_vllm_omni() -> None:
+def enter_vllm_omni() -> None:
     [site] = [p for p in sys.path if (Path(p) / "vllm_omni").is_dir()][:1]
     for name in SHELLS:
         mod = types.ModuleType(name)
@@ -97,7 +97,7 @@ def cases() -> dict[str, tuple[list[Any], dict[str, Any]]]:
 def main() -> None:
     names = sys.argv[1:]
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
-    _enter_vllm_omni()
+    enter_vllm_omni()
     import importlib
 
     media = importlib.import_module(MEDIA)

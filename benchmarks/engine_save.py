@@ -1,0 +1,117 @@
+"""One engine save, timed, in the engine's own environment (run by benchmarks/engines.py).
+
+    python benchmarks/engine_save.py ENGINE OUT FRAMES WIDTH HEIGHT
+
+Makes the clip first (not timed, not counted), saves a tiny clip once to warm the
+process up as a serving engine is (imports, the client's connection, the encoder's
+identity: paid once per process, not per save), then runs the engine's own save
+function once (SGLang's ``save_outputs``, vLLM-omni's ``ChunkedVideoMP4Session``,
+diffusers' ``export_to_video``; framewire's integration on or off as the
+environment says) and prints one JSON line: wall seconds, the process's peak
+resident memory above its level before the save (VmHWM, reset first), sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from framewire.integrations import enabled
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _clip(frames: int, width: int, height: int) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.rand(3, frames, height, width, generator=g)
+
+
+def _sglang(clip: Any, out: Path) -> None:
+    from tests.support.engine_sglang import DataType, enter_sglang
+
+    if "sglang" not in sys.modules:
+        enter_sglang()
+    plugins = importlib.import_module("sglang.multimodal_gen.runtime.platforms.plugins")
+    plugins.load_plugins()
+    plugins.apply_plugin_hooks()
+    utils = importlib.import_module("sglang.multimodal_gen.runtime.entrypoints.utils")
+    _timed(lambda: utils.save_outputs([clip], DataType.VIDEO, 24, True,
+                                             lambda i: str(out)), out)  # fmt: skip
+
+
+def _vllm_omni(clip: Any, out: Path) -> None:
+    from tests.support.engine_vllm_omni import CHUNKED, enter_vllm_omni
+
+    if "vllm" not in sys.modules:
+        enter_vllm_omni()
+    importlib.import_module("vllm_omni.plugins").load_omni_general_plugins()
+    chunked = importlib.import_module(CHUNKED)
+    batch = clip.unsqueeze(0) * 2 - 1  # a Wan VAE's (-1, 1), made before the timing
+
+    def save() -> None:
+        session = chunked.ChunkedVideoMP4Session(
+            value_range=(-1.0, 1.0), fps=24,
+            video_codec_options={"preset": "ultrafast", "threads": "0"},
+        )  # fmt: skip
+        for t0 in range(0, batch.shape[2], 8):  # the VAE's chunks
+            session.push(batch[:, :, t0 : t0 + 8])
+        out.write_bytes(session.finish()[0])
+
+    _timed(save, out)
+
+
+def _diffusers(clip: Any, out: Path) -> None:
+    frames = list(clip.permute(1, 2, 3, 0).contiguous().numpy())  # a pipeline's np output
+    if enabled("diffusers"):  # the drop-in: the import is the opt-in
+        from framewire.integrations.diffusers import export_to_video
+    else:
+        from diffusers.utils import export_to_video
+
+    _timed(lambda: export_to_video(frames, str(out), fps=24), out)
+
+
+WARMING = True  # the first save of a process is the warm-up: not timed
+
+
+def _timed(save: Any, out: Path) -> None:
+    global WARMING
+    if WARMING:
+        save()
+        WARMING = False
+        return
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here
+    before, t0 = _status("VmRSS"), time.perf_counter()
+    save()
+    wall = time.perf_counter() - t0
+    peak = max(0, _status("VmHWM") - before)
+    digest = hashlib.sha256(out.read_bytes()).hexdigest()
+    print(json.dumps({"wall_s": wall, "peak_extra_mib": peak / (1 << 20), "sha256": digest}))
+
+
+def main() -> None:
+    engine, out = sys.argv[1], Path(sys.argv[2])
+    frames, width, height = (int(a) for a in sys.argv[3:6])
+    save = {"sglang": _sglang, "vllm-omni": _vllm_omni, "diffusers": _diffusers}[engine]
+    clip = _clip(frames, width, height)
+    warm = out.with_name("warm-" + out.name)
+    save(_clip(8, 64, 48), warm)
+    warm.unlink()
+    save(clip, out)
+
+
+if __name__ == "__main__":
+    main()
