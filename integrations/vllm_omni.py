@@ -129,12 +129,15 @@ class ChunkedMP4Encoder:
         writer = WORKER.client().open_video("memory://video.mp4", **self._save)
         try:
             writer.write(first)
-        except FramewireError as exc:
+        except Exception as exc:  # no worker, another PyAV, or framewire's own failure
             writer.abort()
-            why = f"the worker answered {exc.code}"
+            if isinstance(exc, FramewireError):
+                why = f"the worker answered {exc.code}"
+            else:
+                why = f"framewire failed ({type(exc).__name__})"
             count(f"vllm-omni:engine:{why}")
             say_once(f"vllm-omni:{why}", "framewire: a vllm-omni save runs the engine's own "
-                     "code: %s (%s)", why, exc.message, level=logging.WARNING)  # fmt: skip
+                     "code: %s (%s)", why, exc, level=logging.WARNING)  # fmt: skip
             self._engine = _original(**self._kw)
             return False
         self._writer = writer
