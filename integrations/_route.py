@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
-from framewire.client import Client, FramewireError
+from framewire.client import Client, FramewireError, OutputResult
 
 ENV = "FRAMEWIRE_INTEGRATIONS"
 NAMES = ("sglang", "vllm-omni", "diffusers")
@@ -148,12 +148,14 @@ def write_frames(
     frames: Sequence[Any],
     convert: Callable[[Any], np.ndarray] = np.asarray,
     **options: Any,
-) -> None:
+) -> OutputResult:
     """A list of (H, W, 3) frames to ``target`` through a stream session, CHUNK_FRAMES
     at a time: the list is never stacked whole (the bytes are save_video's of the stack)."""
     with WORKER.client().open_video(target, layout="THWC", **options) as writer:
         for t0 in range(0, len(frames), CHUNK_FRAMES):
             writer.write(np.stack([convert(f) for f in frames[t0 : t0 + CHUNK_FRAMES]]))
+    assert writer.result is not None
+    return writer.result
 
 
 def route(

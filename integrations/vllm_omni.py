@@ -1,4 +1,4 @@
-"""vLLM-omni (0.30.0) encodes its chunked pre-encode through the worker.
+"""vLLM-omni (0.30.0) encodes its videos through the worker.
 
 Loaded by vLLM-omni's ``load_omni_general_plugins`` (entry point ``framewire`` of
 ``vllm_omni.general_plugins``) in every diffusion rank, the stage process and the
@@ -7,17 +7,24 @@ API server; it acts only when ``FRAMEWIRE_INTEGRATIONS`` names ``vllm-omni``.
 ``vllm.general_plugins`` and vLLM-omni's group alike: it must name ``framewire``
 (and what vLLM-omni registers for its own models).
 
-Routed: ``diffusion/utils/chunked_video``'s ``ChunkedMP4Encoder`` (looked up by
-``ChunkedVideoMP4Session`` when it opens its encoders): each batch entry becomes a
-stream session with the ``vllm-omni`` profile whose output is ``memory://``, so
-``finish()`` returns the MP4's bytes as the engine's does. A chunk is copied out
-when ``push`` returns, so ``on_consumed`` fires then (exactly once, also when the
-push fails). Left to vLLM-omni: another codec or crf, codec options other than
-``preset`` and ``threads``, odd sizes, audio rates AAC does not open at, a worker
-that is down or holds another PyAV (checked when the encoder opens, at the first
-chunk), and ``_encode_video_bytes``, whose direct path feeds PyAV planar ``gbrp``
-frames that framewire's profile (rgb24, as ``mux_video_audio_bytes``) does not
-reproduce.
+Routed, each to a ``memory://`` output (vLLM-omni's contract is bytes) with the
+``vllm-omni`` profile and PyAV's identity:
+
+- ``diffusion/utils/chunked_video``'s ``ChunkedMP4Encoder`` (looked up by
+  ``ChunkedVideoMP4Session`` when it opens its encoders): each batch entry a stream
+  session. A chunk is copied out when ``push`` returns, so ``on_consumed`` fires
+  then (exactly once, also when the push fails).
+- ``_encode_video_bytes`` (bound by name in ``video_api_utils`` and
+  ``serving_video``): vLLM-omni's own frame preparation, then a stream session 8
+  frames at a time. Its direct path hands PyAV planar ``gbrp`` frames, its legacy
+  path ``rgb24``; both quantize as ``clip(0, 1) * 255`` rounded half to even, and
+  libswscale gives the same YUV from both (the tests compare the bytes).
+
+Left to vLLM-omni: another codec or crf, codec options other than ``preset`` and
+``threads``, odd sizes, audio rates AAC does not open at, frames other than uint8 or
+float32 RGB, and a worker that is down or holds another PyAV (checked before any
+frame is handed over). A worker that goes away after the first chunk of a
+``ChunkedMP4Encoder`` fails that save: its chunks were released to the producer.
 """
 
 from __future__ import annotations
@@ -31,10 +38,22 @@ from typing import Any
 
 import numpy as np
 from framewire.client import FramewireError, VideoWriter, pyav_identity
-from framewire.integrations._route import WORKER, count, enabled, say_once
+from framewire.integrations._route import (
+    WORKER,
+    Declined,
+    count,
+    enabled,
+    route,
+    say_once,
+    write_frames,
+)
 
 MEDIA = "vllm_omni.diffusion.utils.media_utils"
 CHUNKED = "vllm_omni.diffusion.utils.chunked_video"
+API = "vllm_omni.entrypoints.openai.video_api_utils"
+SERVING = "vllm_omni.entrypoints.openai.serving_video"
+# vLLM-omni passes no preset unless told: x264's own default, not the profile's ultrafast.
+X264_DEFAULT = "medium"
 AAC_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)
 log = logging.getLogger("framewire.integrations")
 _original: Any = None
@@ -95,7 +114,7 @@ class ChunkedMP4Encoder:
         self._save = {
             "fps": kw["fps"],
             "profile": "vllm-omni",
-            "preset": options.get("preset"),
+            "preset": options.get("preset", X264_DEFAULT),
             "threads": int(options["threads"]) if "threads" in options else None,
             "audio": None if audio is None else _samples(audio),
             "audio_sample_rate": None if audio is None else kw.get("audio_sample_rate") or 44100,
@@ -175,6 +194,52 @@ class ChunkedMP4Encoder:
             self.abort()
 
 
+def encode_bytes(original: Callable[..., bytes]) -> Callable[..., bytes]:
+    """vLLM-omni's ``_encode_video_bytes`` through the worker (an output to memory), with
+    vLLM-omni's own frame preparation; ``original`` for what framewire does not model."""
+
+    def _encode_video_bytes(video: Any, fps: int | float, audio: Any = None,
+                            audio_sample_rate: int | None = None,
+                            video_codec_options: dict[str, str] | None = None,
+                            frame_converter: Any = None) -> bytes:  # fmt: skip
+        args = (video, fps, audio, audio_sample_rate, video_codec_options, frame_converter)
+
+        def routed() -> bytes:
+            api = sys.modules[API]
+            # vLLM-omni's own normalization: any input it takes, as (H, W, C) frames.
+            frames, shape, dtype = api._prepare_video_frames(video)
+            if len(shape) != 3 or shape[2] != 3 or dtype not in (np.uint8, np.float32):
+                raise Declined("frames that are not uint8 or float32 RGB")
+            if any(f.dtype != dtype for f in frames):
+                raise Declined("frames of mixed dtypes")
+            rate = (
+                api._resolve_audio_sample_rate(audio, audio_sample_rate)
+                if audio is not None
+                else None
+            )
+            samples = None if audio is None else api._coerce_audio_to_numpy(audio)
+            why = _declined(shape[1], shape[0], samples, rate, "h264", "aac", "18",
+                            video_codec_options)  # fmt: skip
+            if why is not None:
+                raise Declined(why)
+            options = video_codec_options or {}
+            result = write_frames(
+                "memory://video.mp4", frames, fps=float(fps), profile="vllm-omni",
+                value_range=None if dtype == np.uint8 else (0.0, 1.0),
+                preset=options.get("preset", X264_DEFAULT),
+                threads=int(options["threads"]) if "threads" in options else None,
+                audio=None if samples is None else _samples(samples), audio_sample_rate=rate,
+                encoder=pyav_identity(importlib.import_module("av").__version__),
+            )  # fmt: skip
+            assert result.data is not None
+            return result.data
+
+        return route("vllm-omni", routed, original, args, {})
+
+    _encode_video_bytes.__wrapped__ = original  # type: ignore[attr-defined]
+    return _encode_video_bytes
+
+
 def register() -> None:
     """The plugin's entry point. Replaces ``ChunkedMP4Encoder`` where vLLM-omni looks it
     up, only when ``FRAMEWIRE_INTEGRATIONS`` names ``vllm-omni``."""
@@ -187,13 +252,26 @@ def register() -> None:
         _original = media.ChunkedMP4Encoder
     for module in (media, chunked):
         setattr(module, "ChunkedMP4Encoder", ChunkedMP4Encoder)  # noqa: B010
+    api = importlib.import_module(API)
+    if not hasattr(api._encode_video_bytes, "__wrapped__"):
+        wrapped = encode_bytes(api._encode_video_bytes)
+        # Bound by name in both: serving_video took it with ``from ... import`` (if it was
+        # imported already; imported later, it takes the wrapped one from here).
+        for name in (API, SERVING):
+            if name in sys.modules:
+                setattr(sys.modules[name], "_encode_video_bytes", wrapped)  # noqa: B010
     check()
 
 
 def hooked() -> dict[str, bool]:
-    """Whether each module vLLM-omni looks the encoder up in holds framewire's now."""
-    return {name: getattr(sys.modules.get(name), "ChunkedMP4Encoder", None) is ChunkedMP4Encoder
-            for name in (MEDIA, CHUNKED)}  # fmt: skip
+    """Whether each name vLLM-omni looks up holds framewire's now."""
+    found = {f"{name}.ChunkedMP4Encoder": getattr(sys.modules.get(name), "ChunkedMP4Encoder",
+                                                  None) is ChunkedMP4Encoder
+             for name in (MEDIA, CHUNKED)}  # fmt: skip
+    bytes_fn = getattr(sys.modules.get(API), "_encode_video_bytes", None)
+    found[f"{API}._encode_video_bytes"] = getattr(bytes_fn, "__name__", "") == (
+        "_encode_video_bytes") and hasattr(bytes_fn, "__wrapped__")  # fmt: skip
+    return found
 
 
 def check() -> dict[str, bool]:
@@ -202,11 +280,11 @@ def check() -> dict[str, bool]:
     if enabled("vllm-omni"):
         url = os.environ.get("FRAMEWIRE_URL") or "the default address"
         if all(found.values()):
-            say_once("vllm-omni:routes", "framewire: vLLM-omni's ChunkedMP4Encoder encodes "
-                     "through the worker at %s; every other save runs vLLM-omni's own code",
-                     url)  # fmt: skip
+            say_once("vllm-omni:routes", "framewire: vLLM-omni's ChunkedMP4Encoder and "
+                     "_encode_video_bytes encode through the worker at %s; every other save "
+                     "runs vLLM-omni's own code", url)  # fmt: skip
         else:
-            say_once("vllm-omni:missing", "framewire: vLLM-omni's ChunkedMP4Encoder is not "
-                     "replaced in %s", [n for n, ok in found.items() if not ok],
+            say_once("vllm-omni:missing", "framewire: not replaced in vLLM-omni: %s",
+                     [n for n, ok in found.items() if not ok],
                      level=logging.ERROR)  # fmt: skip
     return found

@@ -19,8 +19,11 @@ from tests.support.worker import free_port
 
 pytestmark = pytest.mark.registry
 
-ROUTED = ["wan-ultrafast", "minimax-fast-2-threads", "batch-with-audio", "mono-default-rate"]
-LEFT = ["odd-size"]  # libx264 refuses it in vLLM-omni itself
+ROUTED = ["wan-ultrafast", "minimax-fast-2-threads", "batch-with-audio", "mono-default-rate",
+          "no-codec-options"]  # fmt: skip
+BYTES = ["bytes-float32-audio", "bytes-uint8", "bytes-big-no-options", "bytes-tensor",
+         "bytes-pil"]  # fmt: skip
+LEFT = ["odd-size", "bytes-crf"]  # libx264 refuses the first in vLLM-omni itself
 
 
 @pytest.fixture(scope="module")
@@ -44,23 +47,29 @@ def run(site: Path, names: list[str], **env: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def own(site: Path) -> dict[str, Any]:
-    return run(site, ROUTED + LEFT)
+    return run(site, ROUTED + BYTES + LEFT)
 
 
 def test_not_enabled_nothing_is_replaced(own):
-    assert own["unchanged"] == [True, True]
+    assert own["unchanged"] == [True, True, True]  # both encoder names, _encode_video_bytes
     assert own["counts"] == {}
     assert "avcodec_open2" in own["results"]["odd-size"]["error"]
 
 
 def test_the_chunked_pre_encode_through_the_worker_has_vllm_omnis_bytes(site, own, workers):
     worker = workers.start()
-    on = run(site, ROUTED + LEFT, FRAMEWIRE_INTEGRATIONS="vllm-omni", FRAMEWIRE_URL=worker.uds_url)
-    assert on["unchanged"] == [False, False]
+    on = run(site, ROUTED + BYTES + LEFT, FRAMEWIRE_INTEGRATIONS="vllm-omni",
+             FRAMEWIRE_URL=worker.uds_url)  # fmt: skip
+    assert on["unchanged"] == [False, False, False]
     assert on["results"] == own["results"]
-    # One stream session per batch entry (batch-with-audio has two), the odd size left.
-    assert on["counts"] == {"vllm-omni:routed": 5, "vllm-omni:engine:an odd size": 1}
-    assert "ChunkedMP4Encoder encodes through the worker" in on["log"]
+    # One stream session per batch entry (batch-with-audio has two) and per one-shot
+    # encode; the odd size and another crf left to vLLM-omni.
+    assert on["counts"] == {
+        "vllm-omni:routed": len(ROUTED) + 1 + len(BYTES),
+        "vllm-omni:engine:an odd size": 1,
+        "vllm-omni:engine:codec options other than preset and threads": 1,
+    }
+    assert "ChunkedMP4Encoder and _encode_video_bytes encode through the worker" in on["log"]
     spool = worker.outputs / ".framewire-tmp-spool"
     assert list(worker.outputs.iterdir()) in ([], [spool]) and list(spool.iterdir()) == []
 
@@ -77,5 +86,5 @@ def test_vllm_plugins_without_framewire_loads_nothing(site, own, workers):
     worker = workers.start()
     on = run(site, ["wan-ultrafast"], FRAMEWIRE_INTEGRATIONS="vllm-omni",
              FRAMEWIRE_URL=worker.uds_url, VLLM_PLUGINS="some-other-plugin")  # fmt: skip
-    assert on["unchanged"] == [True, True] and on["counts"] == {}
+    assert on["unchanged"] == [True, True, True] and on["counts"] == {}
     assert on["results"]["wan-ultrafast"] == own["results"]["wan-ultrafast"]

@@ -22,7 +22,31 @@ from pathlib import Path
 from typing import Any
 
 SHELLS = ("vllm_omni", "vllm_omni.diffusion", "vllm_omni.diffusion.models",
-          "vllm_omni.diffusion.utils")  # fmt: skip
+          "vllm_omni.diffusion.utils", "vllm_omni.entrypoints", "vllm_omni.entrypoints.openai",
+          "vllm_omni.entrypoints.openai.protocol")  # fmt: skip
+API = "vllm_omni.entrypoints.openai.video_api_utils"
+# What video_api_utils imports for reading reference inputs, never on the encode path.
+API_STUBS = {
+    "vllm.multimodal": {},
+    "vllm.multimodal.video": {
+        "VIDEO_LOADER_REGISTRY": types.SimpleNamespace(register=lambda name: lambda cls: cls),
+        "VideoBackend": type("VideoBackend", (), {}),
+        "VideoSourceMetadata": object,
+        "VideoTargetMetadata": object,
+    },
+    "vllm_omni.entrypoints.openai.errors": {"InvalidInputReferenceError": ValueError},
+    "vllm_omni.entrypoints.openai.protocol.videos": {
+        name: object
+        for name in (
+            "FileImageReference",
+            "FileVideoReference",
+            "ImageReference",
+            "UrlImageReference",
+            "UrlVideoReference",
+            "VideoReference",
+        )
+    },
+}
 MEDIA = "vllm_omni.diffusion.utils.media_utils"
 CHUNKED = "vllm_omni.diffusion.utils.chunked_video"
 
@@ -40,6 +64,33 @@ def _load_general_plugins() -> None:
             plugin.load()()
 
 
+class _Logger(logging.Logger):
+    """vLLM's logger: the standard one, with its ``*_once`` methods."""
+
+    def _once(self, level: int, msg: str, *args: Any) -> None:
+        key = (level, msg)
+        if key not in self.__dict__.setdefault("said", set()):
+            self.__dict__["said"].add(key)
+            self.log(level, msg, *args)
+
+    def info_once(self, msg: str, *args: Any, **kw: Any) -> None:
+        self._once(logging.INFO, msg, *args)
+
+    def warning_once(self, msg: str, *args: Any, **kw: Any) -> None:
+        self._once(logging.WARNING, msg, *args)
+
+    def debug_once(self, msg: str, *args: Any, **kw: Any) -> None:
+        self._once(logging.DEBUG, msg, *args)
+
+
+def _logger(name: str) -> logging.Logger:
+    logging.setLoggerClass(_Logger)
+    try:
+        return logging.getLogger(name)
+    finally:
+        logging.setLoggerClass(logging.Logger)
+
+
 def enter_vllm_omni() -> None:
     [site] = [p for p in sys.path if (Path(p) / "vllm_omni").is_dir()][:1]
     for name in SHELLS:
@@ -51,13 +102,15 @@ def enter_vllm_omni() -> None:
     sys.modules["vllm"] = vllm
     for name, attrs in {
         "vllm.envs": {"VLLM_PLUGINS": _allowed()},
-        "vllm.logger": {"init_logger": logging.getLogger},
+        "vllm.logger": {"init_logger": _logger},
         "vllm.plugins": {"load_general_plugins": _load_general_plugins},
+        **API_STUBS,
     }.items():
         mod = types.ModuleType(name)
         mod.__dict__.update(attrs)
         sys.modules[name] = mod
-        setattr(vllm, name.split(".")[1], mod)
+        if name.count(".") == 1 and name.startswith("vllm."):
+            setattr(vllm, name.split(".")[1], mod)
 
 
 def _chunks(seed: int, batch: int, frames: int, h: int, w: int, step: int) -> list[Any]:
@@ -91,6 +144,30 @@ def cases() -> dict[str, tuple[list[Any], dict[str, Any]]]:
             "value_range": (-1.0, 1.0), "fps": 8, "audio_waveforms": [_wave(6, (44100,))],
             "video_codec_options": {"preset": "ultrafast", "threads": "1"}}),
         "odd-size": (_chunks(7, 1, 4, 31, 33, 4), {"value_range": (-1.0, 1.0), "fps": 8}),
+        "no-codec-options": (_chunks(8, 1, 6, 96, 160, 3), {"value_range": (0.0, 1.0), "fps": 8}),
+    }  # fmt: skip
+
+
+def byte_cases() -> dict[str, tuple[Any, dict[str, Any]]]:
+    """name: (video, _encode_video_bytes keywords): the one-shot route, bytes back."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    rng = np.random.default_rng(11)
+    floats = (rng.random((8, 48, 64, 3)) * 1.4 - 0.2).astype(np.float32)
+    big = rng.random((6, 384, 640, 3), dtype=np.float32)  # x264's threads matter at this size
+    ultrafast = {"preset": "ultrafast", "threads": "1"}
+    return {
+        "bytes-float32-audio": (floats, {"fps": 24, "audio": _wave(12, (2, 12000)),
+                                         "video_codec_options": ultrafast}),
+        "bytes-uint8": ((floats.clip(0, 1) * 255).astype(np.uint8), {"fps": 12.5}),
+        "bytes-big-no-options": (big, {"fps": 24}),
+        "bytes-tensor": (torch.from_numpy(floats.copy()).permute(0, 3, 1, 2),
+                         {"fps": 16, "video_codec_options": {"preset": "fast", "threads": "2"}}),
+        "bytes-pil": ([Image.fromarray(f) for f in (floats.clip(0, 1) * 255).astype(np.uint8)],
+                      {"fps": 8, "audio": _wave(13, (16000,)), "audio_sample_rate": 16000}),
+        "bytes-crf": (floats, {"fps": 24, "video_codec_options": {"crf": "23"}}),
     }  # fmt: skip
 
 
@@ -111,6 +188,16 @@ def main() -> None:
         "unchanged": [m.ChunkedMP4Encoder is original for m in (media, chunked)],
         "results": {},
     }
+    api = importlib.import_module(API)
+    report["unchanged"].append(not hasattr(api._encode_video_bytes, "__wrapped__"))
+    for name, (video, kw) in byte_cases().items():
+        if name in names:
+            names.remove(name)
+            try:
+                digest = hashlib.sha256(api._encode_video_bytes(video, **kw)).hexdigest()
+                report["results"][name] = [digest]
+            except Exception as exc:
+                report["results"][name] = {"error": f"{type(exc).__name__}: {exc}"}
     every = cases()
     for name in names:
         chunks, kw = every[name]
