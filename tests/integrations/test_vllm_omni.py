@@ -88,3 +88,15 @@ def test_vllm_plugins_without_framewire_loads_nothing(site, own, workers):
              FRAMEWIRE_URL=worker.uds_url, VLLM_PLUGINS="some-other-plugin")  # fmt: skip
     assert on["unchanged"] == [True, True, True] and on["counts"] == {}
     assert on["results"]["wan-ultrafast"] == own["results"]["wan-ultrafast"]
+
+
+def test_a_worker_with_another_pyav_leaves_it_to_vllm_omni(workers):
+    """vLLM-omni beside PyAV 16.1.0, the worker on the test environment's PyAV: every save
+    runs vLLM-omni's own encoder, with its own PyAV's bytes."""
+    site = engine_site("vllm-omni-av16")
+    cases = ["wan-ultrafast", "bytes-float32-audio"]
+    own = run(site, cases)
+    worker = workers.start()
+    on = run(site, cases, FRAMEWIRE_INTEGRATIONS="vllm-omni", FRAMEWIRE_URL=worker.uds_url)
+    assert on["results"] == own["results"]
+    assert on["counts"] == {"vllm-omni:engine:the worker answered encoder_unavailable": 2}

@@ -26,6 +26,8 @@ from tests.support import REPO
 PINS = {
     "sglang": ["sglang==0.5.23", "imageio-ffmpeg==0.5.1", "imageio==2.36.0", "psutil"],
     "vllm-omni": ["vllm-omni==0.30.0"],
+    # vLLM-omni beside another PyAV than the worker's (SGLang's pin): another encoder.
+    "vllm-omni-av16": ["vllm-omni==0.30.0", "av==16.1.0"],
 }
 ROOT = REPO / ".venv" / "engines"
 
