@@ -75,7 +75,7 @@ class Worker:
     """The process's client of the worker, and what the worker lets it write."""
 
     def __init__(self) -> None:
-        self._made_for: tuple[int, str, str | None] | None = None  # pid, url, token
+        self._made_for: tuple[int, str, str | None, bool] | None = None  # pid, url, token, local
         self._client: Client | None = None
         self._roots: list[str] = []
         self._roots_at = -INFO_TTL_S
@@ -84,14 +84,21 @@ class Worker:
     def client(self) -> Client:
         url = os.environ.get("FRAMEWIRE_URL") or "http://127.0.0.1:7700"
         token = os.environ.get("FRAMEWIRE_TOKEN") or None
-        wanted = (os.getpid(), url, token)
+        wanted = (os.getpid(), url, token, self.local)
         with self._lock:
             if self._client is None or self._made_for != wanted:
                 # A forked child drops its parent's client without closing it: closing
                 # would close the parent's fd socket under it.
-                self._client = Client(url, token=token, local_fallback=False)
+                self._client = Client(url, token=token, local_fallback=self.local)
                 self._made_for, self._roots_at = wanted, -INFO_TTL_S
             return self._client
+
+    @property
+    def local(self) -> bool:
+        """FRAMEWIRE_LOCAL_FALLBACK=1: with no worker, framewire encodes in this process
+        (its local route, with the engine's own encoder, asked by identity as from a
+        worker) instead of running the engine's function."""
+        return os.environ.get("FRAMEWIRE_LOCAL_FALLBACK", "") == "1"
 
     def output_roots(self) -> list[str]:
         """The worker's absolute output roots (asked again every INFO_TTL_S)."""
@@ -108,7 +115,13 @@ class Worker:
         directory); Declined unless it lies under one of the worker's output roots."""
         absolute = os.path.abspath(os.fspath(path))
         real = os.path.realpath(absolute)
-        for root in self.output_roots():
+        try:
+            roots = self.output_roots()
+        except FramewireError:
+            if self.local:
+                return absolute  # no worker to ask: the local route writes where the engine would
+            raise
+        for root in roots:
             if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
                 return absolute
         raise Declined("the path is outside the worker's output roots")

@@ -48,6 +48,7 @@ class Parts:
         encoder = Encoder.from_settings(settings)
         encoder.encoders.warm()
         metrics = Metrics()
+        encoder.encoders.on_refusal = metrics.encoder_unavailable.labels("encode").inc
         cuda = CudaRuntime.start()
         regions = RegionRegistry(
             settings.shm_prefixes,

@@ -141,6 +141,7 @@ class ReferenceDecoder:
     def _check_decoder(self, asked: str) -> None:
         held = ffmpeg_identity(self.ffmpeg)  # hashed once per binary
         if asked != held:
+            self.metrics.encoder_unavailable.labels("decode").inc()
             raise Conflict(
                 f"this worker decodes with {held}, not {asked!r} (FRAMEWIRE_DECODE_FFMPEG)",
                 code="encoder_unavailable",

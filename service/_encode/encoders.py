@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import re
 import subprocess
+from collections.abc import Callable
 
 from framewire.core.errors import Conflict
 from framewire.core.media.identity import PYAV, ffmpeg_identity, pyav_identity
@@ -90,6 +91,7 @@ class Encoders:
         paths = [resolve_ffmpeg(default)] + [resolve_ffmpeg(p) for p in extra or []]
         self.paths = list(dict.fromkeys(paths))  # the default first, each path once
         self.default = self.paths[0]
+        self.on_refusal: Callable[[], None] = lambda: None  # the worker counts them
 
     def warm(self) -> None:
         """Ask each binary for its libx264 build now (about 20 ms each), at the worker's
@@ -124,8 +126,8 @@ class Encoders:
         build = pyav_build()
         return None if build is None else pyav_identity(build["version"])
 
-    @staticmethod
-    def _refuse(asked: str, held: list[str]) -> None:
+    def _refuse(self, asked: str, held: list[str]) -> None:
+        self.on_refusal()
         kind = "PyAV" if asked.startswith(PYAV) else "ffmpeg"
         holds = ", ".join(held) or "none"
         raise Conflict(

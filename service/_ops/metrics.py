@@ -77,6 +77,14 @@ class Metrics:
             registry=r,
         )
         self.decodes = Counter("framewire_decodes", "ffmpeg reference decodes run", registry=r)
+        # Requests naming an encoder (or decoder) this worker does not hold: their engine
+        # saved with its own code instead (docs/engines.md).
+        self.encoder_unavailable = Counter(
+            "framewire_encoder_unavailable",
+            "Requests refused for an encoder identity this worker does not hold",
+            ["kind"],
+            registry=r,
+        )
         self.decode_failures = Counter(
             "framewire_decode_failures", "Reference decodes that failed", registry=r
         )

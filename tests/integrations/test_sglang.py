@@ -95,6 +95,9 @@ def test_a_worker_without_sglangs_encoder_leaves_it_to_sglang(site, own, workers
     assert on["counts"] == {"sglang:engine:the worker answered encoder_unavailable": 3,
                             "sglang:engine:audio from a WAV file": 1}  # fmt: skip
     assert on["log"].count("encoder_unavailable") == 1  # said once
+    with worker.http() as http:  # and counted by the worker
+        text = http.get("/metrics").text
+    assert 'framewire_encoder_unavailable_total{kind="encode"} 3.0' in text
 
 
 def test_no_worker_leaves_it_to_sglang(site, own, tmp_path):
@@ -179,3 +182,17 @@ def test_a_worker_decoding_with_another_ffmpeg_leaves_it_to_sglang(site, referen
     assert [r["sha256"] for r in on] == [own[0]["sha256"]] * 2  # SGLang's own, on both ranks
     assert [r["counts"] for r in on] == [
         {"sglang:engine:the worker answered encoder_unavailable": 1}] * 2  # fmt: skip
+    with worker.http() as http:
+        text = http.get("/metrics").text
+    assert 'framewire_encoder_unavailable_total{kind="decode"} 2.0' in text
+
+
+def test_no_worker_and_the_local_route_give_sglangs_bytes(site, own, tmp_path):
+    """FRAMEWIRE_LOCAL_FALLBACK=1: with no worker, framewire encodes in SGLang's process,
+    with SGLang's own ffmpeg (the local encoder runs the binary of SGLang's pins)."""
+    cases = ["float32", "bf16-audio", "two-outputs"]
+    nobody = f"http://127.0.0.1:{free_port()}"
+    on = run(site, tmp_path / "on", cases, FRAMEWIRE_INTEGRATIONS="sglang", FRAMEWIRE_URL=nobody,
+             FRAMEWIRE_LOCAL_FALLBACK="1")  # fmt: skip
+    assert on["results"] == {n: own["results"][n] for n in cases}
+    assert on["counts"] == {"sglang:routed": 3}

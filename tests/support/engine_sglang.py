@@ -197,9 +197,15 @@ def h3_rank(rank: int, world: int, port: int, video: str, report_path: str) -> N
     except Exception as exc:
         result = {"error": f"{type(exc).__name__}: {exc}"}
     finally:
+        dist.barrier()  # no rank leaves while another is still in a collective
         dist.destroy_process_group()
     result["counts"] = integrations.counts()
     Path(report_path).write_text(json.dumps(result))
+    # Past the report, nothing of the rank's is left to check: leave without the
+    # interpreter's teardown, where torch's gloo threads now and then abort the process
+    # ("terminate called without an active exception") after the work is done.
+    logging.shutdown()
+    os._exit(0)
 
 
 def main() -> None:
