@@ -130,6 +130,8 @@ def _container_env(tmp_path: Path) -> dict[str, str]:
     under ``tmp_path`` (one directory per volume)."""
     df, worker = dockerfile(), compose()["services"]["worker"]
     env = {k: v for k, v in df.env.items() if k.startswith("FRAMEWIRE_")}
+    # The engines' ffmpeg binaries are the image's own files: not on this host.
+    env.pop("FRAMEWIRE_ENCODERS")
     # A variable without a value comes from the shell when set there: unset here.
     env |= {k: str(v) for k, v in worker["environment"].items() if v is not None}
     env = moved(env, {target: tmp_path / volume for target, (volume, _) in _mounts(worker).items()})

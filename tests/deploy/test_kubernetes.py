@@ -276,6 +276,7 @@ def test_the_daemonset_command_serves_outside_a_container(tmp_path):
     token = secrets.token_hex(16)
     env = environment(c, image, {TOKEN: token})
     env = moved(env, {m["mountPath"]: tmp_path / m["name"] for m in c["volumeMounts"]})
+    env.pop("FRAMEWIRE_ENCODERS")  # the engines' ffmpeg binaries are the image's own files
     # The pod has a network namespace of its own; here the machine's loopback stands in
     # for it, on a port that is free.
     env |= {"FRAMEWIRE_HOST": "127.0.0.1", "FRAMEWIRE_PORT": str(free_port())}
