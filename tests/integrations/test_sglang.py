@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.support import REPO
-from tests.support.engine_site import engine_env, engine_ffmpeg, engine_site
+from tests.support.engine_site import engine_env, engine_ffmpeg, engine_site, run_engine
 from tests.support.media import FFMPEG
 from tests.support.worker import Worker, free_port, metric
 
@@ -37,14 +37,7 @@ def site() -> Path:
 
 def run(site: Path, out: Path, names: list[str], **env: str) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.support.engine_sglang", str(out), *names],
-        env=engine_env(site, **env), cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout.splitlines()[-1])
-    report["log"] = done.stderr
-    return report
+    return run_engine(site, "engine_sglang", str(out), *names, **env)
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,12 @@ returns the same MP4 bytes through the worker as with its own encoder
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support import REPO
-from tests.support.engine_site import engine_env, engine_site
+from tests.support.engine_site import engine_site, run_engine
 from tests.support.worker import free_port
 
 pytestmark = pytest.mark.registry
@@ -34,15 +30,7 @@ def site() -> Path:
 def run(site: Path, names: list[str], **env: str) -> dict[str, Any]:
     # VLLM_PLUGINS names framewire: vLLM-omni's own vllm.general_plugins entry point
     # registers its models with vLLM, which is not installed here.
-    env = {"VLLM_PLUGINS": "framewire", **env}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.support.engine_vllm_omni", *names],
-        env=engine_env(site, **env), cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout.splitlines()[-1])
-    report["log"] = done.stderr
-    return report
+    return run_engine(site, "engine_vllm_omni", *names, **{"VLLM_PLUGINS": "framewire", **env})
 
 
 @pytest.fixture(scope="module")

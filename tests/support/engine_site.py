@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests.support import REPO
 
@@ -65,3 +67,16 @@ def engine_env(site: Path, **extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO)])
     env.update(extra)
     return env
+
+
+def run_engine(site: Path, driver: str, *args: str, **env: str) -> dict[str, Any]:
+    """``python -m tests.support.<driver> ARGS`` in the engine's environment: the JSON
+    report its last line prints, with its stderr (the engine's log) as ``log``."""
+    done = subprocess.run(
+        [sys.executable, "-m", f"tests.support.{driver}", *args],
+        env=engine_env(site, **env), cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    report["log"] = done.stderr
+    return report
