@@ -90,6 +90,22 @@ def _samples(audio: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(samples)
 
 
+def _save_options(
+    fps: float, codec_options: dict[str, str] | None, samples: Any, rate: int | None
+) -> dict[str, Any]:
+    """What vLLM-omni's PyAV encode would do, as framewire's save options."""
+    options = codec_options or {}
+    return {
+        "fps": fps,
+        "profile": "vllm-omni",
+        "preset": options.get("preset", X264_DEFAULT),
+        "threads": int(options["threads"]) if "threads" in options else None,
+        "audio": None if samples is None else _samples(samples),
+        "audio_sample_rate": rate,
+        "encoder": pyav_identity(importlib.import_module("av").__version__),
+    }
+
+
 class ChunkedMP4Encoder:
     """vLLM-omni's ``ChunkedMP4Encoder`` (same constructor, ``push``, ``finish``,
     ``abort``): a worker's stream session when framewire gives its bytes, else an
@@ -109,18 +125,10 @@ class ChunkedMP4Encoder:
 
     def __init__(self, **kw: Any) -> None:
         self._kw = kw
-        options = kw.get("video_codec_options") or {}
         audio = kw.get("audio_waveform")
-        self._save = {
-            "fps": kw["fps"],
-            "profile": "vllm-omni",
-            "preset": options.get("preset", X264_DEFAULT),
-            "threads": int(options["threads"]) if "threads" in options else None,
-            "audio": None if audio is None else _samples(audio),
-            "audio_sample_rate": None if audio is None else kw.get("audio_sample_rate") or 44100,
-            "encoder": pyav_identity(importlib.import_module("av").__version__),
-            "layout": "THWC",
-        }
+        rate = None if audio is None else kw.get("audio_sample_rate") or 44100
+        self._save = _save_options(kw["fps"], kw.get("video_codec_options"), audio, rate)
+        self._save["layout"] = "THWC"
         self._writer: VideoWriter | None = None
         self._engine: Any = None  # vLLM-omni's own, when the worker did not take the first chunk
         self.width, self.height = int(kw["width"]), int(kw["height"])
@@ -222,14 +230,10 @@ def encode_bytes(original: Callable[..., bytes]) -> Callable[..., bytes]:
                             video_codec_options)  # fmt: skip
             if why is not None:
                 raise Declined(why)
-            options = video_codec_options or {}
             result = write_frames(
-                "memory://video.mp4", frames, fps=float(fps), profile="vllm-omni",
+                "memory://video.mp4", frames,
                 value_range=None if dtype == np.uint8 else (0.0, 1.0),
-                preset=options.get("preset", X264_DEFAULT),
-                threads=int(options["threads"]) if "threads" in options else None,
-                audio=None if samples is None else _samples(samples), audio_sample_rate=rate,
-                encoder=pyav_identity(importlib.import_module("av").__version__),
+                **_save_options(float(fps), video_codec_options, samples, rate),
             )  # fmt: skip
             assert result.data is not None
             return result.data

@@ -21,6 +21,8 @@ import types
 from pathlib import Path
 from typing import Any
 
+from tests.support.engine_site import enter_shells
+
 UTILS = "sglang.multimodal_gen.runtime.entrypoints.utils"
 PLUGINS = "sglang.multimodal_gen.runtime.platforms.plugins"
 H3_REFERENCE = ("sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages"
@@ -80,14 +82,7 @@ class DataType(enum.Enum):  # sampling_params' (the values save_outputs compares
 
 
 def enter_sglang() -> None:
-    [site] = [p for p in sys.path if (Path(p) / "sglang").is_dir()][:1]
-    for name in SHELLS:
-        mod = types.ModuleType(name)
-        mod.__path__ = [os.path.join(site, *name.split("."))]
-        sys.modules[name] = mod
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(sys.modules[parent], child, mod)
+    enter_shells("sglang", SHELLS)
 
     def stub(name: str, **attrs: Any) -> None:
         mod = types.ModuleType(name)

@@ -80,3 +80,19 @@ def run_engine(site: Path, driver: str, *args: str, **env: str) -> dict[str, Any
     report: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
     report["log"] = done.stderr
     return report
+
+
+def enter_shells(package: str, names: tuple[str, ...]) -> None:
+    """Enter ``names`` (``package``'s subpackages) as path-only shells: their modules
+    import from the site on ``sys.path`` that holds ``package``, their ``__init__`` never
+    runs (it would import the engine's whole runtime)."""
+    import types
+
+    [site] = [p for p in sys.path if (Path(p) / package).is_dir()][:1]
+    for name in names:
+        mod = types.ModuleType(name)
+        mod.__path__ = [os.path.join(site, *name.split("."))]
+        sys.modules[name] = mod
+        parent, _, child = name.rpartition(".")
+        if parent in sys.modules:
+            setattr(sys.modules[parent], child, mod)

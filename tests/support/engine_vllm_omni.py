@@ -18,8 +18,9 @@ import os
 import sys
 import types
 from importlib.metadata import entry_points
-from pathlib import Path
 from typing import Any
+
+from tests.support.engine_site import enter_shells
 
 SHELLS = ("vllm_omni", "vllm_omni.diffusion", "vllm_omni.diffusion.models",
           "vllm_omni.diffusion.utils", "vllm_omni.entrypoints", "vllm_omni.entrypoints.openai",
@@ -92,11 +93,7 @@ def _logger(name: str) -> logging.Logger:
 
 
 def enter_vllm_omni() -> None:
-    [site] = [p for p in sys.path if (Path(p) / "vllm_omni").is_dir()][:1]
-    for name in SHELLS:
-        mod = types.ModuleType(name)
-        mod.__path__ = [os.path.join(site, *name.split("."))]
-        sys.modules[name] = mod
+    enter_shells("vllm_omni", SHELLS)
     vllm = types.ModuleType("vllm")
     vllm.__path__ = []
     sys.modules["vllm"] = vllm
