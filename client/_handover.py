@@ -2,16 +2,20 @@
 POSIX shm segments (docs/api.md, "How frames travel").
 
 The fd handover needs a connection to the worker's fd socket, the same worker that
-answers HTTP. A socket named by the caller (``fd_socket=``, FRAMEWIRE_FD_SOCKET)
-is taken to be that worker's, and tried again on every call until it answers.
-Otherwise the path ``/v1/info`` gives is tried, and used only if the worker
-behind it is the one that answered ``/v1/info`` (its ``instance``); a long-lived
-client looks again when the worker that answers HTTP is replaced (a restart), and
-now and then after a refusal.
+answers HTTP: frames registered with one worker and an encode sent to another fail.
+So every socket is checked against the worker that answered ``/v1/info`` (its
+``instance``) before it is used. A socket named by the caller (``fd_socket=``,
+FRAMEWIRE_FD_SOCKET: the worker's socket as this process sees it, through a mount)
+is tried first, then the path ``/v1/info`` gives; a named socket behind which
+another worker answers is passed over, and the log says so (one where nobody
+answers yet leaves the frames to named segments until it does). A long-lived client
+looks again when the worker that answers HTTP is replaced (a restart), and now
+and then after a refusal.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -22,12 +26,15 @@ from framewire.core.fdsocket import default_fd_socket
 
 RETRY_S = 10.0  # a socket that was not to be had is tried again after this long
 
+log = logging.getLogger("framewire.client")
+
 
 class Handover:
     def __init__(self, fd_socket: str | os.PathLike[str] | None, timeout: float | None):
         self.fd_socket = fd_socket
         self.timeout = timeout
         self.named = fd_socket is not None or "FRAMEWIRE_FD_SOCKET" in os.environ
+        self._warned: set[str] = set()  # named sockets found to be another worker's
         self.regions: FdRegions | None = None  # host frames go as descriptors through it
         # Not to be had from the worker that answered HTTP (its instance), as of when: a
         # long-lived client tries again once that worker is replaced, or after RETRY_S.
@@ -50,8 +57,7 @@ class Handover:
             except Unavailable:
                 self.close()  # nobody there now: the call goes by shm, or falls back
             else:
-                moved = instance is not None and self.regions.instance != instance
-                if moved and not self.named:
+                if instance is not None and self.regions.instance != instance:
                     self.close()
         if self._refused is not None:
             was, when = self._refused
@@ -60,31 +66,37 @@ class Handover:
                 self._refused = None
         return self._refused is not None or self.name == "fd"
 
-    def wants_info(self) -> bool:
-        """Whether :meth:`connect` needs ``/v1/info`` (the socket was not named)."""
-        return not self.named
-
     def connect(self, info: dict[str, Any] | None) -> None:
-        """Try the fd handover (``info``: ``/v1/info``, when :meth:`wants_info`)."""
-        path = self.fd_socket or default_fd_socket()
+        """Try the fd handover with the worker whose ``/v1/info`` is ``info`` (None: the
+        named socket is taken on trust)."""
         instance = None if info is None else info.get("instance")
-        if info is not None:
-            path = info.get("sockets", {}).get("fd_socket") or path
+        named = str(self.fd_socket or default_fd_socket()) if self.named else None
+        told = None if info is None else info.get("sockets", {}).get("fd_socket")
+        for path in dict.fromkeys(p for p in (named, told or default_fd_socket()) if p):
+            fresh = self._open(path)
+            if fresh is None:
+                break  # nobody there (yet), or refused: named segments for now
+            if info is not None and fresh.instance != instance:
+                fresh.close()  # another worker answers there: not the HTTP one
+                if path == named and path not in self._warned:
+                    self._warned.add(path)
+                    log.warning(
+                        "fd socket %s is another worker's (instance %s, not %s): passed over",
+                        path,
+                        fresh.instance,
+                        instance,
+                    )
+                continue
+            self.close()
+            self.regions = fresh
+            return
+        self._refused = (instance, time.monotonic())
+
+    def _open(self, path: str | os.PathLike[str]) -> FdRegions | None:
         try:
-            fresh = FdRegions(path, self.timeout)
-        except Unavailable:  # no worker there (yet): a named socket is tried again
-            if info is not None:
-                self._refused = (instance, time.monotonic())
-            return
-        except FramewireError:  # refused (not an allowed user)
-            self._refused = (instance, time.monotonic())
-            return
-        if info is not None and fresh.instance != instance:
-            fresh.close()  # another worker answers there: not the HTTP one
-            self._refused = (instance, time.monotonic())
-            return
-        self.close()
-        self.regions = fresh
+            return FdRegions(path, self.timeout)
+        except FramewireError:  # Unavailable, or refused (not an allowed user)
+            return None
 
     def close(self) -> None:
         if self.regions is not None:

@@ -71,7 +71,7 @@ class Client(BaseClient, Closing):
 
     def _update_handover(self) -> None:
         if not self._handover.settled(self.instance):
-            self._handover.connect(self.info() if self._handover.wants_info() else None)
+            self._handover.connect(self.info())
 
     def _writer_regions(self) -> FdRegions | None:
         self._update_handover()
@@ -257,8 +257,7 @@ class AsyncClient(BaseClient):
 
     async def _update_handover(self) -> None:
         if not await asyncio.to_thread(self._handover.settled, self.instance):
-            info = await self.info() if self._handover.wants_info() else None
-            await asyncio.to_thread(self._handover.connect, info)
+            await asyncio.to_thread(self._handover.connect, await self.info())
 
     async def _writer_regions(self) -> FdRegions | None:
         await self._update_handover()

@@ -50,6 +50,7 @@ class DemoOptions:
     ranks: int = 4
     fps: float = 24.0
     chunk: int = 8  # frames per streamed chunk
+    wait: float | None = None  # seconds to wait for the worker at url; None: start one
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,20 @@ def _worker_info(url: str, token: str | None) -> dict[str, Any] | None:
             return client.info()
     except Unavailable:
         return None
+
+
+def wait_for_worker(url: str, token: str | None, seconds: float) -> dict[str, Any]:
+    """The /v1/info of the worker at ``url`` once it answers, within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while (info := _worker_info(url, token)) is None:
+        if time.monotonic() > deadline:
+            raise FramewireError(
+                f"no framewire worker answered at {url} within {seconds:g} s "
+                "(is it running, and is its socket volume mounted here?)",
+                code="demo_failed",
+            )
+        time.sleep(0.5)
+    return info
 
 
 def _decodes_run(url: str, token: str | None) -> float | None:
@@ -263,6 +278,9 @@ def run_demo(opts: DemoOptions) -> int:
     with contextlib.ExitStack() as stack:
         started = time.perf_counter()
         url, info = opts.url, _worker_info(opts.url, opts.token)
+        if info is None and opts.wait is not None:
+            info = wait_for_worker(url, opts.token, opts.wait)
+            table.add("worker", f"answered at {url} after waiting", _ms(started))
         started_one = info is None
         if info is None:
             url, pid = stack.enter_context(own_worker(opts.token))

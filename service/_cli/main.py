@@ -81,6 +81,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         height=height,
         ranks=args.ranks,
         chunk=args.chunk,
+        wait=args.wait,
     )
     return run_demo(options)
 
@@ -190,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--size", type=_size, default=(256, 256), metavar="WxH")
     demo.add_argument("--ranks", type=int, default=4, help="processes asking for the reference")
     demo.add_argument("--chunk", type=int, default=8, help="frames per chunk of the streamed save")
+    demo.add_argument(
+        "--wait",
+        type=float,
+        default=None,
+        metavar="S",
+        help="wait up to S seconds for the worker at --url, and fail if none answers "
+        "(no worker of the demo's own): for a demo started beside its worker",
+    )
     demo.set_defaults(func=cmd_demo)
     return parser
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from framewire.client import AsyncClient, Client
+from framewire.client import AsyncClient, Client, Unavailable
 from framewire.client._handover import Handover
 from framewire.client._sharing import fd as fd_module
 
@@ -97,13 +97,37 @@ def test_another_workers_socket_is_not_used(workers, tmp_path):
     fresh.close()
 
 
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_a_named_socket_of_another_worker_is_passed_over(
+    workers, tmp_path, monkeypatch, caplog, how
+):
+    """FRAMEWIRE_FD_SOCKET (or fd_socket=) naming worker B's socket while HTTP goes to A (a
+    container that inherited another worker's variable): frames registered with B and the
+    encode sent to A would fail; the client takes A's own socket instead, and says so."""
+    a, b = workers.start(), workers.start()
+    if how == "environment":
+        monkeypatch.setenv("FRAMEWIRE_FD_SOCKET", str(b.fd_socket))
+    clip = make_clip(frames=3, height=16, width=16)
+    named = {"fd_socket": b.fd_socket} if how == "argument" else {}
+    with caplog.at_level("WARNING", "framewire.client"), Client(a.uds_url, **named) as c:
+        result = c.save_video(clip, "mine.mp4", fps=24)
+        assert c.host_route == "fd" and c._handover.regions.path == a.fd_socket
+        c.save_video(clip, "again.mp4", fps=24)
+    assert result.sha256 == reference_mp4(clip, tmp_path / "ref.mp4")
+    assert sha256(a.outputs / "mine.mp4") == result.sha256
+    passed_over = [r for r in caplog.records if str(b.fd_socket) in r.getMessage()]
+    assert len(passed_over) == 1 and "another worker's" in passed_over[0].getMessage()
+    assert regions(a) == [] and regions(b) == []
+
+
 def test_a_named_socket_is_tried_until_a_worker_answers_there(workers, tmp_path):
     root = tmp_path / "later"
     clip = make_clip(frames=3, height=16, width=16)
     with Client(f"unix://{root}/api.sock", fd_socket=root / "fd.sock") as c:
         assert not c._handover.settled()
-        c._update_handover()  # nobody there yet: named segments, and try again later
-        assert c.host_route == "shm" and not c._handover.settled()
+        with pytest.raises(Unavailable):  # nobody there yet: the call says so
+            c._update_handover()
+        assert c.host_route == "shm" and not c._handover.settled()  # and tries again
         w = workers.start(root=root)
         result = c.save_video(clip, "late.mp4", fps=24)
         assert c.host_route == "fd"

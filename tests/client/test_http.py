@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 
+import httpx
 import numpy as np
 import pytest
 from framewire.client import AsyncClient, Client
@@ -50,11 +51,16 @@ def test_the_twins_build_the_same_requests(monkeypatch):
         pass
 
     def capture(self, method, path, json=None):  # either twin's transport
+        if path == "/v1/info":  # asked first: the fd socket is checked against the worker
+            return httpx.Response(200, json={"instance": "w"}, request=httpx.Request(method, path))
         sent.append((method, path, json))
         raise Answered
 
+    async def capture_async(self, method, path, json=None):
+        return capture(self, method, path, json)
+
     monkeypatch.setattr("httpx.Client.request", capture)
-    monkeypatch.setattr("httpx.AsyncClient.request", capture)
+    monkeypatch.setattr("httpx.AsyncClient.request", capture_async)
     frames = np.zeros((2, 16, 16, 3), np.uint8)
     with Client("unix:///nowhere.sock", fd_socket=NO_FD) as c, pytest.raises(Answered):
         c.save_video(frames, "a.mp4", fps=24, quality=7, threads=2)

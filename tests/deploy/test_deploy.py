@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,9 @@ def test_compose_demo_shares_only_the_socket_volume_and_waits_for_it():
     argv = demo["entrypoint"] + demo["command"]
     assert argv[:2] == ["framewire", "demo"]
     assert argv[argv.index("--url") + 1] == f"unix://{worker['environment']['FRAMEWIRE_UDS']}"
+    # It waits for that worker itself, bounded (podman-compose ignores the condition above),
+    # and never starts one of its own beside it.
+    assert float(argv[argv.index("--wait") + 1]) > 0
     # The demo writes the reference where the worker reads it: the same volume, writable.
     inputs = worker["environment"]["FRAMEWIRE_INPUT_ROOTS"]
     assert _mounts(demo)[inputs] == ("inputs", "rw")
@@ -115,8 +119,12 @@ def test_dockerfile_essentials():
     assert "FRAMEWIRE_HOST" not in df.env  # loopback, the default
     assert {"FRAMEWIRE_UDS", "FRAMEWIRE_FD_SOCKET"} <= set(df.env)
     text = DOCKERFILE.read_text()
-    # The dependency layer comes before any source is copied in.
-    assert text.index("pip install -r") < text.index("COPY client")
+    # The dependency layer, from the lock with hashes, comes before any source is copied in.
+    assert text.index("pip install --require-hashes -r") < text.index("COPY client")
+    # Every package directory of the wheel is copied into the wheel stage.
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    copied = {source.rstrip("/") for copy in df.copies for source in copy[:-1]}
+    assert set(setuptools["package-dir"].values()) <= copied
     # What the image copies is what .dockerignore lets into the build context.
     ignore = (REPO / ".dockerignore").read_text().split()
     assert "*" in ignore

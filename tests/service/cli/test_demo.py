@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 DEMO = [sys.executable, "-m", "framewire.service", "demo"]
 
@@ -42,3 +44,66 @@ def test_demo_starts_its_own_worker_when_none_answers(tmp_path):
     assert "watch it while it is encoded: http://127.0.0.1:" in run.stdout
     assert "http://127.0.0.1:0/" not in run.stdout
     assert run.stdout.count("via worker") == 2, run.stdout
+
+
+def test_demo_with_another_workers_fd_socket_in_its_environment(workers, tmp_path):
+    """A demo container inherits FRAMEWIRE_FD_SOCKET, the socket of a worker that is not up
+    at its URL yet: it starts its own, and never registers frames with the other."""
+    other = workers.start()
+    env = os.environ | {"FRAMEWIRE_FD_SOCKET": str(other.fd_socket)}
+    run = subprocess.run(
+        [*DEMO, "--url", f"unix://{tmp_path}/nobody.sock", "--frames", "12", "--ranks", "2"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "started one" in run.stdout
+    assert "another worker's" in run.stderr  # the inherited socket, passed over and said so
+    assert list(other.outputs.iterdir()) == []
+    with other.http() as h:
+        assert h.get("/v2/systemsharedmemory/status").json() == []
+
+
+def test_demo_waits_for_its_worker_without_starting_one(workers, tmp_path):
+    root = tmp_path / "late"
+    demo = subprocess.Popen(
+        [
+            *DEMO,
+            "--url",
+            f"unix://{root}/api.sock",
+            "--wait",
+            "60",
+            "--frames",
+            "12",
+            "--ranks",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2)  # the demo is waiting: no worker of its own
+    assert demo.poll() is None
+    w = workers.start(root=root)
+    out, err = demo.communicate(timeout=180)
+    assert demo.returncode == 0, out + err
+    assert "answered at" in out and "started one" not in out
+    assert len(list((w.outputs / "framewire-demo").iterdir())) == 3
+
+
+def test_demo_that_waits_in_vain_says_so(tmp_path):
+    t0 = time.monotonic()
+    run = subprocess.run(
+        [*DEMO, "--url", f"unix://{tmp_path}/nobody.sock", "--wait", "1.5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1
+    assert f"no framewire worker answered at unix://{tmp_path}/nobody.sock within 1.5 s" in (
+        run.stderr
+    )
+    assert 1.5 <= time.monotonic() - t0 < 30
+    assert list(tmp_path.iterdir()) == []  # no worker of its own: nothing made
