@@ -15,6 +15,10 @@ from tests.support.processes import child_pids, framewire_temps
 from tests.support.segments import Segments
 from tests.support.worker import Worker, Workers
 
+# tests/image/ builds the container image and runs it under podman (minutes): scripts/test-image
+# runs it, beside scripts/test in .ci/run; a selection of scripts/test never does.
+collect_ignore = [] if os.environ.get("FRAMEWIRE_IMAGE_TESTS") == "1" else ["image"]
+
 
 @pytest.fixture(scope="session")
 def wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
