@@ -207,8 +207,10 @@ def test_sockets_outputs_and_inputs_are_the_nodes_and_the_example_rank_shares_th
                                     ("FRAMEWIRE_INPUT_ROOTS", True)):  # fmt: skip
         assert theirs[env[root]]["readOnly"] is worker_reads_only
         assert theirs[env[root]]["hostPath"]["path"] == mine[env[root]]["hostPath"]["path"]
-    # The rank talks to this worker as the demo does, with the worker's token.
-    assert argv(rank, image) == ["framewire", "demo", "--url", f"unix://{env['FRAMEWIRE_UDS']}"]
+    # The rank talks to this worker as the demo does, with the worker's token, waiting for it
+    # (bounded) rather than starting one of its own when it comes up first.
+    url = f"unix://{env['FRAMEWIRE_UDS']}"
+    assert argv(rank, image) == ["framewire", "demo", "--url", url, "--wait", "120"]
     [token] = [e for e in rank["env"] if e["name"] == "FRAMEWIRE_TOKEN"]
     ref = token["valueFrom"]["secretKeyRef"]
     assert (ref["name"], ref["key"]) == TOKEN

@@ -263,8 +263,11 @@ def _kube(doc: dict[str, Any], host: Path) -> dict[str, Any]:
     return doc
 
 
-def _get(podman: Podman, container: str, path: str, token: str | None = None) -> int:
-    """The status of GET ``path`` on the worker's port, asked on the pod's own loopback."""
+def _get(
+    podman: Podman, container: str, path: str, token: str | None = None, check: bool = True
+) -> int | None:
+    """The status of GET ``path`` on the worker's port, asked on the pod's own loopback
+    (None, unless ``check``, when nothing answers there yet)."""
     header = f", headers={{'authorization': 'Bearer {token}'}}" if token else ""
     script = (
         "import urllib.request as u, urllib.error as e\n"
@@ -272,7 +275,8 @@ def _get(podman: Podman, container: str, path: str, token: str | None = None) ->
         "try: print(u.urlopen(req, timeout=10).status)\n"
         "except e.HTTPError as x: print(x.code)\n"
     )
-    return int(podman("exec", container, "python", "-c", script).stdout)
+    run = podman("exec", container, "python", "-c", script, check=check)
+    return int(run.stdout) if run.returncode == 0 else None
 
 
 def test_the_daemonset_pod_and_the_example_rank(podman, image, tmp_path):
@@ -297,13 +301,7 @@ def test_the_daemonset_pod_and_the_example_rank(podman, image, tmp_path):
         worker = "framewire-worker"
         podman.wait_until(
             "the pod's worker answering /healthz",
-            lambda: (
-                podman.inspect(worker, ".State.Status") == "running"
-                and podman(
-                    "exec", worker, "test", "-S", "/run/framewire/api.sock", check=False
-                ).returncode
-                == 0
-            ),
+            lambda: _get(podman, worker, "/healthz", check=False) == 200,
             timeout=120,
         )
         assert _get(podman, worker, "/healthz") == 200

@@ -5,12 +5,13 @@ the installed one). Whatever is missing is installed from the package registries
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from tests.support.apt import apt_install
 
 CHROMIUM = "/usr/bin/chromium"
 INSTALL_TIMEOUT_S = 900
@@ -18,16 +19,7 @@ INSTALL_TIMEOUT_S = 900
 
 def _install_chromium() -> str | None:
     """Install Debian's chromium if it is not there; why not, when that fails."""
-    if os.path.exists(CHROMIUM):
-        return None
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        return "no chromium, and no apt-get run as root to install it"
-    env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "chromium"]):
-        done = subprocess.run(cmd, env=env, capture_output=True, timeout=INSTALL_TIMEOUT_S)
-        if done.returncode != 0:
-            return f"{' '.join(cmd)} failed: {done.stderr.decode(errors='replace')[-300:]}"
-    return None if os.path.exists(CHROMIUM) else "apt-get installed no /usr/bin/chromium"
+    return apt_install(["chromium"], lambda: os.path.exists(CHROMIUM))
 
 
 def _install_playwright() -> str | None:

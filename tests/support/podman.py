@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
+from tests.support.apt import apt_install
+
 # Debian's packages: podman, its runtime and init, and mmdebstrap for the base image.
 PACKAGES = ("podman", "runc", "catatonit", "mmdebstrap", "uidmap")
 NPROC_CAP = 32768  # podman's conmon runs with this nproc here: higher is refused
@@ -28,16 +30,11 @@ NPROC_CAP = 32768  # podman's conmon runs with this nproc here: higher is refuse
 
 def install() -> None:
     """Debian's podman and mmdebstrap, when this machine lacks them."""
-    if all(shutil.which(b) for b in ("podman", "runc", "mmdebstrap")):
-        return
-    env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
-    subprocess.run(["apt-get", "update", "-q"], check=True, env=env, capture_output=True)
-    subprocess.run(
-        ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
-        check=True,
-        env=env,
-        capture_output=True,
+    missing = apt_install(
+        PACKAGES, lambda: all(shutil.which(b) for b in ("podman", "runc", "mmdebstrap"))
     )
+    if missing is not None:
+        raise RuntimeError(missing)
 
 
 class Podman:
