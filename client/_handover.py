@@ -66,17 +66,16 @@ class Handover:
                 self._refused = None
         return self._refused is not None or self.name == "fd"
 
-    def connect(self, info: dict[str, Any] | None) -> None:
-        """Try the fd handover with the worker whose ``/v1/info`` is ``info`` (None: the
-        named socket is taken on trust)."""
-        instance = None if info is None else info.get("instance")
+    def connect(self, info: dict[str, Any]) -> None:
+        """Try the fd handover with the worker whose ``/v1/info`` is ``info``."""
+        instance = info.get("instance")
         named = str(self.fd_socket or default_fd_socket()) if self.named else None
-        told = None if info is None else info.get("sockets", {}).get("fd_socket")
-        for path in dict.fromkeys(p for p in (named, told or default_fd_socket()) if p):
+        told = info.get("sockets", {}).get("fd_socket") or default_fd_socket()
+        for path in dict.fromkeys(p for p in (named, told) if p):
             fresh = self._open(path)
             if fresh is None:
                 break  # nobody there (yet), or refused: named segments for now
-            if info is not None and fresh.instance != instance:
+            if fresh.instance != instance:
                 fresh.close()  # another worker answers there: not the HTTP one
                 if path == named and path not in self._warned:
                     self._warned.add(path)
