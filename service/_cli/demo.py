@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,17 +126,28 @@ def _worker_info(url: str, token: str | None) -> dict[str, Any] | None:
         return None
 
 
-def wait_for_worker(url: str, token: str | None, seconds: float) -> dict[str, Any]:
-    """The /v1/info of the worker at ``url`` once it answers, within ``seconds``."""
+def _await_info(
+    url: str, token: str | None, seconds: float, every: float, gone: Callable[[], bool]
+) -> dict[str, Any] | None:
+    """The /v1/info of the worker at ``url`` once it answers; None when it did not within
+    ``seconds``, or ``gone()`` says it never will."""
     deadline = time.monotonic() + seconds
     while (info := _worker_info(url, token)) is None:
-        if time.monotonic() > deadline:
-            raise FramewireError(
-                f"no framewire worker answered at {url} within {seconds:g} s "
-                "(is it running, and is its socket volume mounted here?)",
-                code="demo_failed",
-            )
-        time.sleep(0.5)
+        if gone() or time.monotonic() > deadline:
+            return None
+        time.sleep(every)
+    return info
+
+
+def wait_for_worker(url: str, token: str | None, seconds: float) -> dict[str, Any]:
+    """The /v1/info of the worker at ``url`` once it answers, within ``seconds``."""
+    info = _await_info(url, token, seconds, every=0.5, gone=lambda: False)
+    if info is None:
+        raise FramewireError(
+            f"no framewire worker answered at {url} within {seconds:g} s "
+            "(is it running, and is its socket volume mounted here?)",
+            code="demo_failed",
+        )
     return info
 
 
@@ -158,8 +169,9 @@ def _decodes_run(url: str, token: str | None) -> float | None:
 
 
 @contextlib.contextmanager
-def own_worker(token: str | None) -> Iterator[tuple[str, int]]:
-    """A worker for this demo alone: temporary roots and sockets, stopped and removed after."""
+def own_worker(token: str | None) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """A worker for this demo alone: temporary roots and sockets, stopped and removed after.
+    Yields its URL, pid and /v1/info."""
     with tempfile.TemporaryDirectory(prefix="framewire-demo-") as tmp:
         root = Path(tmp)
         for name in ("outputs", "inputs"):
@@ -175,12 +187,12 @@ def own_worker(token: str | None) -> Iterator[tuple[str, int]]:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
             url = f"unix://{uds}"
-            deadline = time.monotonic() + WORKER_START_S
-            while _worker_info(url, token) is None:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise Unavailable(f"the demo's worker did not start:\n{log.read_text()}")
-                time.sleep(0.1)
-            yield url, proc.pid
+            info = _await_info(
+                url, token, WORKER_START_S, every=0.1, gone=lambda: proc.poll() is not None
+            )
+            if info is None:
+                raise Unavailable(f"the demo's worker did not start:\n{log.read_text()}")
+            yield url, proc.pid, info
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -283,9 +295,7 @@ def run_demo(opts: DemoOptions) -> int:
             table.add("worker", f"answered at {url} after waiting", _ms(started))
         started_one = info is None
         if info is None:
-            url, pid = stack.enter_context(own_worker(opts.token))
-            info = _worker_info(url, opts.token)
-            assert info is not None
+            url, pid, info = stack.enter_context(own_worker(opts.token))
             what = f"none at {opts.url}: started one (pid {pid}) on temporary roots"
             table.add("worker", what, _ms(started))
         else:
