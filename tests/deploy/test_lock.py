@@ -4,30 +4,16 @@ the image installs: one set of versions for all three (docs/deployment.md)."""
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import re
 import subprocess
 import sys
 import tomllib
-from types import ModuleType
 
 import pytest
 from packaging.requirements import Requirement
 
 from tests.support import REPO
-
-LOCK = REPO / "requirements.lock"
-
-
-def lockfile() -> ModuleType:
-    """docker/lockfile.py, the module the image's build runs."""
-    spec = importlib.util.spec_from_file_location("lockfile", REPO / "docker" / "lockfile.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("lockfile", module)
-    spec.loader.exec_module(module)
-    return module
-
+from tests.support.image import LOCK, lockfile
 
 lf = lockfile()
 PINS = lf.pins(LOCK.read_text())

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import pytest
 import yaml
 
 from tests.support import REPO
+from tests.support.image import LOCK, lockfile
 from tests.support.podman import Podman, install, pip_build_mounts
 
 BASE = "localhost/framewire-test-base:bookworm"
@@ -73,7 +75,7 @@ def image(podman: Podman, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     podman("import", "--change", 'CMD ["/bin/bash"]', str(work / "base.tar"), BASE, timeout=300)
     timings["base image (mmdebstrap + import)"] = time.monotonic() - t0
     mounts = pip_build_mounts(work)
-    torch = f"torch=={_installed('torch').split('+')[0]}"
+    torch = f"torch=={version('torch').split('+')[0]}"
 
     def build(context: Path, tag: str) -> float:
         t = time.monotonic()
@@ -103,12 +105,6 @@ def image(podman: Podman, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     print("\n" + "\n".join(f"  {k}: {v:,.1f}" for k, v in timings.items()))
 
 
-def _installed(name: str) -> str:
-    from importlib.metadata import version
-
-    return version(name)
-
-
 def debian_sources() -> list[str]:
     """This machine's apt sources, for mmdebstrap (its mirror is the one this machine uses)."""
     deb822 = Path("/etc/apt/sources.list.d/debian.sources")
@@ -118,12 +114,8 @@ def debian_sources() -> list[str]:
 def test_the_image_runs_the_locked_versions_and_the_same_ffmpeg(podman, image):
     """What the image installed is the lock's image part, version for version, and so is the
     environment the tests run in: the same ffmpeg binary, to the byte."""
-    sys.path.insert(0, str(REPO / "docker"))
-    try:
-        import lockfile
-    finally:
-        sys.path.pop(0)
-    wanted = lockfile.needed_by(lockfile.pins((REPO / "requirements.lock").read_text()), "image.in")
+    lf = lockfile()
+    wanted = lf.needed_by(lf.pins(LOCK.read_text()), "image.in")
     script = (
         "import importlib.metadata as m, json, imageio_ffmpeg as f, hashlib;"
         "print(json.dumps({'dists': {d.metadata['Name']: d.version for d in m.distributions()},"
@@ -131,7 +123,7 @@ def test_the_image_runs_the_locked_versions_and_the_same_ffmpeg(podman, image):
     )
     run = podman("run", "--rm", "--entrypoint", "python", image, "-c", script)
     found = json.loads(run.stdout)
-    versions = {lockfile.canonical(k): v for k, v in found["dists"].items()}
+    versions = {lf.canonical(k): v for k, v in found["dists"].items()}
     assert {n: versions.get(n) for n in wanted} == {n: p.version for n, p in wanted.items()}
     assert not {"pytest", "mypy", "ruff", "moto", "uv"} & set(versions)  # no dev tools
     import imageio_ffmpeg

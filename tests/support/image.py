@@ -9,6 +9,7 @@ temporary directory.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -19,10 +20,22 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 from tests.support import REPO
 
 DOCKERFILE = REPO / "docker" / "Dockerfile"
+LOCK = REPO / "requirements.lock"
+
+
+def lockfile() -> ModuleType:
+    """docker/lockfile.py, the module the image's build runs (not a package: loaded by path)."""
+    spec = importlib.util.spec_from_file_location("lockfile", REPO / "docker" / "lockfile.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("lockfile", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 @dataclass

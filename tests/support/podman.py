@@ -17,7 +17,7 @@ import resource
 import shutil
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -92,9 +92,9 @@ class Podman:
         """The exit status of container ``name``, once it has exited."""
         return int(self("wait", name, timeout=timeout).stdout.strip().splitlines()[-1])
 
-    def wait_until(self, what: str, ready: object, timeout: float) -> None:
+    def wait_until(self, what: str, ready: Callable[[], bool], timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while not ready():  # type: ignore[operator]
+        while not ready():
             if time.monotonic() > deadline:
                 raise AssertionError(f"not within {timeout:g} s: {what}")
             time.sleep(0.5)
