@@ -39,7 +39,7 @@ def apt_install(packages: Sequence[str], present: Callable[[], bool]) -> str | N
         wait = ["-o", "DPkg::Lock::Timeout=300"]  # an apt run of someone else's
         for cmd in (
             ["apt-get", *wait, "update", "-q"],
-            ["apt-get", *wait, "install", "-y", "-q", "--no-install-recommends", *packages],
+            ["apt-get", *wait, "install", "-y", "-q", *packages],
         ):
             left = max(1.0, deadline - time.monotonic())
             done = subprocess.run(cmd, env=env, capture_output=True, timeout=left)

@@ -23,8 +23,10 @@ from urllib.parse import urlparse
 
 from tests.support.apt import apt_install
 
-# Debian's packages: podman, its runtime and init, and mmdebstrap for the base image.
-PACKAGES = ("podman", "runc", "catatonit", "mmdebstrap", "uidmap")
+# Debian's packages: podman, its runtime and init, the network stack compose's network
+# needs (named: with recommends off, apt may pick another), and mmdebstrap for the base.
+PACKAGES = ("podman", "runc", "catatonit", "netavark", "aardvark-dns", "iptables",
+            "mmdebstrap", "uidmap")  # fmt: skip
 NPROC_CAP = 32768  # podman's conmon runs with this nproc here: higher is refused
 
 
