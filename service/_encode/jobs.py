@@ -35,7 +35,11 @@ from framewire.service._encode.results import check_for, failed, written
 from framewire.service._ops.disconnect import watch_caller
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
+from framewire.service._sources.audio import MemoryAudio
 
+# Audio a small output may carry: its AAC encode costs about what a small encode's
+# frames do (minutes of audio take seconds).
+SMALL_AUDIO_S = 1.0
 STOP_WAIT_S = 10.0  # how long a shutdown waits for stopped requests to send their answers
 SHUTTING_DOWN = "the worker is shutting down; the encode was stopped"
 
@@ -180,9 +184,21 @@ class EncodeJobs:
         return status, result
 
     def _small(self, job: Prepared) -> bool:
-        """Whether the output is small enough for the small lane (its rgb24 frames' bytes)."""
+        """Whether the output's whole work is small enough for the small lane: its rgb24
+        frames' bytes, and nothing that costs more than they do. The lane runs beside
+        full slots, so what it takes there is bounded by what it admits."""
         g = job.source.geometry
-        return g.frames * g.height * g.width * 3 <= self.settings.small_encode_bytes
+        if g.frames * g.height * g.width * 3 > self.settings.small_encode_bytes:
+            return False
+        if job.params.profile == "vllm-omni":
+            return False  # a PyAV child of its own, started per output
+        audio = job.params.audio
+        if audio is None:
+            return True
+        # Audio is encoded whole, however few the frames; a file's length is unknown here.
+        if not isinstance(audio, MemoryAudio):
+            return False
+        return audio.source.samples <= SMALL_AUDIO_S * audio.source.sample_rate
 
     async def _encode_held(
         self, job: Prepared, validate: bool, cancel: threading.Event
