@@ -32,6 +32,7 @@ from framewire.service._access.peers import TRUSTED, Access
 from framewire.service._encode.prepare import Prepared
 from framewire.service._encode.resources import EncodeResources
 from framewire.service._encode.results import check_for, failed, written
+from framewire.service._encode.scheduler import Admission
 from framewire.service._ops.disconnect import watch_caller
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
@@ -119,10 +120,14 @@ class EncodeJobs:
                 if len({j.path for j in jobs}) != len(jobs):
                     raise BadRequest("two outputs resolve to the same file", code="duplicate_path")
                 small = sum(self._small(job) for job in jobs)
-                self.scheduler.admit(len(jobs) - small, small)
+                # Counted as waiting from here on, its directories' wait included.
+                admission = self.scheduler.admit(len(jobs) - small, small, access.share_key)
+                stack.callback(admission.close)
                 for job in jobs:
                     await self.prepare.place(job, stack)
-                _, outcomes = await self._encode_all(request, jobs, is_disconnected, cancel, me)
+                _, outcomes = await self._encode_all(
+                    request, jobs, is_disconnected, cancel, me, admission
+                )
         except BaseException:
             for job in jobs:
                 remove_made(job.made)
@@ -139,13 +144,15 @@ class EncodeJobs:
         is_disconnected: Callable[[], Awaitable[bool]],
         cancel: threading.Event,
         me: asyncio.Task[object] | None,
+        admission: Admission,
     ) -> tuple[bool, list[tuple[int, OutputResult]]]:
         """Run every output; returns (stopped by a shutdown, one outcome per output)."""
         tasks: list[asyncio.Task[tuple[int, OutputResult]]] = []
         watcher: asyncio.Task[None] | None = None
         try:
             tasks = [
-                asyncio.create_task(self._run_one(job, request.validate_, cancel)) for job in jobs
+                asyncio.create_task(self._run_one(job, request.validate_, cancel, admission))
+                for job in jobs
             ]
             watcher = asyncio.create_task(
                 watch_caller(is_disconnected, cancel, functools.partial(_stop_all, cancel, tasks))
@@ -168,9 +175,9 @@ class EncodeJobs:
         return True, [_after_stop(job, task) for job, task in zip(jobs, tasks, strict=True)]
 
     async def _run_one(
-        self, job: Prepared, validate: bool, cancel: threading.Event
+        self, job: Prepared, validate: bool, cancel: threading.Event, admission: Admission
     ) -> tuple[int, OutputResult]:
-        status, result = await self._encode_held(job, validate, cancel)
+        status, result = await self._encode_held(job, validate, cancel, admission)
         if job.url is not None and result.ok:
             # The CPU slots are free again: the upload waits on the network.
             try:
@@ -201,7 +208,7 @@ class EncodeJobs:
         return audio.source.samples <= SMALL_AUDIO_S * audio.source.sample_rate
 
     async def _encode_held(
-        self, job: Prepared, validate: bool, cancel: threading.Event
+        self, job: Prepared, validate: bool, cancel: threading.Event, admission: Admission
     ) -> tuple[int, OutputResult]:
         """The output encoded while it holds its CPU slots (and GPU bytes)."""
         threads = self.encoder.threads_for(job.source.geometry.height, job.params)
@@ -213,7 +220,7 @@ class EncodeJobs:
             if small:  # a few ms of x264: it goes first, as the event loop does
                 job.params = dataclasses.replace(job.params, nice=0)
             async with self.scheduler.hold(
-                threads, gpu, job.source.gpu_index, small=small
+                threads, gpu, job.source.gpu_index, small=small, admission=admission
             ) as waited:
                 self.metrics.queue_waiting.dec()
                 queued = False
