@@ -56,7 +56,9 @@ class Parts:
             max_regions=settings.max_regions,
             max_per_owner=settings.max_regions_per_owner,
         )
-        scheduler = Scheduler(settings.cpu_slots, settings.max_queue)
+        scheduler = Scheduler(
+            settings.cpu_slots, settings.max_queue, user_limit=settings.per_user(settings.max_queue)
+        )
         if cuda is not None:
             scheduler.gpu_budget = cuda.gpu_budget(scheduler.gpu_held)
         resources = EncodeResources(settings, encoder, regions, scheduler, cuda)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Literal
@@ -78,6 +79,10 @@ class Settings(BaseSettings):
     stream_idle_s: float = Field(default=60.0, gt=0)
     # Open stream sessions; past it, opening one is a 429.
     max_streams: int = Field(default=64, ge=1)
+    # Of the waiting encodes (FRAMEWIRE_MAX_QUEUE), the open stream sessions and the audio
+    # budget, what one uid may take (root and the worker's own uid are not limited), so
+    # no user can have every rank refused; 1: no share.
+    user_share: float = Field(default=0.5, gt=0, le=1)
     # Object URL prefixes outputs may be uploaded to (s3://bucket/prefix/); none: no URLs.
     output_urls: CommaList = Field(default_factory=list)
     # Uploads of this size or more go multipart, in parts of this size (S3: >= 5 MiB).
@@ -88,6 +93,12 @@ class Settings(BaseSettings):
     store_attempts: int = Field(default=4, ge=1, le=20)
     # Live viewers of stream sessions, all sessions together; past it a viewer gets 429.
     max_viewers: int = Field(default=64, ge=0)
+
+    def per_user(self, total: int) -> int | None:
+        """What one limited caller may take of ``total`` (at least 1); None: all of it."""
+        if self.user_share >= 1:
+            return None
+        return max(1, math.floor(total * self.user_share))
 
     @field_validator("token")
     @classmethod

@@ -195,6 +195,14 @@ class Access:
             return True
         return self.peer is not None and uid is not None and self.peer.uid == uid
 
+    @property
+    def share_key(self) -> int | None:
+        """Whose share of the worker's queues and budgets this caller takes: its uid;
+        None (not limited) for an admin, or a caller no uid describes."""
+        if self.admin or self.peer is None:
+            return None
+        return self.peer.uid
+
     def owner(self, what: str) -> int | None:
         """Whose what this caller registers or opens (``what``) is: its uid; None for an
         unidentified token holder. An unidentified caller without the token is refused."""

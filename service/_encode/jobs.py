@@ -32,10 +32,15 @@ from framewire.service._access.peers import TRUSTED, Access
 from framewire.service._encode.prepare import Prepared
 from framewire.service._encode.resources import EncodeResources
 from framewire.service._encode.results import check_for, failed, written
+from framewire.service._encode.scheduler import Admission
 from framewire.service._ops.disconnect import watch_caller
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
+from framewire.service._sources.audio import MemoryAudio
 
+# Audio a small output may carry: its AAC encode costs about what a small encode's
+# frames do (minutes of audio take seconds).
+SMALL_AUDIO_S = 1.0
 STOP_WAIT_S = 10.0  # how long a shutdown waits for stopped requests to send their answers
 SHUTTING_DOWN = "the worker is shutting down; the encode was stopped"
 
@@ -115,10 +120,14 @@ class EncodeJobs:
                 if len({j.path for j in jobs}) != len(jobs):
                     raise BadRequest("two outputs resolve to the same file", code="duplicate_path")
                 small = sum(self._small(job) for job in jobs)
-                self.scheduler.admit(len(jobs) - small, small)
+                # Counted as waiting from here on, its directories' wait included.
+                admission = self.scheduler.admit(len(jobs) - small, small, access.share_key)
+                stack.callback(admission.close)
                 for job in jobs:
                     await self.prepare.place(job, stack)
-                _, outcomes = await self._encode_all(request, jobs, is_disconnected, cancel, me)
+                _, outcomes = await self._encode_all(
+                    request, jobs, is_disconnected, cancel, me, admission
+                )
         except BaseException:
             for job in jobs:
                 remove_made(job.made)
@@ -135,13 +144,15 @@ class EncodeJobs:
         is_disconnected: Callable[[], Awaitable[bool]],
         cancel: threading.Event,
         me: asyncio.Task[object] | None,
+        admission: Admission,
     ) -> tuple[bool, list[tuple[int, OutputResult]]]:
         """Run every output; returns (stopped by a shutdown, one outcome per output)."""
         tasks: list[asyncio.Task[tuple[int, OutputResult]]] = []
         watcher: asyncio.Task[None] | None = None
         try:
             tasks = [
-                asyncio.create_task(self._run_one(job, request.validate_, cancel)) for job in jobs
+                asyncio.create_task(self._run_one(job, request.validate_, cancel, admission))
+                for job in jobs
             ]
             watcher = asyncio.create_task(
                 watch_caller(is_disconnected, cancel, functools.partial(_stop_all, cancel, tasks))
@@ -164,9 +175,9 @@ class EncodeJobs:
         return True, [_after_stop(job, task) for job, task in zip(jobs, tasks, strict=True)]
 
     async def _run_one(
-        self, job: Prepared, validate: bool, cancel: threading.Event
+        self, job: Prepared, validate: bool, cancel: threading.Event, admission: Admission
     ) -> tuple[int, OutputResult]:
-        status, result = await self._encode_held(job, validate, cancel)
+        status, result = await self._encode_held(job, validate, cancel, admission)
         if job.url is not None and result.ok:
             # The CPU slots are free again: the upload waits on the network.
             try:
@@ -180,12 +191,24 @@ class EncodeJobs:
         return status, result
 
     def _small(self, job: Prepared) -> bool:
-        """Whether the output is small enough for the small lane (its rgb24 frames' bytes)."""
+        """Whether the output's whole work is small enough for the small lane: its rgb24
+        frames' bytes, and nothing that costs more than they do. The lane runs beside
+        full slots, so what it takes there is bounded by what it admits."""
         g = job.source.geometry
-        return g.frames * g.height * g.width * 3 <= self.settings.small_encode_bytes
+        if g.frames * g.height * g.width * 3 > self.settings.small_encode_bytes:
+            return False
+        if job.params.profile == "vllm-omni":
+            return False  # a PyAV child of its own, started per output
+        audio = job.params.audio
+        if audio is None:
+            return True
+        # Audio is encoded whole, however few the frames; a file's length is unknown here.
+        if not isinstance(audio, MemoryAudio):
+            return False
+        return audio.source.samples <= SMALL_AUDIO_S * audio.source.sample_rate
 
     async def _encode_held(
-        self, job: Prepared, validate: bool, cancel: threading.Event
+        self, job: Prepared, validate: bool, cancel: threading.Event, admission: Admission
     ) -> tuple[int, OutputResult]:
         """The output encoded while it holds its CPU slots (and GPU bytes)."""
         threads = self.encoder.threads_for(job.source.geometry.height, job.params)
@@ -197,7 +220,7 @@ class EncodeJobs:
             if small:  # a few ms of x264: it goes first, as the event loop does
                 job.params = dataclasses.replace(job.params, nice=0)
             async with self.scheduler.hold(
-                threads, gpu, job.source.gpu_index, small=small
+                threads, gpu, job.source.gpu_index, small=small, admission=admission
             ) as waited:
                 self.metrics.queue_waiting.dec()
                 queued = False

@@ -112,7 +112,8 @@ class Preparer:
         self.uploads = uploads
         self.cuda = cuda  # None: no usable GPU, cuda_ipc sources are refused
         self.claims = OutputClaims()
-        self.audio = AudioStore(settings.audio_budget_bytes)
+        budget = settings.audio_budget_bytes
+        self.audio = AudioStore(budget, settings.per_user(budget))
 
     async def judge(
         self, spec: OutputSpec, access: Access, stack: contextlib.AsyncExitStack
@@ -166,13 +167,15 @@ class Preparer:
                     code="bad_audio_source",
                 )
             at = region.offset + src.offset
-            return await asyncio.to_thread(self.audio.lease, src, region.fd, at, clamp=clamp)
+            return await asyncio.to_thread(
+                self.audio.lease, src, region.fd, at, clamp=clamp, user=access.share_key
+            )
 
     def _shm_audio(self, src: ShmAudio, access: Access, clamp: bool) -> MemoryAudio:
         fd = open_shm(src.key, self.settings.shm_prefixes)
         try:
             access.check(os.fstat(fd), READ, f"shm segment {src.key!r}")
-            return self.audio.lease(src, fd, src.offset, clamp=clamp)
+            return self.audio.lease(src, fd, src.offset, clamp=clamp, user=access.share_key)
         finally:
             os.close(fd)
 

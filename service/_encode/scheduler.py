@@ -11,6 +11,12 @@ that would wait for the slots runs in a lane of its own instead, one at a time:
 it never waits behind a big encode, and what it adds beside the slots is one
 encode of a few milliseconds of CPU.
 
+A request's encodes count as waiting from the moment it is admitted, while they still
+wait for their output directories, until each starts: requests admitted side by side
+cannot all pass a check made before any of them joined the queue. Of the places, one
+caller (a uid other than root's and the worker's) may take its share
+(``FRAMEWIRE_USER_SHARE``): no user can fill the queue and have every rank refused.
+
 GPU bytes are counted per device: a full GPU holds back the encodes of its own
 frames, not those of the host's other GPUs. An encode whose device holds
 nothing of ours starts whatever the budget says (its temporaries are bounded
@@ -23,7 +29,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -40,6 +46,41 @@ class _Waiter:
     )
 
 
+class Admission:
+    """One request's admitted encodes, counted as waiting until each starts (or the
+    request ends: :meth:`close`). Pass it to :meth:`Scheduler.hold`."""
+
+    def __init__(self, scheduler: Scheduler, user: int | None, count: int, small: int):
+        self._scheduler = scheduler
+        self.user = user
+        self._arriving = {False: count, True: small}  # admitted, not yet at ``hold``
+        self._unstarted = count + small
+        scheduler._pending[False] += count
+        scheduler._pending[True] += small
+        if user is not None:
+            scheduler._by_user[user] += count + small
+
+    def arrived(self, small: bool) -> None:
+        """One encode reached the scheduler: from now on its line counts it."""
+        if self._arriving[small]:
+            self._arriving[small] -= 1
+            self._scheduler._pending[small] -= 1
+
+    def started(self) -> None:
+        """One encode runs (or left): it no longer counts against its caller's share."""
+        if self._unstarted:
+            self._unstarted -= 1
+            self._scheduler._unwait(self.user, 1)
+
+    def close(self) -> None:
+        """The request ended: whatever of it never started counts no more."""
+        for small, left in self._arriving.items():
+            self._scheduler._pending[small] -= left
+            self._arriving[small] = 0
+        self._scheduler._unwait(self.user, self._unstarted)
+        self._unstarted = 0
+
+
 class Scheduler:
     def __init__(
         self,
@@ -47,12 +88,15 @@ class Scheduler:
         max_queue: int,
         *,
         gpu_budget: Callable[[int], int] | None = None,
+        user_limit: int | None = None,
     ):
         """``gpu_budget(device)`` returns the GPU bytes encodes may hold on that device
         now (a quarter of its free memory plus what encodes hold there: ``gpu_held``);
-        None when there is no GPU."""
+        None when there is no GPU. ``user_limit``: the encodes one (limited) caller may
+        have waiting; None: no limit."""
         self.cpu_slots = cpu_slots
         self.max_queue = max_queue
+        self.user_limit = user_limit
         self.gpu_budget = gpu_budget
         self.cpu_used = 0
         self.gpu_used: dict[int, int] = {}  # by device index
@@ -61,6 +105,14 @@ class Scheduler:
         self._small_busy = False
         self._small_queue: deque[asyncio.Future[None]] = deque()
         self._recent_s = 1.0  # moving average of encode time, for Retry-After
+        self._pending = {False: 0, True: 0}  # admitted, not yet at ``hold``: by smallness
+        self._by_user: Counter[int] = Counter()  # admitted, not yet started: by caller
+
+    def _unwait(self, user: int | None, count: int) -> None:
+        if user is not None and count:
+            self._by_user[user] -= count
+            if self._by_user[user] <= 0:
+                del self._by_user[user]
 
     @property
     def waiting(self) -> int:
@@ -71,22 +123,42 @@ class Scheduler:
         rounds = (len(self._queue) + 1) / max(1, self.running)
         return max(1.0, math.ceil(self._recent_s * rounds))
 
-    def admit(self, count: int, small: int = 0) -> None:
-        """Refuse a request of ``count`` encodes (and ``small`` small ones) that would wait
-        behind a full queue."""
-        would_wait = bool(self._queue) or self.cpu_used >= self.cpu_slots
-        if would_wait and count and len(self._queue) + count > self.max_queue:
+    def admit(self, count: int, small: int = 0, user: int | None = None) -> Admission:
+        """Admit a request of ``count`` encodes (and ``small`` small ones) by caller ``user``
+        (None: not limited), or refuse it if they would wait behind a full queue or past
+        the caller's share of it. Close the admission when the request ends."""
+        waiting = len(self._queue) + self._pending[False]
+        waiting_small = len(self._small_queue) + self._pending[True]
+        # Admitted encodes not yet at the scheduler are taken to need a slot each: they
+        # make others wait only once the slots are spoken for.
+        spoken_for = self.cpu_used + self._pending[False]
+        would_wait = bool(self._queue) or spoken_for >= self.cpu_slots
+        if would_wait and count and waiting + count > self.max_queue:
             raise Overloaded(
-                f"{len(self._queue)} encodes already wait (limit {self.max_queue})",
+                f"{waiting} encodes already wait (limit {self.max_queue})",
                 code="queue_full",
                 retry_after=self.retry_after(),
             )
-        if small and would_wait and len(self._small_queue) + small > self.max_queue:
+        if small and would_wait and waiting_small + small > self.max_queue:
             raise Overloaded(
-                f"{len(self._small_queue)} small encodes already wait (limit {self.max_queue})",
+                f"{waiting_small} small encodes already wait (limit {self.max_queue})",
                 code="queue_full",
                 retry_after=1.0,
             )
+        mine = self._by_user[user] if user is not None else 0
+        if (
+            would_wait
+            and user is not None
+            and self.user_limit is not None
+            and mine + count + small > self.user_limit
+        ):
+            raise Overloaded(
+                f"uid {user} already has {mine} encodes waiting; one caller may have "
+                f"{self.user_limit} (FRAMEWIRE_USER_SHARE of FRAMEWIRE_MAX_QUEUE)",
+                code="user_share",
+                retry_after=self.retry_after(),
+            )
+        return Admission(self, user, count, small)
 
     def gpu_held(self, device: int) -> int:
         """GPU bytes that running encodes hold on ``device``."""
@@ -129,15 +201,32 @@ class Scheduler:
 
     @contextlib.asynccontextmanager
     async def hold(
-        self, cpu: int, gpu: int = 0, device: int = 0, *, small: bool = False
+        self,
+        cpu: int,
+        gpu: int = 0,
+        device: int = 0,
+        *,
+        small: bool = False,
+        admission: Admission | None = None,
     ) -> AsyncIterator[float]:
         """Wait for ``cpu`` slots and ``gpu`` bytes on CUDA ``device``; yield the seconds
-        waited; release on exit. A ``small`` encode that would wait takes the small lane."""
-        cpu = max(1, min(cpu, self.cpu_slots))
-        free = not self._queue and self._fits(cpu, gpu, device)
-        lane = self._small_lane() if small and not free else self._slots(cpu, gpu, device)
-        async with lane as waited:
-            yield waited
+        waited; release on exit. A ``small`` encode that would wait takes the small lane.
+        ``admission``: the request's, which stops counting the encode once it starts."""
+        if admission is not None:
+            admission.arrived(small)
+        started = False
+        try:
+            cpu = max(1, min(cpu, self.cpu_slots))
+            free = not self._queue and self._fits(cpu, gpu, device)
+            lane = self._small_lane() if small and not free else self._slots(cpu, gpu, device)
+            async with lane as waited:
+                started = True
+                if admission is not None:
+                    admission.started()
+                yield waited
+        finally:
+            if admission is not None and not started:
+                admission.started()  # it left the line without starting
 
     @contextlib.asynccontextmanager
     async def _small_lane(self) -> AsyncIterator[float]:

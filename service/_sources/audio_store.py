@@ -7,7 +7,9 @@ they are written) and handed out as leases, closed with the last one. The sample
 block at a time: once for their digest (audio already held costs nothing more),
 then, if new, into the WAV. What is held and being made is counted against
 ``FRAMEWIRE_AUDIO_BUDGET_BYTES``; past it, new audio is refused (``429
-audio_budget_full``, to retry once others end).
+audio_budget_full``, to retry once others end). A WAV counts against the share of
+the caller that made it (``FRAMEWIRE_USER_SHARE``): past it, that caller's new audio
+is refused (``429 user_share``) while others' still fits.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import copy
 import hashlib
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,19 +35,26 @@ class _Held:
     key: tuple[object, ...]
     wav: MemoryAudio  # the one that owns the memfd
     nbytes: int
+    user: int | None  # who made it (None: not limited)
     leases: int = 0
 
 
 class AudioStore:
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, per_user: int | None = None):
+        """``per_user``: the bytes one limited caller's WAVs may count; None: no limit."""
         self.budget = budget
+        self.per_user = per_user
         self._held: dict[tuple[object, ...], _Held] = {}
         self._counted = 0  # bytes of the WAVs held and of those being made
+        self._by_user: Counter[int] = Counter()  # of those, by the caller who made them
         self._lock = threading.Lock()  # leases are made and closed on pool threads
 
-    def lease(self, src: AudioSource, fd: int, offset: int, *, clamp: bool) -> MemoryAudio:
+    def lease(
+        self, src: AudioSource, fd: int, offset: int, *, clamp: bool, user: int | None = None
+    ) -> MemoryAudio:
         """A WAV of ``src``'s samples at ``offset`` of ``fd``: the one held for the same
-        content, or a new one (within the budget). Close the lease to let go of it."""
+        content, or a new one (within the budget, and caller ``user``'s share of it).
+        Close the lease to let go of it."""
         first = hashlib.sha256()
         for _ in sample_blocks(src, fd, offset, clamp=False, digest=first):
             pass  # a first read only to know the content: no copy kept
@@ -52,7 +62,7 @@ class AudioStore:
             held = self._held.get(_key(src, clamp, first))
             if held is not None:
                 return self._lease(held)
-        with self._counting(src.byte_size):
+        with self._counting(src.byte_size, user):
             written = hashlib.sha256()  # the caller may change its samples meanwhile
             made = MemoryAudio(src, sample_blocks(src, fd, offset, clamp=clamp, digest=written))
             key = _key(src, clamp, written)
@@ -60,19 +70,25 @@ class AudioStore:
                 held = self._held.get(key)
                 if held is None:
                     nbytes = made.data_offset + src.byte_size
-                    held = self._held[key] = _Held(key, made, nbytes)
-                    self._counted += nbytes
+                    held = self._held[key] = _Held(key, made, nbytes, user)
+                    self._count(user, nbytes)
                     return self._lease(held)
                 lease = self._lease(held)
         made.close()  # made at the same time by another request: theirs is used
         return lease
 
     @contextlib.contextmanager
-    def _counting(self, nbytes: int) -> Iterator[None]:
-        """Count ``nbytes`` while a WAV is made (refused past the budget)."""
+    def _counting(self, nbytes: int, user: int | None) -> Iterator[None]:
+        """Count ``nbytes`` while a WAV is made (refused past the budget or the share)."""
         if nbytes > self.budget:
             raise BadRequest(
                 f"{nbytes} bytes of audio, over FRAMEWIRE_AUDIO_BUDGET_BYTES ({self.budget})",
+                code="audio_too_large",
+            )
+        if user is not None and self.per_user is not None and nbytes > self.per_user:
+            raise BadRequest(  # it would never fit
+                f"{nbytes} bytes of audio, over one caller's share of the audio budget "
+                f"({self.per_user}: FRAMEWIRE_USER_SHARE of FRAMEWIRE_AUDIO_BUDGET_BYTES)",
                 code="audio_too_large",
             )
         with self._lock:
@@ -83,12 +99,29 @@ class AudioStore:
                     code="audio_budget_full",
                     retry_after=RETRY_AFTER_S,
                 )
-            self._counted += nbytes
+            mine = self._by_user[user] if user is not None else 0
+            if user is not None and self.per_user is not None and mine + nbytes > self.per_user:
+                raise Overloaded(
+                    f"uid {user} holds {mine} bytes of audio; {nbytes} more would pass its "
+                    f"share ({self.per_user}: FRAMEWIRE_USER_SHARE of "
+                    "FRAMEWIRE_AUDIO_BUDGET_BYTES)",
+                    code="user_share",
+                    retry_after=RETRY_AFTER_S,
+                )
+            self._count(user, nbytes)
         try:
             yield
         finally:
             with self._lock:
-                self._counted -= nbytes
+                self._count(user, -nbytes)
+
+    def _count(self, user: int | None, nbytes: int) -> None:
+        """(Under ``_lock``.)"""
+        self._counted += nbytes
+        if user is not None:
+            self._by_user[user] += nbytes
+            if self._by_user[user] <= 0:
+                del self._by_user[user]
 
     def _lease(self, held: _Held) -> MemoryAudio:
         """(Under ``_lock``.)"""
@@ -103,7 +136,7 @@ class AudioStore:
             if held.leases:
                 return
             del self._held[held.key]
-            self._counted -= held.nbytes
+            self._count(held.user, -held.nbytes)
         held.wav.close()
 
 

@@ -43,6 +43,7 @@ from framewire.service._access.signed import ViewSigner
 from framewire.service._encode.params import check_geometry
 from framewire.service._encode.resources import EncodeResources
 from framewire.service._encode.results import check_for, failed, written
+from framewire.service._encode.scheduler import Admission
 from framewire.service._ops.disconnect import watch_caller
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
@@ -83,6 +84,7 @@ class Sessions:
                 code="too_many_streams",
                 retry_after=self.settings.stream_idle_s,
             )
+        self._check_share(access)
         stack = contextlib.AsyncExitStack()
         made: list[Path] = []
         try:
@@ -112,6 +114,20 @@ class Sessions:
         log.info("stream opened for %s", session.shown, extra={"stream_id": session.id})
         self._start_reaper()
         return session
+
+    def _check_share(self, access: Access) -> None:
+        """One caller may hold its share of ``FRAMEWIRE_MAX_STREAMS``, not all of them."""
+        user, share = access.share_key, self.settings.per_user(self.settings.max_streams)
+        if user is None or share is None:
+            return
+        mine = sum(self._owners.get(sid) == user for sid in self._open)
+        if mine >= share:
+            raise Overloaded(
+                f"uid {user} has {mine} stream sessions open; one caller may have {share} "
+                "(FRAMEWIRE_USER_SHARE of FRAMEWIRE_MAX_STREAMS)",
+                code="user_share",
+                retry_after=self.settings.stream_idle_s,
+            )
 
     def check_owner(self, session_id: str, access: Access) -> None:
         """A session is its opener's (or an admin's): to anyone else it does not exist."""
@@ -160,8 +176,10 @@ class Sessions:
                 raise not_open(session.id, session.state)
             session.touch()
             refuse_misfit(session.received, session.geometry, session.spec, chunk)
+            admission = None
             if session.output is None:
-                self.resources.scheduler.admit(1)  # a full queue is a 429 to retry, not an end
+                # A full queue is a 429 to retry, not an end.
+                admission = self.resources.scheduler.admit(1, user=access.share_key)
             # Watched from the start: a producer gone while the chunk waits for
             # admission ends the wait too.
             gone = functools.partial(session.stop, "client")  # the session is aborted
@@ -170,7 +188,8 @@ class Sessions:
                 async with contextlib.AsyncExitStack() as held:
                     source = await self.resources.prepare.open_source(chunk.source, access, held)
                     if session.output is None:
-                        await self._start(session, source)
+                        assert admission is not None
+                        await self._start(session, source, admission)
                     assert session.output is not None
                     if session.live is not None:
                         session.live.handed(session.received + source.geometry.frames)
@@ -183,6 +202,8 @@ class Sessions:
                 raise
             finally:
                 watcher.cancel()
+                if admission is not None:
+                    admission.close()
             frames = source.geometry.frames
             session.received += frames
             session.state = "streaming"
@@ -191,12 +212,13 @@ class Sessions:
             self.metrics.stream_bytes.inc(source.geometry.nbytes)
             return session.received
 
-    async def _start(self, session: Session, source: FrameSource) -> None:
+    async def _start(self, session: Session, source: FrameSource, admission: Admission) -> None:
         """The first chunk: admission (held until the session ends), then ffmpeg."""
         encoder = self.resources.encoder
         threads = encoder.threads_for(session.geometry.height, session.params)
         gpu = encoder.gpu_bytes(source)
-        await self._admitted(session, self.resources.scheduler.hold(threads, gpu, source.gpu_index))
+        slots = self.resources.scheduler.hold(threads, gpu, source.gpu_index, admission=admission)
+        await self._admitted(session, slots)
         session.started = time.time()
         session.output = await asyncio.to_thread(
             StreamOutput,

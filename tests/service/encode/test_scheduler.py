@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
+import os
+import select
 import socket
 import threading
 import time
@@ -15,7 +18,9 @@ from framewire.client import Client, Overloaded
 from framewire.core.errors import Overloaded as OverloadedError
 from framewire.service._encode.scheduler import Scheduler
 
+from tests.support.identity import NOBODY, as_nobody
 from tests.support.media import make_clip, reference_mp4
+from tests.support.requests import RUNNING, WAITING, raw_http, wait_for
 
 # ----------------------------------------------------------------------------- unit
 
@@ -96,10 +101,10 @@ def test_threads_are_capped_at_the_slot_count():
 def test_full_queue_is_refused_with_retry_after():
     async def go() -> None:
         s = Scheduler(cpu_slots=1, max_queue=1)
-        s.admit(1)  # idle: starts at once
-        async with s.hold(1):
-            s.admit(1)  # one place in the queue
-            waiter = asyncio.create_task(s.hold(1).__aenter__())
+        first = s.admit(1)  # idle: starts at once
+        async with s.hold(1, admission=first):
+            second = s.admit(1)  # one place in the queue
+            waiter = asyncio.create_task(s.hold(1, admission=second).__aenter__())
             await asyncio.sleep(0)
             assert s.waiting == 1
             with pytest.raises(OverloadedError) as err:
@@ -108,6 +113,33 @@ def test_full_queue_is_refused_with_retry_after():
             waiter.cancel()
             await asyncio.gather(waiter, return_exceptions=True)
         assert (s.waiting, s.cpu_used) == (0, 0)
+
+    asyncio.run(go())
+
+
+def test_admitted_encodes_count_until_they_start_and_a_caller_has_its_share():
+    async def go() -> None:
+        s = Scheduler(cpu_slots=1, max_queue=4, user_limit=2)
+        async with s.hold(1):  # the slot is taken: whatever is admitted now waits
+            theirs = [s.admit(1, user=1000), s.admit(1, user=1000)]
+            with pytest.raises(OverloadedError) as err:
+                s.admit(1, user=1000)
+            assert err.value.code == "user_share" and err.value.retry_after >= 1
+            ranks = s.admit(2)  # not limited: the places left are theirs
+            with pytest.raises(OverloadedError) as err:
+                s.admit(1)  # not yet in the queue, but counted as waiting
+            assert err.value.code == "queue_full" and "4 encodes already wait" in str(err.value)
+            waiter = asyncio.create_task(s.hold(1, admission=theirs[0]).__aenter__())
+            await asyncio.sleep(0)
+            assert s.waiting == 1  # in the queue now, and counted once
+            with pytest.raises(OverloadedError):
+                s.admit(1)
+            waiter.cancel()
+            await asyncio.gather(waiter, return_exceptions=True)
+            for admission in [*theirs, ranks]:
+                admission.close()
+            s.admit(2, user=1000).close()  # everything let go: its share is whole again
+        assert s._pending == {False: 0, True: 0} and not s._by_user and s.cpu_used == 0
 
     asyncio.run(go())
 
@@ -264,3 +296,100 @@ def test_full_queue_429_and_cancel_frees_slots(workers, segments):
     finally:
         for s in socks:
             s.close()
+
+
+def answer(sock: socket.socket) -> tuple[int, dict]:
+    """The HTTP response a socket of ``post_raw`` gets: (status, its JSON)."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    return response.status, json.loads(response.read())
+
+
+def test_the_queue_bound_holds_for_requests_admitted_at_once(workers, segments):
+    """Requests that arrive together are counted as waiting from their admission on,
+    while each still makes and opens its output directory: no more than the limit
+    are let in to wait, and every refusal tells the truth about the queue."""
+    w = workers.start("--cpu-slots", "1", "--max-queue", "4")
+    long = make_clip(frames=96, height=256, width=256)
+    runner = post_raw(w.uds, shm_body(segments.write(long), long, "r/a.mp4"))
+    socks: list[socket.socket] = []
+    try:
+        wait_for(w, RUNNING, 1)
+        short = make_clip(frames=2, height=256, width=256)  # past the small lane's size
+        key = segments.write(short)
+        # Each request makes a directory of its own before it reaches the queue.
+        bodies = [shm_body(key, short, f"burst/{i}/o.mp4") for i in range(40)]
+        socks = [post_raw(w.uds, body) for body in bodies]
+        answered: dict[int, tuple[int, dict]] = {}
+        deadline = time.monotonic() + 30
+        while len(answered) + metric(w, WAITING) < len(socks):  # each refused, or waiting
+            assert time.monotonic() < deadline, (len(answered), metric(w, WAITING))
+            ready, _, _ = select.select([s for s in socks if s.fileno() not in answered], [],
+                                        [], 0.1)  # fmt: skip
+            for s in ready:
+                answered[s.fileno()] = answer(s)
+        waited = metric(w, WAITING)
+        runner.close()  # the long encode stops: the admitted ones run
+        for s in socks:
+            if s.fileno() not in answered:
+                answered[s.fileno()] = answer(s)
+    finally:
+        for s in [runner, *socks]:
+            s.close()
+    statuses = [status for status, _ in answered.values()]
+    refusals = [body["error"] for status, body in answered.values() if status == 429]
+    assert waited == 4 and statuses.count(200) == 4, (waited, statuses, refusals[:3])
+    assert all(body["code"] == "queue_full" for s, body in answered.values() if s == 429)
+    assert set(refusals) == {"4 encodes already wait (limit 4)"}, set(refusals)
+    # The refused ones made nothing; the admitted ones wrote their outputs.
+    burst = w.outputs / "burst"
+    assert sorted(p.name for p in burst.iterdir()) == sorted(
+        p.parent.name for p in burst.glob("*/o.mp4")
+    )
+
+
+def queue_over_tcp(url: str, bodies: list[dict], wait_s: float) -> list[tuple[int, str] | None]:
+    """Send every encode at once over loopback TCP; the answers that come within
+    ``wait_s`` (None: still waiting), then go away (the waiting ones are cancelled)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    socks = [socket.create_connection((host, int(port))) for _ in bodies]
+    try:
+        for s, body in zip(socks, bodies, strict=True):
+            s.sendall(raw_http("POST", "/v1/videos:encode", body))
+        answered: dict[int, tuple[int, str]] = {}
+        deadline = time.monotonic() + wait_s
+        while len(answered) < len(socks) and (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([s for s in socks if s.fileno() not in answered], [],
+                                        [], left)  # fmt: skip
+            for s in ready:
+                status, body = answer(s)
+                answered[s.fileno()] = (status, body["code"])
+        return [answered.get(s.fileno()) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
+def test_one_caller_waits_in_its_share_of_the_queue(workers, segments):
+    """Another user may have FRAMEWIRE_USER_SHARE of the queue waiting, not all of it:
+    the places left are the ranks'."""
+    w = workers.start("--cpu-slots", "1", "--max-queue", "4",
+                      "--allowed-uids", f"{os.getuid()},{NOBODY}")  # fmt: skip
+    w.outputs.chmod(0o777)
+    long = make_clip(frames=96, height=256, width=256)
+    runner = post_raw(w.uds, shm_body(segments.write(long), long, "r/a.mp4"))
+    try:
+        wait_for(w, RUNNING, 1)
+        short = make_clip(frames=2, height=256, width=256)  # past the small lane's size
+        key = segments.write(short)  # readable by every user
+        bodies = [shm_body(key, short, f"n{i}.mp4") for i in range(3)]
+        got = as_nobody(queue_over_tcp, w.tcp_url, bodies, 5.0)
+        # Two of its encodes wait (half of 4 places); the third is refused at once.
+        assert isinstance(got, list) and sorted(got, key=str) == [
+            (429, "user_share"),
+            None,
+            None,
+        ], got
+    finally:
+        runner.close()

@@ -13,8 +13,9 @@ import pytest
 from framewire.client import Client
 from framewire.service._encode.scheduler import Scheduler
 
+from tests.service.encode.test_profiles import waveform
 from tests.support.media import make_clip, reference_mp4
-from tests.support.requests import RUNNING, saved_on_thread, wait_for
+from tests.support.requests import RUNNING, WAITING, saved_on_thread, wait_for
 from tests.support.worker import Worker
 
 # ----------------------------------------------------------------------------- unit
@@ -166,3 +167,27 @@ def test_tiny_outputs_of_one_request_share_the_lane_one_at_a_time(workers):
     ta, tb = a.timings, b.timings
     assert min(ta.finished_at, tb.finished_at) <= max(ta.started_at, tb.started_at)  # in turn
     assert max(ta.finished_at, tb.finished_at) < results["big.mp4"]["timings"]["finished_at"]
+
+
+def test_the_lane_judges_the_whole_work_not_the_frames_alone(workers):
+    """Tiny frames with seconds of audio, or with the vllm-omni profile's own PyAV child,
+    are not small work: they wait for the slot; a bare thumbnail still takes the lane."""
+    w = workers.start("--cpu-slots", "1")
+    results: dict[str, Any] = {}
+    big = saved_on_thread(w, big_clip(), "big.mp4", results, preset="placebo")
+    wait_for(w, RUNNING, 1)
+    voiced = saved_on_thread(w, make_clip(**TINY, seed=1), "voiced.mp4", results,
+                             profile="sglang", audio=waveform(24000 * 5, 1),
+                             audio_sample_rate=24000)  # fmt: skip
+    omni = saved_on_thread(w, make_clip(**TINY, seed=2), "omni.mp4", results,
+                           profile="vllm-omni")  # fmt: skip
+    wait_for(w, WAITING, 2)  # both wait for the slot (in the lane they would have run)
+    with Client(w.uds_url) as c:
+        thumb = c.save_video(make_clip(**TINY, seed=3), "thumb.mp4", fps=24, threads=1)
+    for t in (big, voiced, omni):
+        t.join(timeout=120)
+    done = results["big.mp4"]["timings"]["finished_at"]
+    assert thumb.ok and thumb.timings.finished_at < done, (thumb.timings, done)
+    for name in ("voiced.mp4", "omni.mp4"):
+        r = results[name]
+        assert r["ok"] and r["timings"]["started_at"] >= done - 0.01, (name, r["timings"], done)

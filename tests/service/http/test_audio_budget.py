@@ -7,14 +7,16 @@ worker (one memfd, whatever their number); distinct audio is counted against
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 import pytest
 
 from tests.service.encode.test_profiles import waveform
-from tests.service.stream.test_sessions import open_stream, send_frames
+from tests.service.stream.test_sessions import open_stream, open_streams, send_frames
 from tests.support.engines import sglang_save, vllm_omni_quantize, vllm_omni_save
+from tests.support.identity import NOBODY, as_nobody
 from tests.support.media import make_clip
 from tests.support.requests import encode_body
 from tests.support.segments import Segments
@@ -127,3 +129,26 @@ def test_the_copy_goes_with_the_last_user(audio_worker, segments):
             assert audio_memfds(audio_worker) == 1
             assert h.delete(f"/v1/streams/{sid}").status_code == 204
     assert audio_memfds(audio_worker) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
+def test_one_caller_holds_its_share_of_the_budget_and_the_ranks_the_rest(workers, segments):
+    w = workers.start("--audio-budget-bytes", str(BUDGET),
+                      "--allowed-uids", f"{os.getuid()},{NOBODY}")  # fmt: skip
+    w.outputs.chmod(0o777)
+    body = {"fps": 24, "dtype": "float32", "height": 32, "width": 32, "profile": "sglang"}
+    # Half the budget is one caller's: one WAV of 24058 bytes fits in it, a second does not.
+    bodies = [body | {"path": f"n{i}.mp4", "audio": memory_audio(segments, waveform(SAMPLES, 1,
+              seed=10 + i))} for i in range(2)]  # fmt: skip
+    theirs = as_nobody(open_streams, w.tcp_url, bodies)
+    assert isinstance(theirs, list), theirs
+    got = [(status, answer.get("code")) for status, answer in theirs]
+    assert got == [(201, None), (429, "user_share")], got
+    clip = make_clip(frames=6, height=32, width=32)
+    with w.http() as h:  # the worker's own uid (the ranks) still has the rest
+        mine = open_stream(h, clip, path="r.mp4", profile="sglang",
+                           audio=memory_audio(segments, waveform(SAMPLES, 1, seed=20)))  # fmt: skip
+        assert audio_memfds(w) == 2
+        for sid in [mine, theirs[0][1]["id"]]:
+            assert h.delete(f"/v1/streams/{sid}").status_code == 204
+    assert audio_memfds(w) == 0

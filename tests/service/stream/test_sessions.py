@@ -14,12 +14,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from framewire.client.wire import Layout
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.identity import NOBODY, as_nobody
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.processes import framewire_temps, wait_until_writes_stop
 from tests.support.requests import Baseline, Request, raw_http, settle, wait_for_ffmpeg
@@ -271,6 +273,31 @@ def test_at_most_max_streams_are_open(worker, segments):
             assert h.delete(f"/v1/streams/{sid}").status_code == 204
         assert metric(h, "framewire_streams_open") == 0
         assert metric(h, 'framewire_stream_aborts_total{cause="deleted"}') >= 4
+
+
+def open_streams(url: str, bodies: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """POST each body to /v1/streams over ``url``: (status, answer) each."""
+    with httpx.Client(base_url=url, timeout=60) as c:
+        return [(r.status_code, r.json()) for r in (c.post("/v1/streams", json=b) for b in bodies)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
+def test_one_caller_opens_its_share_of_the_sessions_and_the_ranks_still_open_theirs(workers):
+    w = workers.start(*WORKER_ARGS, "--allowed-uids", f"{os.getuid()},{NOBODY}")
+    w.outputs.chmod(0o777)  # another user may write there: the share is all that stops it
+    body = {"fps": 24, "dtype": "float32", "height": 48, "width": 64}
+    theirs = as_nobody(open_streams, w.tcp_url, [body | {"path": f"n{i}.mp4"} for i in range(4)])
+    assert isinstance(theirs, list), theirs
+    got = [(status, answer.get("code")) for status, answer in theirs]
+    # FRAMEWIRE_USER_SHARE (0.5) of FRAMEWIRE_MAX_STREAMS (4): two.
+    assert got == [(201, None), (201, None), (429, "user_share"), (429, "user_share")], got
+    clip = make_clip(frames=2, height=48, width=64)
+    with w.http() as h:  # the worker's own uid (the ranks) is not limited
+        mine = [open_stream(h, clip, path=f"r{i}.mp4") for i in range(2)]
+        assert metric(h, "framewire_streams_open") == 4
+        for sid in mine + [answer["id"] for status, answer in theirs if status == 201]:
+            assert h.delete(f"/v1/streams/{sid}").status_code == 204
+    assert list(w.outputs.iterdir()) == []
 
 
 def test_a_session_holds_its_cpu_slots_from_first_chunk_to_end(workers, segments, tmp_path):
