@@ -1,7 +1,10 @@
 """Uploads to an S3-compatible store with boto3: one PUT, or a multipart upload.
 
-Two checks that the object's bytes are the file's, both against what the store
-itself computed or verified:
+The bytes sent are read from one open file and hashed as they are read: unless
+they hash to the sha256 the encode reported, nothing is stored (a single PUT is
+not sent, a multipart upload is aborted before it completes) and the upload fails
+with ``upload_failed``. Then two checks that the object's bytes are those sent,
+both against what the store itself computed or verified:
 
 - Every request carries the SHA-256 of its bytes (``x-amz-checksum-sha256``):
   a single PUT's is the whole object's, the very sha256 the result reports, and
@@ -37,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from framewire.core.errors import StoreError, Unavailable
+from framewire.core.errors import Cancelled, StoreError, Unavailable
 from framewire.service._access.urls import ObjectUrl
 from framewire.service._settings import Settings
 from framewire.service._store.faults import store_error
@@ -53,6 +56,12 @@ def _custom_endpoint() -> bool:
 
 def _b64(digest: bytes) -> str:
     return base64.b64encode(digest).decode()
+
+
+def _changed() -> StoreError:
+    return StoreError(
+        "the spooled file is not what was encoded; nothing was stored", code="upload_failed"
+    )
 
 
 @dataclass(frozen=True)
@@ -124,15 +133,20 @@ class S3Store:
             raise store_error(exc, "presigning") from None
 
     def upload(
-        self, fd: int, size: int, sha256: str, url: ObjectUrl, check: Callable[[], None]
+        self, fd: int, size: int, sha256: str, url: ObjectUrl, cancel: threading.Event
     ) -> Uploaded:
         """The ``size`` bytes of ``fd`` stored at ``url``; ``sha256`` (hex) is what they
-        must hash to. ``check`` raises to stop (cancelled): nothing is left stored."""
+        must hash to. ``cancel`` set stops it (``Cancelled``): nothing is left stored."""
+
+        def check() -> None:
+            if cancel.is_set():
+                raise Cancelled(f"the upload to {url} was stopped")
+
         client = self.client()
         kind = {"ContentType": CONTENT_TYPES.get(url.suffix, "application/octet-stream")}
         if size < self.part_bytes:
             return self._put(client, fd, size, sha256, url, kind, check)
-        return self._multipart(client, fd, size, url, kind, check)
+        return self._multipart(client, fd, size, sha256, url, kind, check)
 
     def _put(
         self,
@@ -146,8 +160,8 @@ class S3Store:
     ) -> Uploaded:
         check()
         body = os.pread(fd, size, 0)  # below the part size: bounded
-        if len(body) != size:
-            raise StoreError("the encoded file changed before its upload", code="upload_failed")
+        if len(body) != size or hashlib.sha256(body).hexdigest() != sha256:
+            raise _changed()
         want = _b64(bytes.fromhex(sha256))
         try:
             answer = client.put_object(
@@ -163,6 +177,7 @@ class S3Store:
         client: Any,
         fd: int,
         size: int,
+        sha256: str,
         url: ObjectUrl,
         kind: dict[str, str],
         check: Callable[[], None],
@@ -176,7 +191,7 @@ class S3Store:
             raise store_error(exc, "CreateMultipartUpload") from None
         upload_id = started["UploadId"]
         try:
-            return self._parts_of(client, fd, size, url, upload_id, check)
+            return self._parts_of(client, fd, size, sha256, url, upload_id, check)
         except BaseException:
             self._abort(client, url, upload_id)
             raise
@@ -186,6 +201,7 @@ class S3Store:
         client: Any,
         fd: int,
         size: int,
+        sha256: str,
         url: ObjectUrl,
         upload_id: str,
         check: Callable[[], None],
@@ -193,6 +209,7 @@ class S3Store:
         Part = tuple[dict[str, Any], bytes, bytes]  # (what Complete lists, sha256, md5)
         parts: list[Part] = []
         pending: deque[Future[Part]] = deque()
+        whole = hashlib.sha256()  # of the bytes sent, in order: must be the encode's
 
         def send(number: int, body: bytes) -> Part:
             # Hashed on the part's own thread: hashlib lets go of the GIL, parts hash at once.
@@ -218,9 +235,8 @@ class S3Store:
                     parts.append(pending.popleft().result())
                 body = os.pread(fd, min(self.part_bytes, size - at), at)
                 if not body:
-                    raise StoreError(
-                        "the encoded file shrank before its upload", code="upload_failed"
-                    )
+                    raise _changed()
+                whole.update(body)
                 pending.append(self._parts.submit(send, number, body))
                 del body
             while pending:
@@ -232,6 +248,8 @@ class S3Store:
                 if not future.cancelled():
                     future.exception()  # wait: no part may land after the abort
         check()
+        if whole.hexdigest() != sha256:
+            raise _changed()  # the caller aborts: no object
         try:
             answer = client.complete_multipart_upload(
                 Bucket=url.bucket,

@@ -11,9 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +26,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.support.identity import NOBODY, as_nobody
 from tests.support.media import make_clip, reference_mp4
 from tests.support.objstore import (
     KEY_ID,
@@ -35,7 +38,7 @@ from tests.support.objstore import (
     proxy_to,
     store_env,
 )
-from tests.support.processes import framewire_temps
+from tests.support.processes import SPOOL, framewire_temps
 from tests.support.segments import Segments
 from tests.support.worker import Worker, Workers
 
@@ -407,3 +410,78 @@ def test_an_upload_holds_no_cpu_slot_while_it_waits(workers, moto, proxy, segmen
     thread.join(timeout=60)
     assert answer and answer[0].status_code == 200, answer[0].text
     assert moto.leftovers(BUCKET) == (["ok/held.mp4"], [])
+
+
+def _squat(spool: Path, kind: str) -> None:
+    """What another local user who may write the output root puts at the spool's name."""
+    if kind == "directory":
+        os.mkdir(spool)
+        os.chmod(spool, 0o777)
+    elif kind == "file":
+        spool.write_bytes(b"")
+    else:
+        os.symlink("/tmp", spool)
+
+
+@pytest.fixture
+def open_base() -> Iterator[Path]:
+    """A worker's base directory that other local users can reach (pytest's is 0700)."""
+    base = Path(tempfile.mkdtemp(prefix="framewire-spool-"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("kind", ["directory", "file", "link"])
+def test_a_spool_made_by_another_user_is_refused_and_left_alone(
+    workers, moto, proxy, segments, open_base, kind
+):
+    w = workers.start(*ARGS, root=open_base, env=store_env(proxy.endpoint))
+    w.outputs.chmod(0o777)  # another local user may write the output root
+    spool = w.outputs / SPOOL
+    assert as_nobody(_squat, spool, kind) is None
+    for path in (f"s3://{BUCKET}/ok/squat.mp4", "memory://squat.mp4"):
+        r, _ = encode(w, segments, path, SMALL)
+        assert r.status_code == 503, r.text
+        assert r.json()["code"] == "spool_not_private"
+    assert spool.lstat().st_uid == NOBODY
+    assert kind != "directory" or list(spool.iterdir()) == []  # nothing of ours went in
+    assert proxy.seen == [] and moto.leftovers(BUCKET) == ([], [])
+    # Once it is gone the worker makes its own, and serves.
+    (spool.rmdir if kind == "directory" else spool.unlink)()
+    r, _ = encode(w, segments, f"s3://{BUCKET}/ok/squat.mp4", SMALL)
+    assert r.status_code == 200, r.text
+    st = spool.lstat()
+    assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700
+    assert_nothing_left_but(moto, w, ["ok/squat.mp4"])
+
+
+def assert_nothing_left_but(moto: Moto, w: Worker, keys: list[str]) -> None:
+    assert moto.leftovers(BUCKET) == (keys, [])
+    assert framewire_temps(w.outputs) == []
+
+
+def test_the_bytes_uploaded_are_the_bytes_encoded_or_nothing_is_stored(
+    workers, moto, proxy, segments
+):
+    # The spooled file changes in place while its parts go out (only the worker's own
+    # uid can do that now): the upload must not complete with other bytes.
+    # Parts of 1 KiB, the first one held: the last part is read once it is let go.
+    w = workers.start(*ARGS, "--store-timeout-s", "10", "--upload-part-bytes", "1024",
+                      env=store_env(proxy.endpoint))  # fmt: skip
+    proxy.plan = lambda m, t, n: "stall" if part_number(t) == 1 else "pass"
+    thread, answer = _upload_in_background(w, segments, "ok/changed.mp4")
+    _wait_for_part(proxy, 1)
+    [spooled] = (w.outputs / SPOOL).iterdir()
+    with open(spooled, "r+b") as f:
+        f.seek(-8, os.SEEK_END)
+        f.write(b"ATTACKER")
+    proxy.plan = lambda m, t, n: "pass"
+    proxy.release.set()
+    thread.join(timeout=60)
+    assert answer, "no answer"
+    assert answer[0].status_code == 502, answer[0].text
+    assert answer[0].json()["outputs"][0]["error"]["code"] == "upload_failed"
+    assert proxy.count("POST", "uploadId=") == 0  # never completed
+    assert proxy.count("DELETE", "uploadId=") == 1
+    assert_nothing_left(moto, w)
