@@ -64,6 +64,17 @@ def _changed() -> StoreError:
     )
 
 
+def _field(answer: dict[str, Any], name: str, op: str) -> str:
+    """``name`` of a successful answer: a store (or something posing as one) that leaves
+    it out answered nothing an upload can go on with."""
+    value = answer.get(name)
+    if not isinstance(value, str) or not value:
+        raise StoreError(
+            f"the object store answered {op} without its {name}", code="store_bad_answer"
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class Uploaded:
     parts: int  # 0: one PUT
@@ -189,7 +200,7 @@ class S3Store:
             )
         except Exception as exc:
             raise store_error(exc, "CreateMultipartUpload") from None
-        upload_id = started["UploadId"]
+        upload_id = _field(started, "UploadId", "CreateMultipartUpload")
         try:
             return self._parts_of(client, fd, size, sha256, url, upload_id, check)
         except BaseException:
@@ -225,7 +236,8 @@ class S3Store:
                 )
             except Exception as exc:
                 raise store_error(exc, "UploadPart") from None
-            entry = {"PartNumber": number, "ETag": answer["ETag"], "ChecksumSHA256": _b64(sha)}
+            etag = _field(answer, "ETag", "UploadPart")
+            entry = {"PartNumber": number, "ETag": etag, "ChecksumSHA256": _b64(sha)}
             return entry, sha, md5
 
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -75,7 +76,7 @@ def sworker(proxy: Proxy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 @pytest.fixture(autouse=True)
 def fresh(proxy: Proxy, moto: Moto) -> Iterator[None]:
     """Every test starts with a proxy that passes everything and an empty bucket."""
-    proxy.plan, proxy.seen[:] = (lambda m, t, n: "pass"), []
+    proxy.plan, proxy.seen[:], proxy.trickled[:] = (lambda m, t, n: "pass"), [], []
     proxy.release.clear()
     yield
     proxy.release.set()
@@ -485,3 +486,50 @@ def test_the_bytes_uploaded_are_the_bytes_encoded_or_nothing_is_stored(
     assert proxy.count("POST", "uploadId=") == 0  # never completed
     assert proxy.count("DELETE", "uploadId=") == 1
     assert_nothing_left(moto, w)
+
+
+def _without_upload_id(answer):
+    status, headers, body = answer
+    return status, headers, re.sub(rb"<UploadId>[^<]*</UploadId>", b"", body)
+
+
+def _without_etag(answer):
+    status, headers, body = answer
+    return status, [(k, v) for k, v in headers if k.lower() != "etag"], body
+
+
+def _html(answer):
+    return 200, [("Content-Type", "text/html")], b"<html><body><p>Welcome</p></body></html>"
+
+
+@pytest.mark.parametrize(
+    ("edit", "what"),
+    [
+        (_without_upload_id, "create"),
+        (_html, "create"),
+        (_without_etag, "part"),
+        (_html, "part"),
+    ],
+)
+def test_a_store_answering_without_what_it_must_is_a_store_code(
+    sworker, moto, proxy, segments, edit, what
+):
+    def plan(method: str, target: str, n: int):
+        create = method == "POST" and target.endswith("?uploads")
+        return edit if (create if what == "create" else part_number(target) == 1) else "pass"
+
+    proxy.plan = plan
+    r, _ = encode(sworker, segments, f"s3://{BUCKET}/ok/odd.mp4", LONG)
+    assert r.status_code == 502, r.text
+    assert r.json()["outputs"][0]["error"]["code"] == "store_bad_answer"
+    keys, uploads = moto.leftovers(BUCKET)
+    assert keys == []
+    if what == "part":  # the upload the worker knows of is aborted
+        assert uploads == [] and proxy.count("DELETE", "uploadId=") == 1
+    else:  # one it was never told of is the bucket's lifecycle rule's
+        c = moto.client()
+        for upload in c.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []):
+            c.abort_multipart_upload(Bucket=BUCKET, Key=upload["Key"], UploadId=upload["UploadId"])
+    assert framewire_temps(sworker.outputs) == []
+    ok, _ = encode(sworker, segments, "after-odd.mp4", SMALL)
+    assert ok.status_code == 200, ok.text
