@@ -93,7 +93,8 @@ Answer = tuple[int, list[tuple[str, str]], bytes]
 Edit = Callable[[Answer], Answer]
 
 # What the proxy does with a request: "pass", "reset" (close without an answer), "stall"
-# (never answer), "trickle" (pass, but send the answer one byte a second until released),
+# (never answer), "trickle" (answer 200 itself, one byte a second until released, storing
+# nothing),
 # an HTTP status to answer with, or an Edit of the store's answer.
 Plan = Callable[[str, str, int], "str | int | Edit"]
 
@@ -149,6 +150,9 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
                 self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
                 return
+            if action == "trickle":
+                self._trickle(b'HTTP/1.1 200 OK\r\nETag: "0"\r\nContent-Length: 0\r\n\r\n')
+                return
             if action == "stall":
                 proxy.release.wait(60)
                 self.close_connection = True
@@ -178,9 +182,6 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
                 if k.lower() not in ("content-length", "connection", "transfer-encoding"):
                     self.send_header(k, v)
             self.send_header("Content-Length", str(len(data)))
-            if action == "trickle":
-                self._trickle(b"".join(self._headers_buffer) + b"\r\n" + data)
-                return
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
@@ -188,7 +189,6 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
         def _trickle(self, answer: bytes) -> None:
             """The whole answer, one byte a second, until the worker hangs up or the
             test lets go; the time it ended is noted."""
-            self._headers_buffer = []
             self.close_connection = True
             try:
                 for byte in answer:

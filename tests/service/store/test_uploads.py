@@ -533,3 +533,76 @@ def test_a_store_answering_without_what_it_must_is_a_store_code(
     assert framewire_temps(sworker.outputs) == []
     ok, _ = encode(sworker, segments, "after-odd.mp4", SMALL)
     assert ok.status_code == 200, ok.text
+
+
+def _trickle_puts(method: str, target: str, n: int) -> str:
+    return "trickle" if method == "PUT" else "pass"
+
+
+def test_a_store_that_trickles_its_answer_is_timed_out(workers, moto, proxy, segments):
+    # One byte a second: each read gets its byte within the 2 s timeout, the answer never
+    # comes whole. Each attempt is bounded as a whole: 2 attempts of ~2 s, with backoff.
+    w = workers.start(*ARGS, "--store-timeout-s", "2", env=store_env(proxy.endpoint))
+    proxy.plan = _trickle_puts
+    clip = make_clip(*SMALL)
+    body = {"outputs": [{"source": segments.source(clip), "path": f"s3://{BUCKET}/ok/drip.mp4",
+                         "fps": 24}]}  # fmt: skip
+    t0 = time.monotonic()
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(w.uds)), timeout=30) as h:
+        r = h.post("http://framewire/v1/videos:encode", json=body)
+    assert r.status_code == 504, r.text
+    assert r.json()["outputs"][0]["error"]["code"] == "store_timeout"
+    assert time.monotonic() - t0 < 15
+    assert proxy.count("PUT", "ok/drip.mp4") == 2  # --store-attempts 2
+    proxy.release.set()
+    assert_nothing_left(moto, w)
+    ok, _ = encode(w, segments, "after-drip.mp4", SMALL)
+    assert ok.status_code == 200, ok.text
+
+
+def _wait_for_put(proxy: Proxy) -> None:
+    deadline = time.monotonic() + 30
+    while proxy.count("PUT", "ok/") == 0:
+        assert time.monotonic() < deadline, "the upload never started"
+        time.sleep(0.02)
+
+
+def test_a_trickling_upload_stops_when_its_caller_leaves(workers, moto, proxy, segments):
+    w = workers.start(*ARGS, "--store-timeout-s", "60", env=store_env(proxy.endpoint))
+    proxy.plan = _trickle_puts
+    clip = make_clip(*SMALL)
+    body = {"outputs": [{"source": segments.source(clip), "path": f"s3://{BUCKET}/ok/left.mp4",
+                         "fps": 24}]}  # fmt: skip
+    transport = httpx.HTTPTransport(uds=str(w.uds))
+    with httpx.Client(transport=transport, timeout=4) as h, pytest.raises(httpx.ReadTimeout):
+        h.post("http://framewire/v1/videos:encode", json=body)  # gives up after 4 s
+    deadline = time.monotonic() + 15
+    while not proxy.trickled:  # the worker hangs up on the store: the trickle ends
+        assert time.monotonic() < deadline, "the upload went on after its caller left"
+        time.sleep(0.1)
+    assert proxy.count("PUT", "ok/left.mp4") == 1  # stopped, not retried
+    assert_nothing_left(moto, w)
+    ok, _ = encode(w, segments, "after-left.mp4", SMALL)
+    assert ok.status_code == 200, ok.text
+
+
+def test_sigterm_stops_a_trickling_upload_past_the_grace(workers, moto, proxy, segments):
+    w = workers.start(*ARGS, "--store-timeout-s", "60", "--shutdown-grace", "3",
+                      env=store_env(proxy.endpoint))  # fmt: skip
+    proxy.plan = _trickle_puts
+    answer: list[httpx.Response] = []
+    thread = threading.Thread(
+        target=lambda: answer.append(encode(w, segments, f"s3://{BUCKET}/ok/term.mp4", SMALL)[0])
+    )
+    thread.start()
+    _wait_for_put(proxy)
+    w.proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    try:
+        code = w.proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        code = None
+    assert code == 0, f"the worker still ran {time.monotonic() - t0:.0f} s after SIGTERM"
+    thread.join(timeout=30)
+    assert answer and answer[0].status_code == 503, answer
+    assert_nothing_left(moto, w)
