@@ -474,6 +474,7 @@ def test_the_bytes_uploaded_are_the_bytes_encoded_or_nothing_is_stored(
     thread, answer = _upload_in_background(w, segments, "ok/changed.mp4")
     _wait_for_part(proxy, 1)
     [spooled] = (w.outputs / SPOOL).iterdir()
+    assert spooled.stat().st_size > 4 * 1024  # 5 parts or more: 4 go out before part 1 ends
     with open(spooled, "r+b") as f:
         f.seek(-8, os.SEEK_END)
         f.write(b"ATTACKER")
