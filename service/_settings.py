@@ -87,7 +87,8 @@ class Settings(BaseSettings):
     output_urls: CommaList = Field(default_factory=list)
     # Uploads of this size or more go multipart, in parts of this size (S3: >= 5 MiB).
     upload_part_bytes: int = Field(default=8 << 20, ge=1024, le=5 << 30)
-    # A request to the object store that gets no answer this long is a timeout.
+    # An attempt at a request to the object store that takes longer as a whole (plus its
+    # body's time at _store/deadline.MIN_RATE) is cut: a timeout.
     store_timeout_s: float = Field(default=30.0, gt=0)
     # Attempts per request to the object store (backoff with jitter between them).
     store_attempts: int = Field(default=4, ge=1, le=20)

@@ -182,7 +182,9 @@ class EncodeJobs:
             # The CPU slots are free again: the upload waits on the network.
             try:
                 presign_s = job.spec.presign_s
-                result = await self.uploads.deliver(result, job.path, job.url, presign_s, cancel)
+                result = await self.uploads.deliver(
+                    result, job.directory, job.path.name, job.url, presign_s, cancel
+                )
             except Cancelled:
                 raise
             except FramewireError as exc:

@@ -44,7 +44,7 @@ from framewire.service._sources.audio_store import AudioStore
 from framewire.service._sources.frames import FileSource, FrameSource, Geometry, MappedSource
 from framewire.service._sources.regions import CudaRegion, FdRegion, RegionRegistry, SystemRegion
 from framewire.service._sources.shm import open_shm
-from framewire.service._store.spool import discard
+from framewire.service._store.spool import discard, open_spool
 
 if TYPE_CHECKING:
     from framewire.service._sources.cuda_ipc import CudaRuntime
@@ -136,7 +136,6 @@ class Preparer:
             url, path = target
             if isinstance(url, ObjectUrl):  # a memory output is its request's alone
                 self.claims.claim_url(url, stack)
-            stack.push_async_callback(asyncio.to_thread, discard, path)  # whatever happens
         else:
             # Off the event loop: judging paths is the filesystem's time.
             path = await asyncio.to_thread(self._judge_path, options.path, access)
@@ -245,14 +244,22 @@ class Preparer:
 
     async def place(self, job: Prepared, stack: contextlib.AsyncExitStack) -> None:
         """Make and open the output's directory and claim its name (all judged before)."""
-        job.directory = await self.place_at(job.path, job.made, stack)
+        job.directory = await self.place_at(job.path, job.made, stack, spooled=job.url is not None)
 
-    async def place_at(self, path: Path, made: list[Path], stack: contextlib.AsyncExitStack) -> int:
+    async def place_at(
+        self, path: Path, made: list[Path], stack: contextlib.AsyncExitStack, *, spooled: bool
+    ) -> int:
         """The directory of ``path`` made (``made`` lists what was) and opened, its name
-        claimed; both released with ``stack``."""
+        claimed; both released with ``stack``. A ``spooled`` output's directory is the
+        worker's spool, checked as it is opened, and its file is removed with ``stack``."""
         roots = self.settings.output_roots
-        directory = await asyncio.to_thread(open_output_dir, path, roots, made)
+        if spooled:
+            directory = await asyncio.to_thread(open_spool, roots)
+        else:
+            directory = await asyncio.to_thread(open_output_dir, path, roots, made)
         stack.callback(os.close, directory)
+        if spooled:  # whatever happens, before the fd is closed
+            stack.push_async_callback(asyncio.to_thread, discard, directory, path.name)
         self.claims.claim(directory, path.name, stack)
         return directory
 

@@ -23,13 +23,14 @@ _BUSY = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeTooSkewed"
 _DIGEST = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"}
 
 
-def store_error(exc: Exception, op: str) -> FramewireError:
-    """The error a failed ``op`` (after its retries) is answered with."""
+def store_error(exc: Exception, op: str, *, late: bool = False) -> FramewireError:
+    """The error a failed ``op`` (after its retries) is answered with; ``late``: its last
+    attempt was cut at its deadline (``deadline``), whatever the connection then raised."""
     from botocore import exceptions as bx
 
     if isinstance(exc, FramewireError):
         return exc
-    if isinstance(exc, bx.ReadTimeoutError | bx.ConnectTimeoutError):
+    if late or isinstance(exc, bx.ReadTimeoutError | bx.ConnectTimeoutError):
         return Stalled(f"the object store did not answer {op} in time", code="store_timeout")
     if isinstance(exc, bx.NoCredentialsError | bx.PartialCredentialsError):
         return StoreError(

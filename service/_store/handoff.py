@@ -21,7 +21,6 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 
 from framewire.core.errors import BadRequest, NotFound
 from framewire.core.media.argv import OUTPUT_EXTENSIONS
@@ -73,21 +72,17 @@ class Handoffs:
         self._held: OrderedDict[str, _Held] = OrderedDict()
         self._lock = threading.Lock()
 
-    def hold(self, local: Path, name: str) -> tuple[str, int]:
-        """Copy the finished file at ``local`` into a sealed memfd; returns (ticket, size)."""
+    def hold(self, src: int, name: str) -> tuple[str, int]:
+        """Copy the finished file open at ``src`` into a sealed memfd; returns (ticket, size)."""
         fd = os.memfd_create(f"framewire-output:{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            src = os.open(local, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                size = os.fstat(src).st_size
-                copied = 0
-                while copied < size:  # in the kernel, no copy through this process
-                    n = os.sendfile(fd, src, copied, size - copied)
-                    if n == 0:
-                        raise OSError("the spooled output shrank while it was copied")
-                    copied += n
-            finally:
-                os.close(src)
+            size = os.fstat(src).st_size
+            copied = 0
+            while copied < size:  # in the kernel, no copy through this process
+                n = os.sendfile(fd, src, copied, size - copied)
+                if n == 0:
+                    raise OSError("the spooled output shrank while it was copied")
+                copied += n
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         except BaseException:
             os.close(fd)

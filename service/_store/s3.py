@@ -1,7 +1,10 @@
 """Uploads to an S3-compatible store with boto3: one PUT, or a multipart upload.
 
-Two checks that the object's bytes are the file's, both against what the store
-itself computed or verified:
+The bytes sent are read from one open file and hashed as they are read: unless
+they hash to the sha256 the encode reported, nothing is stored (a single PUT is
+not sent, a multipart upload is aborted before it completes) and the upload fails
+with ``upload_failed``. Then two checks that the object's bytes are those sent,
+both against what the store itself computed or verified:
 
 - Every request carries the SHA-256 of its bytes (``x-amz-checksum-sha256``):
   a single PUT's is the whole object's, the very sha256 the result reports, and
@@ -32,14 +35,14 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from framewire.core.errors import StoreError, Unavailable
+from framewire.core.errors import Cancelled, FramewireError, StoreError, Unavailable
 from framewire.service._access.urls import ObjectUrl
 from framewire.service._settings import Settings
+from framewire.service._store.deadline import Deadlines
 from framewire.service._store.faults import store_error
 
 PARTS_IN_FLIGHT = 4
@@ -53,6 +56,28 @@ def _custom_endpoint() -> bool:
 
 def _b64(digest: bytes) -> str:
     return base64.b64encode(digest).decode()
+
+
+def _check(cancel: threading.Event, url: ObjectUrl) -> None:
+    if cancel.is_set():
+        raise Cancelled(f"the upload to {url} was stopped")
+
+
+def _changed() -> StoreError:
+    return StoreError(
+        "the spooled file is not what was encoded; nothing was stored", code="upload_failed"
+    )
+
+
+def _field(answer: dict[str, Any], name: str, op: str) -> str:
+    """``name`` of a successful answer: a store (or something posing as one) that leaves
+    it out answered nothing an upload can go on with."""
+    value = answer.get(name)
+    if not isinstance(value, str) or not value:
+        raise StoreError(
+            f"the object store answered {op} without its {name}", code="store_bad_answer"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -71,6 +96,7 @@ class S3Store:
         self._client: Any = None
         self._lock = threading.Lock()
         self._parts = ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="framewire-part")
+        self._deadlines = Deadlines(settings.store_timeout_s)
 
     def client(self) -> Any:
         with self._lock:
@@ -108,9 +134,11 @@ class S3Store:
         )
         # Endpoint, region and credentials: the standard AWS variables and files.
         try:
-            return boto3.session.Session().client("s3", config=config)
+            client = boto3.session.Session().client("s3", config=config)
         except Exception as exc:
-            raise store_error(exc, "connecting") from None
+            raise self._failed(exc, "connecting") from None
+        self._deadlines.install(client)
+        return client
 
     def presign(self, url: ObjectUrl, seconds: int) -> str:
         """An HTTPS (or the endpoint's scheme) GET URL of the object, valid ``seconds``."""
@@ -121,18 +149,24 @@ class S3Store:
                 )
             )
         except Exception as exc:
-            raise store_error(exc, "presigning") from None
+            raise self._failed(exc, "presigning") from None
 
     def upload(
-        self, fd: int, size: int, sha256: str, url: ObjectUrl, check: Callable[[], None]
+        self, fd: int, size: int, sha256: str, url: ObjectUrl, cancel: threading.Event
     ) -> Uploaded:
         """The ``size`` bytes of ``fd`` stored at ``url``; ``sha256`` (hex) is what they
-        must hash to. ``check`` raises to stop (cancelled): nothing is left stored."""
+        must hash to. ``cancel`` set stops it (``Cancelled``), also in the middle of a
+        request: nothing is left stored (the abort and delete that ensure it are not
+        stopped, only bounded)."""
         client = self.client()
         kind = {"ContentType": CONTENT_TYPES.get(url.suffix, "application/octet-stream")}
         if size < self.part_bytes:
-            return self._put(client, fd, size, sha256, url, kind, check)
-        return self._multipart(client, fd, size, url, kind, check)
+            return self._put(client, fd, size, sha256, url, kind, cancel)
+        return self._multipart(client, fd, size, sha256, url, kind, cancel)
+
+    def _failed(self, exc: Exception, op: str) -> FramewireError:
+        """What a failed request of this thread is answered with."""
+        return store_error(exc, op, late=self._deadlines.timed_out())
 
     def _put(
         self,
@@ -142,19 +176,20 @@ class S3Store:
         sha256: str,
         url: ObjectUrl,
         kind: dict[str, str],
-        check: Callable[[], None],
+        cancel: threading.Event,
     ) -> Uploaded:
-        check()
+        _check(cancel, url)
         body = os.pread(fd, size, 0)  # below the part size: bounded
-        if len(body) != size:
-            raise StoreError("the encoded file changed before its upload", code="upload_failed")
+        if len(body) != size or hashlib.sha256(body).hexdigest() != sha256:
+            raise _changed()
         want = _b64(bytes.fromhex(sha256))
         try:
-            answer = client.put_object(
-                Bucket=url.bucket, Key=url.key, Body=body, ChecksumSHA256=want, **kind
-            )
+            with self._deadlines.stopped_by(cancel):
+                answer = client.put_object(
+                    Bucket=url.bucket, Key=url.key, Body=body, ChecksumSHA256=want, **kind
+                )
         except Exception as exc:
-            raise store_error(exc, "PutObject") from None
+            raise self._failed(exc, "PutObject") from None
         self._verify(client, url, answer, want, hashlib.md5(body).hexdigest())
         return Uploaded(0, want)
 
@@ -163,20 +198,22 @@ class S3Store:
         client: Any,
         fd: int,
         size: int,
+        sha256: str,
         url: ObjectUrl,
         kind: dict[str, str],
-        check: Callable[[], None],
+        cancel: threading.Event,
     ) -> Uploaded:
-        check()
+        _check(cancel, url)
         try:
-            started = client.create_multipart_upload(
-                Bucket=url.bucket, Key=url.key, ChecksumAlgorithm="SHA256", **kind
-            )
+            with self._deadlines.stopped_by(cancel):
+                started = client.create_multipart_upload(
+                    Bucket=url.bucket, Key=url.key, ChecksumAlgorithm="SHA256", **kind
+                )
         except Exception as exc:
-            raise store_error(exc, "CreateMultipartUpload") from None
-        upload_id = started["UploadId"]
+            raise self._failed(exc, "CreateMultipartUpload") from None
+        upload_id = _field(started, "UploadId", "CreateMultipartUpload")
         try:
-            return self._parts_of(client, fd, size, url, upload_id, check)
+            return self._parts_of(client, fd, size, sha256, url, upload_id, cancel)
         except BaseException:
             self._abort(client, url, upload_id)
             raise
@@ -186,41 +223,44 @@ class S3Store:
         client: Any,
         fd: int,
         size: int,
+        sha256: str,
         url: ObjectUrl,
         upload_id: str,
-        check: Callable[[], None],
+        cancel: threading.Event,
     ) -> Uploaded:
         Part = tuple[dict[str, Any], bytes, bytes]  # (what Complete lists, sha256, md5)
         parts: list[Part] = []
         pending: deque[Future[Part]] = deque()
+        whole = hashlib.sha256()  # of the bytes sent, in order: must be the encode's
 
         def send(number: int, body: bytes) -> Part:
             # Hashed on the part's own thread: hashlib lets go of the GIL, parts hash at once.
             sha, md5 = hashlib.sha256(body).digest(), hashlib.md5(body).digest()
             try:
-                answer = client.upload_part(
-                    Bucket=url.bucket,
-                    Key=url.key,
-                    UploadId=upload_id,
-                    PartNumber=number,
-                    Body=body,
-                    ChecksumSHA256=_b64(sha),
-                )
+                with self._deadlines.stopped_by(cancel):  # on this part's own thread
+                    answer = client.upload_part(
+                        Bucket=url.bucket,
+                        Key=url.key,
+                        UploadId=upload_id,
+                        PartNumber=number,
+                        Body=body,
+                        ChecksumSHA256=_b64(sha),
+                    )
             except Exception as exc:
-                raise store_error(exc, "UploadPart") from None
-            entry = {"PartNumber": number, "ETag": answer["ETag"], "ChecksumSHA256": _b64(sha)}
+                raise self._failed(exc, "UploadPart") from None
+            etag = _field(answer, "ETag", "UploadPart")
+            entry = {"PartNumber": number, "ETag": etag, "ChecksumSHA256": _b64(sha)}
             return entry, sha, md5
 
         try:
             for number, at in enumerate(range(0, size, self.part_bytes), start=1):
-                check()
+                _check(cancel, url)
                 while len(pending) >= PARTS_IN_FLIGHT:
                     parts.append(pending.popleft().result())
                 body = os.pread(fd, min(self.part_bytes, size - at), at)
                 if not body:
-                    raise StoreError(
-                        "the encoded file shrank before its upload", code="upload_failed"
-                    )
+                    raise _changed()
+                whole.update(body)
                 pending.append(self._parts.submit(send, number, body))
                 del body
             while pending:
@@ -231,16 +271,19 @@ class S3Store:
             for future in pending:
                 if not future.cancelled():
                     future.exception()  # wait: no part may land after the abort
-        check()
+        _check(cancel, url)
+        if whole.hexdigest() != sha256:
+            raise _changed()  # the caller aborts: no object
         try:
-            answer = client.complete_multipart_upload(
-                Bucket=url.bucket,
-                Key=url.key,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": [entry for entry, _, _ in parts]},
-            )
+            with self._deadlines.stopped_by(cancel):
+                answer = client.complete_multipart_upload(
+                    Bucket=url.bucket,
+                    Key=url.key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": [entry for entry, _, _ in parts]},
+                )
         except Exception as exc:
-            raise store_error(exc, "CompleteMultipartUpload") from None
+            raise self._failed(exc, "CompleteMultipartUpload") from None
         n = len(parts)
         want = f"{_b64(hashlib.sha256(b''.join(sha for _, sha, _ in parts)).digest())}-{n}"
         etag = f"{hashlib.md5(b''.join(md5 for _, _, md5 in parts)).hexdigest()}-{n}"
@@ -270,14 +313,15 @@ class S3Store:
             # The store is gone: its lifecycle rule (AbortIncompleteMultipartUpload) is
             # what takes the parts back then; say so without the store's words.
             log.warning(
-                "could not abort the multipart upload to %s: %s", url, store_error(exc, "abort")
+                "could not abort the multipart upload to %s: %s", url, self._failed(exc, "abort")
             )
 
     def _delete(self, client: Any, url: ObjectUrl) -> None:
         try:
             client.delete_object(Bucket=url.bucket, Key=url.key)
         except Exception as exc:
-            raise store_error(exc, "DeleteObject") from None
+            raise self._failed(exc, "DeleteObject") from None
 
     def close(self) -> None:
         self._parts.shutdown(wait=True, cancel_futures=True)
+        self._deadlines.close()

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from framewire.core.errors import Cancelled, FramewireError
+from framewire.core.errors import FramewireError
 from framewire.core.wire import OutputResult
 from framewire.service._access.urls import ObjectUrl, judge_url
 from framewire.service._ops.threads import in_thread
@@ -53,49 +53,56 @@ class Uploads:
     async def deliver(
         self,
         result: OutputResult,
-        local: Path,
+        spool: int,
+        name: str,
         url: Target,
         presign_s: int | None,
         cancel: threading.Event,
     ) -> OutputResult:
-        """The result once the encoded ``local`` file is stored at ``url`` (raises what
-        failed: nothing stored); ``local`` is removed either way."""
+        """The result once the encoded file ``name`` in the spool open at ``spool`` is
+        stored at ``url`` (raises what failed: nothing stored); it is removed either way.
+        The file is reached through the spool's fd, never by path."""
         if isinstance(url, MemoryTarget):
-            return await self._hold(result, local, url)
+            return await self._hold(result, spool, name, url)
         t0 = time.perf_counter()
         try:
-            await in_thread(self.pool, cancel, self._upload, local, result, url, cancel)
+            await in_thread(self.pool, cancel, self._upload, spool, name, result, url, cancel)
             presigned = None
             if presign_s is not None:
                 presigned = await asyncio.to_thread(self.store.presign, url, presign_s)
         finally:
-            await asyncio.to_thread(discard, local)
+            await asyncio.to_thread(discard, spool, name)
         result.path = result.url = str(url)
         result.presigned_url = presigned
         result.timings.upload_ms = (time.perf_counter() - t0) * 1e3
         result.timings.finished_at = time.time()
         return result
 
-    async def _hold(self, result: OutputResult, local: Path, url: MemoryTarget) -> OutputResult:
+    async def _hold(
+        self, result: OutputResult, spool: int, name: str, url: MemoryTarget
+    ) -> OutputResult:
         try:
-            result.handoff, _ = await asyncio.to_thread(self.handoffs.hold, local, url.name)
+            result.handoff, _ = await asyncio.to_thread(self._hold_file, spool, name, url.name)
         finally:
-            await asyncio.to_thread(discard, local)
+            await asyncio.to_thread(discard, spool, name)
         result.path = result.url = str(url)
         result.timings.finished_at = time.time()
         return result
 
-    def _upload(
-        self, local: Path, result: OutputResult, url: ObjectUrl, cancel: threading.Event
-    ) -> Uploaded:
-        def check() -> None:
-            if cancel.is_set():
-                raise Cancelled(f"the upload to {url} was stopped")
-
-        assert result.bytes is not None and result.sha256 is not None
-        fd = os.open(local, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    def _hold_file(self, spool: int, name: str, shown: str) -> tuple[str, int]:
+        fd = _open_spooled(spool, name)
         try:
-            return self.store.upload(fd, result.bytes, result.sha256, url, check)
+            return self.handoffs.hold(fd, shown)
+        finally:
+            os.close(fd)
+
+    def _upload(
+        self, spool: int, name: str, result: OutputResult, url: ObjectUrl, cancel: threading.Event
+    ) -> Uploaded:
+        assert result.bytes is not None and result.sha256 is not None
+        fd = _open_spooled(spool, name)
+        try:
+            return self.store.upload(fd, result.bytes, result.sha256, url, cancel)
         finally:
             os.close(fd)
 
@@ -110,3 +117,7 @@ class Uploads:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.store.close()
         self.handoffs.close()
+
+
+def _open_spooled(spool: int, name: str) -> int:
+    return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=spool)

@@ -97,7 +97,7 @@ class Sessions:
                     "live view: open the stream without live, or with an ffmpeg profile",
                     code="live_unsupported",
                 )
-            directory = await prepare.place_at(path, made, stack)
+            directory = await prepare.place_at(path, made, stack, spooled=url is not None)
         except BaseException:
             await stack.aclose()
             remove_made(made)
@@ -286,7 +286,12 @@ class Sessions:
                 if session.url is not None:
                     await session.admission.aclose()  # the upload needs no CPU slots
                     result = await self.resources.uploads.deliver(
-                        result, session.path, session.url, session.spec.presign_s, session.cancel
+                        result,
+                        session.directory,
+                        session.path.name,
+                        session.url,
+                        session.spec.presign_s,
+                        session.cancel,
                     )
             except asyncio.CancelledError as exc:
                 await self._end_by(session, exc)

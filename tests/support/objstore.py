@@ -87,9 +87,16 @@ def moto_server(**env: str) -> Iterator[Moto]:
         proc.wait(timeout=10)
 
 
+# What the proxy does with the store's answer before it sends it on: (status, headers, body)
+# in, the same out.
+Answer = tuple[int, list[tuple[str, str]], bytes]
+Edit = Callable[[Answer], Answer]
+
 # What the proxy does with a request: "pass", "reset" (close without an answer), "stall"
-# (never answer), or an HTTP status to answer with.
-Plan = Callable[[str, str, int], "str | int"]
+# (never answer), "trickle" (answer 200 itself, one byte a second until released, storing
+# nothing),
+# an HTTP status to answer with, or an Edit of the store's answer.
+Plan = Callable[[str, str, int], "str | int | Edit"]
 
 
 def part_number(target: str) -> int:
@@ -98,7 +105,7 @@ def part_number(target: str) -> int:
     return int(query["partNumber"][0]) if "partNumber" in query else 0
 
 
-def always_pass(method: str, target: str, n: int) -> str | int:
+def always_pass(method: str, target: str, n: int) -> str | int | Edit:
     return "pass"
 
 
@@ -109,6 +116,7 @@ class Proxy:
     upstream: str
     plan: Plan = always_pass
     seen: list[tuple[str, str]] = field(default_factory=list)
+    trickled: list[float] = field(default_factory=list)  # when each trickled answer ended
     server: ThreadingHTTPServer | None = None
     release: threading.Event = field(default_factory=threading.Event)
 
@@ -142,6 +150,9 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
                 self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
                 return
+            if action == "trickle":
+                self._trickle(b'HTTP/1.1 200 OK\r\nETag: "0"\r\nContent-Length: 0\r\n\r\n')
+                return
             if action == "stall":
                 proxy.release.wait(60)
                 self.close_connection = True
@@ -160,17 +171,34 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
             try:
                 conn.request(self.command, self.path, body=body, headers=headers)
                 answer = conn.getresponse()
-                data = answer.read()
+                got: Answer = (answer.status, answer.getheaders(), answer.read())
             finally:
                 conn.close()
-            self.send_response(answer.status)
-            for k, v in answer.getheaders():
+            if callable(action):
+                got = action(got)
+            status, kept, data = got
+            self.send_response(status)
+            for k, v in kept:
                 if k.lower() not in ("content-length", "connection", "transfer-encoding"):
                     self.send_header(k, v)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
+
+        def _trickle(self, answer: bytes) -> None:
+            """The whole answer, one byte a second, until the worker hangs up or the
+            test lets go; the time it ended is noted."""
+            self.close_connection = True
+            try:
+                for byte in answer:
+                    if proxy.release.wait(1):
+                        break
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+            except OSError:
+                pass
+            proxy.trickled.append(time.monotonic())
 
         do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 

@@ -7,7 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from framewire.service._store.spool import SPOOL, spool_path, sweep
+
+from tests.support.identity import NOBODY
 
 
 def test_a_dead_workers_spool_files_are_swept_and_a_live_ones_kept(tmp_path):
@@ -26,3 +29,32 @@ def test_a_dead_workers_spool_files_are_swept_and_a_live_ones_kept(tmp_path):
     assert not gone.exists() and live.exists() and other.exists()
     live.unlink()
     other.unlink()
+
+
+def _dead_pid() -> str:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return done.stdout.strip()
+
+
+@pytest.mark.parametrize("kind", ["link", "directory"])
+def test_the_start_up_sweep_leaves_a_spool_that_is_not_the_workers_own(workers, tmp_path, kind):
+    # Another user made the spool's name first: a link to elsewhere, or a directory of
+    # theirs. Files there that look spooled by a dead worker are not the worker's to remove.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    outputs = tmp_path / "w" / "outputs"
+    outputs.mkdir(parents=True)
+    spool = outputs / SPOOL
+    if kind == "link":
+        spool.symlink_to(elsewhere)
+        victim = elsewhere / f"{_dead_pid()}-{'0' * 16}.mp4"
+    else:
+        spool.mkdir(mode=0o777)
+        os.chown(spool, NOBODY, NOBODY)
+        victim = spool / f"{_dead_pid()}-{'0' * 16}.mp4"
+    victim.write_bytes(b"not the worker's")
+    w = workers.start(root=tmp_path / "w")
+    assert victim.read_bytes() == b"not the worker's"
+    assert "is not the worker's own" in w.log.read_text()
+    victim.unlink()

@@ -11,9 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +27,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.support.identity import NOBODY, as_nobody
 from tests.support.media import make_clip, reference_mp4
 from tests.support.objstore import (
     KEY_ID,
@@ -35,7 +39,7 @@ from tests.support.objstore import (
     proxy_to,
     store_env,
 )
-from tests.support.processes import framewire_temps
+from tests.support.processes import SPOOL, framewire_temps
 from tests.support.segments import Segments
 from tests.support.worker import Worker, Workers
 
@@ -72,7 +76,7 @@ def sworker(proxy: Proxy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 @pytest.fixture(autouse=True)
 def fresh(proxy: Proxy, moto: Moto) -> Iterator[None]:
     """Every test starts with a proxy that passes everything and an empty bucket."""
-    proxy.plan, proxy.seen[:] = (lambda m, t, n: "pass"), []
+    proxy.plan, proxy.seen[:], proxy.trickled[:] = (lambda m, t, n: "pass"), [], []
     proxy.release.clear()
     yield
     proxy.release.set()
@@ -407,3 +411,199 @@ def test_an_upload_holds_no_cpu_slot_while_it_waits(workers, moto, proxy, segmen
     thread.join(timeout=60)
     assert answer and answer[0].status_code == 200, answer[0].text
     assert moto.leftovers(BUCKET) == (["ok/held.mp4"], [])
+
+
+def _squat(spool: Path, kind: str) -> None:
+    """What another local user who may write the output root puts at the spool's name."""
+    if kind == "directory":
+        os.mkdir(spool)
+        os.chmod(spool, 0o777)
+    elif kind == "file":
+        spool.write_bytes(b"")
+    else:
+        os.symlink("/tmp", spool)
+
+
+@pytest.fixture
+def open_base() -> Iterator[Path]:
+    """A worker's base directory that other local users can reach (pytest's is 0700)."""
+    base = Path(tempfile.mkdtemp(prefix="framewire-spool-"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("kind", ["directory", "file", "link"])
+def test_a_spool_made_by_another_user_is_refused_and_left_alone(
+    workers, moto, proxy, segments, open_base, kind
+):
+    w = workers.start(*ARGS, root=open_base, env=store_env(proxy.endpoint))
+    w.outputs.chmod(0o777)  # another local user may write the output root
+    spool = w.outputs / SPOOL
+    assert as_nobody(_squat, spool, kind) is None
+    for path in (f"s3://{BUCKET}/ok/squat.mp4", "memory://squat.mp4"):
+        r, _ = encode(w, segments, path, SMALL)
+        assert r.status_code == 503, r.text
+        assert r.json()["code"] == "spool_not_private"
+    assert spool.lstat().st_uid == NOBODY
+    assert kind != "directory" or list(spool.iterdir()) == []  # nothing of ours went in
+    assert proxy.seen == [] and moto.leftovers(BUCKET) == ([], [])
+    # Once it is gone the worker makes its own, and serves.
+    (spool.rmdir if kind == "directory" else spool.unlink)()
+    r, _ = encode(w, segments, f"s3://{BUCKET}/ok/squat.mp4", SMALL)
+    assert r.status_code == 200, r.text
+    st = spool.lstat()
+    assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700
+    assert_nothing_left_but(moto, w, ["ok/squat.mp4"])
+
+
+def assert_nothing_left_but(moto: Moto, w: Worker, keys: list[str]) -> None:
+    assert moto.leftovers(BUCKET) == (keys, [])
+    assert framewire_temps(w.outputs) == []
+
+
+def test_the_bytes_uploaded_are_the_bytes_encoded_or_nothing_is_stored(
+    workers, moto, proxy, segments
+):
+    # The spooled file changes in place while its parts go out (only the worker's own
+    # uid can do that now): the upload must not complete with other bytes.
+    # Parts of 1 KiB, the first one held: the last part is read once it is let go.
+    w = workers.start(*ARGS, "--store-timeout-s", "10", "--upload-part-bytes", "1024",
+                      env=store_env(proxy.endpoint))  # fmt: skip
+    proxy.plan = lambda m, t, n: "stall" if part_number(t) == 1 else "pass"
+    thread, answer = _upload_in_background(w, segments, "ok/changed.mp4")
+    _wait_for_part(proxy, 1)
+    [spooled] = (w.outputs / SPOOL).iterdir()
+    assert spooled.stat().st_size > 4 * 1024  # 5 parts or more: 4 go out before part 1 ends
+    with open(spooled, "r+b") as f:
+        f.seek(-8, os.SEEK_END)
+        f.write(b"ATTACKER")
+    proxy.plan = lambda m, t, n: "pass"
+    proxy.release.set()
+    thread.join(timeout=60)
+    assert answer, "no answer"
+    assert answer[0].status_code == 502, answer[0].text
+    assert answer[0].json()["outputs"][0]["error"]["code"] == "upload_failed"
+    assert proxy.count("POST", "uploadId=") == 0  # never completed
+    assert proxy.count("DELETE", "uploadId=") == 1
+    assert_nothing_left(moto, w)
+
+
+def _without_upload_id(answer):
+    status, headers, body = answer
+    return status, headers, re.sub(rb"<UploadId>[^<]*</UploadId>", b"", body)
+
+
+def _without_etag(answer):
+    status, headers, body = answer
+    return status, [(k, v) for k, v in headers if k.lower() != "etag"], body
+
+
+def _html(answer):
+    return 200, [("Content-Type", "text/html")], b"<html><body><p>Welcome</p></body></html>"
+
+
+@pytest.mark.parametrize(
+    ("edit", "what"),
+    [
+        (_without_upload_id, "create"),
+        (_html, "create"),
+        (_without_etag, "part"),
+        (_html, "part"),
+    ],
+)
+def test_a_store_answering_without_what_it_must_is_a_store_code(
+    sworker, moto, proxy, segments, edit, what
+):
+    def plan(method: str, target: str, n: int):
+        create = method == "POST" and target.endswith("?uploads")
+        return edit if (create if what == "create" else part_number(target) == 1) else "pass"
+
+    proxy.plan = plan
+    r, _ = encode(sworker, segments, f"s3://{BUCKET}/ok/odd.mp4", LONG)
+    assert r.status_code == 502, r.text
+    assert r.json()["outputs"][0]["error"]["code"] == "store_bad_answer"
+    keys, uploads = moto.leftovers(BUCKET)
+    assert keys == []
+    if what == "part":  # the upload the worker knows of is aborted
+        assert uploads == [] and proxy.count("DELETE", "uploadId=") == 1
+    else:  # one it was never told of is the bucket's lifecycle rule's
+        c = moto.client()
+        for upload in c.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []):
+            c.abort_multipart_upload(Bucket=BUCKET, Key=upload["Key"], UploadId=upload["UploadId"])
+    assert framewire_temps(sworker.outputs) == []
+    ok, _ = encode(sworker, segments, "after-odd.mp4", SMALL)
+    assert ok.status_code == 200, ok.text
+
+
+def _trickle_puts(method: str, target: str, n: int) -> str:
+    return "trickle" if method == "PUT" else "pass"
+
+
+def test_a_store_that_trickles_its_answer_is_timed_out(workers, moto, proxy, segments):
+    # One byte a second: each read gets its byte within the 2 s timeout, the answer never
+    # comes whole. Each attempt is bounded as a whole: 2 attempts of ~2 s, with backoff.
+    w = workers.start(*ARGS, "--store-timeout-s", "2", env=store_env(proxy.endpoint))
+    proxy.plan = _trickle_puts
+    clip = make_clip(*SMALL)
+    body = {"outputs": [{"source": segments.source(clip), "path": f"s3://{BUCKET}/ok/drip.mp4",
+                         "fps": 24}]}  # fmt: skip
+    t0 = time.monotonic()
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(w.uds)), timeout=30) as h:
+        r = h.post("http://framewire/v1/videos:encode", json=body)
+    assert r.status_code == 504, r.text
+    assert r.json()["outputs"][0]["error"]["code"] == "store_timeout"
+    assert time.monotonic() - t0 < 15
+    assert proxy.count("PUT", "ok/drip.mp4") == 2  # --store-attempts 2
+    proxy.release.set()
+    assert_nothing_left(moto, w)
+    ok, _ = encode(w, segments, "after-drip.mp4", SMALL)
+    assert ok.status_code == 200, ok.text
+
+
+def _wait_for_put(proxy: Proxy) -> None:
+    deadline = time.monotonic() + 30
+    while proxy.count("PUT", "ok/") == 0:
+        assert time.monotonic() < deadline, "the upload never started"
+        time.sleep(0.02)
+
+
+def test_a_trickling_upload_stops_when_its_caller_leaves(workers, moto, proxy, segments):
+    w = workers.start(*ARGS, "--store-timeout-s", "60", env=store_env(proxy.endpoint))
+    proxy.plan = _trickle_puts
+    clip = make_clip(*SMALL)
+    body = {"outputs": [{"source": segments.source(clip), "path": f"s3://{BUCKET}/ok/left.mp4",
+                         "fps": 24}]}  # fmt: skip
+    transport = httpx.HTTPTransport(uds=str(w.uds))
+    with httpx.Client(transport=transport, timeout=4) as h, pytest.raises(httpx.ReadTimeout):
+        h.post("http://framewire/v1/videos:encode", json=body)  # gives up after 4 s
+    deadline = time.monotonic() + 15
+    while not proxy.trickled:  # the worker hangs up on the store: the trickle ends
+        assert time.monotonic() < deadline, "the upload went on after its caller left"
+        time.sleep(0.1)
+    assert proxy.count("PUT", "ok/left.mp4") == 1  # stopped, not retried
+    assert_nothing_left(moto, w)
+    ok, _ = encode(w, segments, "after-left.mp4", SMALL)
+    assert ok.status_code == 200, ok.text
+
+
+def test_sigterm_stops_a_trickling_upload_past_the_grace(workers, moto, proxy, segments):
+    w = workers.start(*ARGS, "--store-timeout-s", "60", "--shutdown-grace", "3",
+                      env=store_env(proxy.endpoint))  # fmt: skip
+    proxy.plan = _trickle_puts
+    answer: list[httpx.Response] = []
+    thread = threading.Thread(
+        target=lambda: answer.append(encode(w, segments, f"s3://{BUCKET}/ok/term.mp4", SMALL)[0])
+    )
+    thread.start()
+    _wait_for_put(proxy)
+    w.proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    try:
+        code = w.proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        code = None
+    assert code == 0, f"the worker still ran {time.monotonic() - t0:.0f} s after SIGTERM"
+    thread.join(timeout=30)
+    assert answer and answer[0].status_code == 503, answer
+    assert_nothing_left(moto, w)
