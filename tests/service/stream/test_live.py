@@ -305,3 +305,22 @@ def test_a_killed_encode_ends_its_viewers_and_leaves_nothing(worker, segments):
         assert viewer.status == 200 and _end_reason(bytes(viewer.data)) == "failed"
         assert _pipes(worker) <= pipes and metric(h, "framewire_live_viewers") == 0
     assert not (worker.outputs / "killed.mp4").exists()
+
+
+def test_a_malformed_expiry_is_a_wrong_signature(workers, worker, segments):
+    """``exp`` values ``str.isdigit`` takes and ``int`` does not (a superscript, more than
+    4300 digits) are answered as any wrong signature, with or without the token."""
+    clip = make_clip(frames=8, height=48, width=64)
+    tokened = workers.start("--token", "s3cret")
+    for w, token, refusal in (
+        (worker, None, (403, "view_url_invalid")),
+        (tokened, "s3cret", (401, "unauthorized")),
+    ):
+        with w.http(token) as h, w.http() as anonymous:
+            sid = _open(h, clip, "expiry.mp4", live=True)["id"]
+            for exp in ("\u00b2", "9" * 5000, "\u0661" * 12):
+                for route in ("live.mp4", "watch"):
+                    r = anonymous.get(f"/v1/streams/{sid}/{route}", params={"exp": exp, "sig": "0"})
+                    assert (r.status_code, r.json()["code"]) == refusal, (exp[:8], route, r.text)
+            assert h.get("/healthz").status_code == 200  # still serving
+            assert h.delete(f"/v1/streams/{sid}").status_code == 204
