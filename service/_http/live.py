@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 from framewire.core.errors import Conflict, Forbidden
-from framewire.service._http.deps import WorkerParts
+from framewire.service._access.peers import Access
+from framewire.service._http.deps import Caller, WorkerParts
 from framewire.service._http.watch_page import watch_page
 from framewire.service._parts import Parts
 from framewire.service._stream.live import LiveFeed
@@ -42,14 +43,21 @@ def watch_url_of(request: Request, parts: Parts, stream_id: str) -> str:
     return f"{base}/v1/streams/{stream_id}/watch?{query}"
 
 
-def _feed(request: Request, parts: Parts, stream_id: str) -> LiveFeed:
-    session = parts.sessions.get(stream_id)  # 404 stream_not_found, 409 stream_closed
+def _feed(request: Request, parts: Parts, caller: Access, stream_id: str) -> LiveFeed:
+    """The live view a request may watch. A signed URL is the opener's way to hand it to
+    another (a browser, another user): it opens the view to whoever holds it. Without
+    one, the view is its session's, as its other routes are: to a caller who is neither
+    the opener nor an admin it does not exist (404 ``stream_not_found``)."""
+    sessions = parts.sessions
     query = request.url.query
-    if "sig=" in query and not parts.sessions.signer.valid(stream_id, query):
+    if "sig=" not in query:
+        sessions.check_owner(stream_id, caller)
+    elif not sessions.signer.valid(stream_id, query):
         raise Forbidden(
             "the view URL's signature is wrong or has expired: ask for a new one",
             code="view_url_invalid",
         )
+    session = sessions.get(stream_id)  # 404 stream_not_found, 409 stream_closed
     if session.live is None:
         raise Conflict(
             f'stream {stream_id} was opened without a live view ("live": true)',
@@ -59,8 +67,10 @@ def _feed(request: Request, parts: Parts, stream_id: str) -> LiveFeed:
 
 
 @router.get("/v1/streams/{stream_id}/live.mp4", response_class=StreamingResponse)
-async def live_mp4(stream_id: str, request: Request, parts: WorkerParts) -> StreamingResponse:
-    feed = _feed(request, parts, stream_id)
+async def live_mp4(
+    stream_id: str, request: Request, parts: WorkerParts, caller: Caller
+) -> StreamingResponse:
+    feed = _feed(request, parts, caller, stream_id)
     viewer = feed.join()  # 429 too_many_viewers, 409 live_history_full
 
     async def body() -> AsyncIterator[bytes]:
@@ -74,8 +84,10 @@ async def live_mp4(stream_id: str, request: Request, parts: WorkerParts) -> Stre
 
 
 @router.get("/v1/streams/{stream_id}/watch", response_class=HTMLResponse)
-async def watch(stream_id: str, request: Request, parts: WorkerParts) -> HTMLResponse:
-    _feed(request, parts, stream_id)
+async def watch(
+    stream_id: str, request: Request, parts: WorkerParts, caller: Caller
+) -> HTMLResponse:
+    _feed(request, parts, caller, stream_id)
     nonce = secrets.token_urlsafe(16)
     policy = (
         f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; "

@@ -20,6 +20,7 @@ import httpx
 import pytest
 import torch
 
+from tests.support.identity import NOBODY, as_user
 from tests.support.media import FFMPEG, make_clip, sha256
 from tests.support.processes import wait_gone
 from tests.support.requests import wait_for_ffmpeg
@@ -305,6 +306,49 @@ def test_a_killed_encode_ends_its_viewers_and_leaves_nothing(worker, segments):
         assert viewer.status == 200 and _end_reason(bytes(viewer.data)) == "failed"
         assert _pipes(worker) <= pipes and metric(h, "framewire_live_viewers") == 0
     assert not (worker.outputs / "killed.mp4").exists()
+
+
+def _view_as(uid: int, url: str, path: str) -> tuple[int, str | None]:
+    """Another local user asks for a view route over loopback TCP: the status, and the
+    error's code (a viewer's 200 is read no further)."""
+
+    def ask() -> tuple[int, str | None]:
+        with httpx.Client(base_url=url, timeout=60) as client, client.stream("GET", path) as r:
+            if r.status_code == 200:
+                return 200, None
+            return r.status_code, json.loads(r.read())["code"]
+
+    answer = as_user(uid, ask)
+    assert isinstance(answer, tuple), answer
+    return answer
+
+
+def test_a_live_view_is_its_openers_unless_a_signed_url_hands_it_on(worker, segments):
+    """Without a signed URL, another user who learns a session's id is answered as by the
+    session's other routes: it does not exist. The signed URL opens it to whoever holds it."""
+    clip = make_clip(frames=8, height=48, width=64)
+    with worker.http() as h:
+        opened = _open(h, clip, "owned-live.mp4", live=True)
+        sid, signed = opened["id"], urlsplit(opened["watch_url"]).query
+        _send(h, segments, sid, clip, 0, 8)
+        for route in ("live.mp4", "watch"):
+            path = f"/v1/streams/{sid}/{route}"
+            assert _view_as(NOBODY, worker.tcp_url, path) == (404, "stream_not_found"), route
+            assert _view_as(NOBODY, worker.tcp_url, f"{path}?{signed}") == (200, None), route
+            bad = signed.replace("sig=", "sig=0")
+            assert _view_as(NOBODY, worker.tcp_url, f"{path}?{bad}") == (403, "view_url_invalid")
+        assert _view_as(NOBODY, worker.tcp_url, f"/v1/streams/{sid}")[0] == 404  # as state
+        owner = Watcher(worker, sid)  # the opener needs no signature
+        _viewers_reach(h, 1)
+        assert h.delete(f"/v1/streams/{sid}").status_code == 204
+        owner.join(30)
+        assert owner.status == 200 and _end_reason(bytes(owner.data)) == "aborted"
+        # Ended: to the opener it is closed, to anyone else it still does not exist.
+        r = h.get(f"/v1/streams/{sid}/live.mp4")
+        assert (r.status_code, r.json()["code"]) == (409, "stream_closed")
+        path = f"/v1/streams/{sid}/live.mp4"
+        assert _view_as(NOBODY, worker.tcp_url, path) == (404, "stream_not_found")
+        assert metric(h, "framewire_live_viewers") == 0
 
 
 def test_a_malformed_expiry_is_a_wrong_signature(workers, worker, segments):
