@@ -12,7 +12,6 @@ set of access rules for nothing a viewer needs.
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
@@ -21,7 +20,8 @@ from framewire.service._access.peers import Access
 from framewire.service._http.deps import Caller, WorkerParts
 from framewire.service._http.watch_page import watch_page
 from framewire.service._parts import Parts
-from framewire.service._stream.live import LiveFeed
+from framewire.service._stream.live import LiveFeed, Viewer
+from starlette.types import Receive, Scope, Send
 
 router = APIRouter()
 
@@ -66,21 +66,28 @@ def _feed(request: Request, parts: Parts, caller: Access, stream_id: str) -> Liv
     return session.live
 
 
+class ViewerResponse(StreamingResponse):
+    """One viewer's byte stream. The viewer leaves (its slot freed) when the response is
+    over however it ends, its body begun or not: a client gone before the headers went
+    out never starts the body, and would otherwise hold its slot for good."""
+
+    def __init__(self, feed: LiveFeed, viewer: Viewer):
+        super().__init__(viewer.stream(), media_type="video/mp4", headers=NO_STORE)
+        self._feed, self._viewer = feed, viewer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._feed.leave(self._viewer)
+
+
 @router.get("/v1/streams/{stream_id}/live.mp4", response_class=StreamingResponse)
 async def live_mp4(
     stream_id: str, request: Request, parts: WorkerParts, caller: Caller
 ) -> StreamingResponse:
     feed = _feed(request, parts, caller, stream_id)
-    viewer = feed.join()  # 429 too_many_viewers, 409 live_history_full
-
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            async for data in viewer.stream():
-                yield data
-        finally:
-            feed.leave(viewer)
-
-    return StreamingResponse(body(), media_type="video/mp4", headers=NO_STORE)
+    return ViewerResponse(feed, feed.join())  # 429 too_many_viewers, 409 live_history_full
 
 
 @router.get("/v1/streams/{stream_id}/watch", response_class=HTMLResponse)
