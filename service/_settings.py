@@ -94,6 +94,9 @@ class Settings(BaseSettings):
     store_attempts: int = Field(default=4, ge=1, le=20)
     # Live viewers of stream sessions, all sessions together; past it a viewer gets 429.
     max_viewers: int = Field(default=64, ge=0)
+    # A live viewer of a session that has ended has this long to take the rest of its
+    # stream; past it the rest is dropped and the stream ends (too_slow).
+    live_grace_s: float = Field(default=60.0, gt=0)
 
     def per_user(self, total: int) -> int | None:
         """What one limited caller may take of ``total`` (at least 1); None: all of it."""

@@ -12,15 +12,16 @@ set of access rules for nothing a viewer needs.
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 from framewire.core.errors import Conflict, Forbidden
-from framewire.service._http.deps import WorkerParts
+from framewire.service._access.peers import Access
+from framewire.service._http.deps import Caller, WorkerParts
 from framewire.service._http.watch_page import watch_page
 from framewire.service._parts import Parts
-from framewire.service._stream.live import LiveFeed
+from framewire.service._stream.live import LiveFeed, Viewer
+from starlette.types import Receive, Scope, Send
 
 router = APIRouter()
 
@@ -42,14 +43,21 @@ def watch_url_of(request: Request, parts: Parts, stream_id: str) -> str:
     return f"{base}/v1/streams/{stream_id}/watch?{query}"
 
 
-def _feed(request: Request, parts: Parts, stream_id: str) -> LiveFeed:
-    session = parts.sessions.get(stream_id)  # 404 stream_not_found, 409 stream_closed
+def _feed(request: Request, parts: Parts, caller: Access, stream_id: str) -> LiveFeed:
+    """The live view a request may watch. A signed URL is the opener's way to hand it to
+    another (a browser, another user): it opens the view to whoever holds it. Without
+    one, the view is its session's, as its other routes are: to a caller who is neither
+    the opener nor an admin it does not exist (404 ``stream_not_found``)."""
+    sessions = parts.sessions
     query = request.url.query
-    if "sig=" in query and not parts.sessions.signer.valid(stream_id, query):
+    if "sig=" not in query:
+        sessions.check_owner(stream_id, caller)
+    elif not sessions.signer.valid(stream_id, query):
         raise Forbidden(
             "the view URL's signature is wrong or has expired: ask for a new one",
             code="view_url_invalid",
         )
+    session = sessions.get(stream_id)  # 404 stream_not_found, 409 stream_closed
     if session.live is None:
         raise Conflict(
             f'stream {stream_id} was opened without a live view ("live": true)',
@@ -58,24 +66,35 @@ def _feed(request: Request, parts: Parts, stream_id: str) -> LiveFeed:
     return session.live
 
 
-@router.get("/v1/streams/{stream_id}/live.mp4", response_class=StreamingResponse)
-async def live_mp4(stream_id: str, request: Request, parts: WorkerParts) -> StreamingResponse:
-    feed = _feed(request, parts, stream_id)
-    viewer = feed.join()  # 429 too_many_viewers, 409 live_history_full
+class ViewerResponse(StreamingResponse):
+    """One viewer's byte stream. The viewer leaves (its slot freed) when the response is
+    over however it ends, its body begun or not: a client gone before the headers went
+    out never starts the body, and would otherwise hold its slot for good."""
 
-    async def body() -> AsyncIterator[bytes]:
+    def __init__(self, feed: LiveFeed, viewer: Viewer):
+        super().__init__(viewer.stream(), media_type="video/mp4", headers=NO_STORE)
+        self._feed, self._viewer = feed, viewer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async for data in viewer.stream():
-                yield data
+            await super().__call__(scope, receive, send)
         finally:
-            feed.leave(viewer)
+            self._feed.leave(self._viewer)
 
-    return StreamingResponse(body(), media_type="video/mp4", headers=NO_STORE)
+
+@router.get("/v1/streams/{stream_id}/live.mp4", response_class=StreamingResponse)
+async def live_mp4(
+    stream_id: str, request: Request, parts: WorkerParts, caller: Caller
+) -> StreamingResponse:
+    feed = _feed(request, parts, caller, stream_id)
+    return ViewerResponse(feed, feed.join())  # 429 too_many_viewers, 409 live_history_full
 
 
 @router.get("/v1/streams/{stream_id}/watch", response_class=HTMLResponse)
-async def watch(stream_id: str, request: Request, parts: WorkerParts) -> HTMLResponse:
-    _feed(request, parts, stream_id)
+async def watch(
+    stream_id: str, request: Request, parts: WorkerParts, caller: Caller
+) -> HTMLResponse:
+    _feed(request, parts, caller, stream_id)
     nonce = secrets.token_urlsafe(16)
     policy = (
         f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; "

@@ -12,7 +12,12 @@ then sees the video from there, not from its start; the GOP is 250 frames). If
 it reaches ``HISTORY_MAX_BYTES`` with no keyframe to start at, it is released and
 new viewers are refused (``409 live_history_full``), while those already watching
 go on. A viewer's queue holds at most ``VIEWER_QUEUE_BYTES``
-beyond what it has taken; a viewer that falls further behind is dropped.
+beyond what it has taken; a viewer that falls further behind is dropped. Once
+the session has ended, a viewer has ``FRAMEWIRE_LIVE_GRACE_S`` to take what is
+left: past it the rest is dropped (its share of the history too) and its stream
+ends as ``too_slow``. Every viewer holds one of the worker's
+``FRAMEWIRE_MAX_VIEWERS`` slots until its response is over, whether its session
+is still open or not (``ViewerSlots``).
 
 Every viewer's byte stream ends with a ``free`` box naming why it ended
 (``{"framewire": "end", "reason": ...}``): players skip ``free`` boxes, and the
@@ -28,7 +33,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from framewire.core.errors import Conflict, Overloaded
 from framewire.service._ops.metrics import Metrics
@@ -66,6 +71,18 @@ class Viewer:
         self._wake.set()
         return True
 
+    def cut(self) -> bool:
+        """Drop what the viewer has not taken, ending its stream as ``too_slow``; False
+        when at most its end box was left to send."""
+        if len(self._queue) <= 1:
+            return False
+        self._queue.clear()
+        self._queued = 0
+        self.reason = "too_slow"
+        self._queue.append(end_box(self.reason))
+        self._wake.set()
+        return True
+
     def end(self, reason: str, *, drop_queued: bool = False) -> None:
         if self.reason is not None:
             return
@@ -88,13 +105,42 @@ class Viewer:
                 return
 
 
+class ViewerSlots:
+    """The worker's cap on live viewers, all sessions together. A viewer holds its slot
+    until its response is over, not until its session ends: one that reads slowly holds
+    a connection and what is queued for it as long as it reads."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.taken = 0
+
+    def take(self) -> None:
+        if self.taken >= self.limit:
+            raise Overloaded(
+                f"{self.taken} live viewers are watching (FRAMEWIRE_MAX_VIEWERS={self.limit})",
+                code="too_many_viewers",
+                retry_after=5,
+            )
+        self.taken += 1
+
+    def give(self) -> None:
+        self.taken -= 1
+
+
 class LiveFeed:
     """One session's live view: the pipe from ffmpeg, what it said so far, its viewers."""
 
-    def __init__(self, stream_id: str, metrics: Metrics, admit: Callable[[], None]):
+    def __init__(
+        self,
+        stream_id: str,
+        metrics: Metrics,
+        slots: ViewerSlots,
+        grace_s: float,
+    ):
         self.stream_id = stream_id
         self.metrics = metrics
-        self._admit = admit  # raises past the worker's viewer cap
+        self._slots = slots
+        self._grace_s = grace_s  # for viewers to take the rest once the session has ended
         self._loop = asyncio.get_running_loop()
         self.viewers: set[Viewer] = set()
         self.history: list[bytes] | None = []  # the init segment, then fragments
@@ -220,7 +266,7 @@ class LiveFeed:
                 code="too_many_viewers",
                 retry_after=5,
             )
-        self._admit()
+        self._slots.take()
         viewer = Viewer(list(self.history))
         self.viewers.add(viewer)
         self.metrics.live_viewers.inc()
@@ -230,6 +276,7 @@ class LiveFeed:
         """The viewer's response is over (ended, dropped, or the viewer went away)."""
         if viewer in self.viewers:
             self.viewers.discard(viewer)
+            self._slots.give()
             self.metrics.live_viewers.dec()
             if viewer.reason is None:
                 self.metrics.live_drops.labels("gone").inc()
@@ -255,3 +302,12 @@ class LiveFeed:
         for viewer in self.viewers:
             viewer.end(reason)
         self.history = None
+        if self.viewers:
+            self._loop.call_later(self._grace_s, self._cut_late)
+
+    def _cut_late(self) -> None:
+        """The grace after the end is over: what viewers still have not taken is dropped,
+        so that a slow reader holds no history, nor queue, of an ended session."""
+        for viewer in self.viewers:
+            if viewer.cut():
+                self.metrics.live_drops.labels("too_slow").inc()

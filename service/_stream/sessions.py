@@ -48,7 +48,7 @@ from framewire.service._ops.disconnect import watch_caller
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
 from framewire.service._sources.frames import FrameSource, Geometry
-from framewire.service._stream.live import LiveFeed
+from framewire.service._stream.live import LiveFeed, ViewerSlots
 from framewire.service._stream.misfit import refuse_misfit
 from framewire.service._stream.output import StreamOutput
 from framewire.service._stream.session import Session, not_open
@@ -71,6 +71,7 @@ class Sessions:
         self._owners: dict[str, int | None] = {}  # of the open and the remembered sessions
         self._reaper: asyncio.Task[None] | None = None
         self.signer = ViewSigner()
+        self.viewer_slots = ViewerSlots(settings.max_viewers)  # of open and ended sessions
 
     # --- open ---------------------------------------------------------------------------------
 
@@ -108,7 +109,9 @@ class Sessions:
         )
         self._owners[session.id] = access.owner("a stream session")
         if spec.live:
-            session.live = LiveFeed(session.id, self.metrics, self._admit_viewer)
+            session.live = LiveFeed(
+                session.id, self.metrics, self.viewer_slots, self.settings.live_grace_s
+            )
         self._open[session.id] = session
         self.metrics.streams_open.set(len(self._open))
         log.info("stream opened for %s", session.shown, extra={"stream_id": session.id})
@@ -347,17 +350,6 @@ class Sessions:
             fields["code"] = error.code
         log.info("stream %s for %s%s", state, session.shown, f" ({cause})" if cause else "",
                  extra=fields)  # fmt: skip
-
-    def _admit_viewer(self) -> None:
-        """One more viewer, unless the worker has ``FRAMEWIRE_MAX_VIEWERS`` already."""
-        limit = self.settings.max_viewers
-        watching = sum(len(s.live.viewers) for s in self._open.values() if s.live is not None)
-        if watching >= limit:
-            raise Overloaded(
-                f"{watching} live viewers are watching (FRAMEWIRE_MAX_VIEWERS={limit})",
-                code="too_many_viewers",
-                retry_after=5,
-            )
 
     # --- idle sessions, shutdown ---------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import httpx
 import pytest
 import torch
 
+from tests.support.identity import NOBODY, as_user
 from tests.support.media import FFMPEG, make_clip, sha256
 from tests.support.processes import wait_gone
 from tests.support.requests import wait_for_ffmpeg
@@ -305,3 +306,147 @@ def test_a_killed_encode_ends_its_viewers_and_leaves_nothing(worker, segments):
         assert viewer.status == 200 and _end_reason(bytes(viewer.data)) == "failed"
         assert _pipes(worker) <= pipes and metric(h, "framewire_live_viewers") == 0
     assert not (worker.outputs / "killed.mp4").exists()
+
+
+def _view_as(uid: int, url: str, path: str) -> tuple[int, str | None]:
+    """Another local user asks for a view route over loopback TCP: the status, and the
+    error's code (a viewer's 200 is read no further)."""
+
+    def ask() -> tuple[int, str | None]:
+        with httpx.Client(base_url=url, timeout=60) as client, client.stream("GET", path) as r:
+            if r.status_code == 200:
+                return 200, None
+            return r.status_code, json.loads(r.read())["code"]
+
+    answer = as_user(uid, ask)
+    assert isinstance(answer, tuple), answer
+    return answer
+
+
+def test_a_live_view_is_its_openers_unless_a_signed_url_hands_it_on(worker, segments):
+    """Without a signed URL, another user who learns a session's id is answered as by the
+    session's other routes: it does not exist. The signed URL opens it to whoever holds it."""
+    clip = make_clip(frames=8, height=48, width=64)
+    with worker.http() as h:
+        opened = _open(h, clip, "owned-live.mp4", live=True)
+        sid, signed = opened["id"], urlsplit(opened["watch_url"]).query
+        _send(h, segments, sid, clip, 0, 8)
+        for route in ("live.mp4", "watch"):
+            path = f"/v1/streams/{sid}/{route}"
+            assert _view_as(NOBODY, worker.tcp_url, path) == (404, "stream_not_found"), route
+            assert _view_as(NOBODY, worker.tcp_url, f"{path}?{signed}") == (200, None), route
+            bad = signed.replace("sig=", "sig=0")
+            assert _view_as(NOBODY, worker.tcp_url, f"{path}?{bad}") == (403, "view_url_invalid")
+        assert _view_as(NOBODY, worker.tcp_url, f"/v1/streams/{sid}")[0] == 404  # as state
+        owner = Watcher(worker, sid)  # the opener needs no signature
+        _viewers_reach(h, 1)
+        assert h.delete(f"/v1/streams/{sid}").status_code == 204
+        owner.join(30)
+        assert owner.status == 200 and _end_reason(bytes(owner.data)) == "aborted"
+        # Ended: to the opener it is closed, to anyone else it still does not exist.
+        r = h.get(f"/v1/streams/{sid}/live.mp4")
+        assert (r.status_code, r.json()["code"]) == (409, "stream_closed")
+        path = f"/v1/streams/{sid}/live.mp4"
+        assert _view_as(NOBODY, worker.tcp_url, path) == (404, "stream_not_found")
+        assert metric(h, "framewire_live_viewers") == 0
+
+
+def test_a_malformed_expiry_is_a_wrong_signature(workers, worker, segments):
+    """``exp`` values ``str.isdigit`` takes and ``int`` does not (a superscript, more than
+    4300 digits) are answered as any wrong signature, with or without the token."""
+    clip = make_clip(frames=8, height=48, width=64)
+    tokened = workers.start("--token", "s3cret")
+    for w, token, refusal in (
+        (worker, None, (403, "view_url_invalid")),
+        (tokened, "s3cret", (401, "unauthorized")),
+    ):
+        with w.http(token) as h, w.http() as anonymous:
+            sid = _open(h, clip, "expiry.mp4", live=True)["id"]
+            for exp in ("\u00b2", "9" * 5000, "\u0661" * 12):
+                for route in ("live.mp4", "watch"):
+                    r = anonymous.get(f"/v1/streams/{sid}/{route}", params={"exp": exp, "sig": "0"})
+                    assert (r.status_code, r.json()["code"]) == refusal, (exp[:8], route, r.text)
+            assert h.get("/healthz").status_code == 200  # still serving
+            assert h.delete(f"/v1/streams/{sid}").status_code == 204
+
+
+def _noise(frames: int) -> torch.Tensor:
+    """Frames x264 cannot squeeze (at CRF 0 some 90 KiB each): a stream far bigger than
+    what sockets hold for a viewer that does not read."""
+    return torch.rand(3, frames, 256, 256, generator=torch.Generator().manual_seed(5))
+
+
+def _stuck_viewer(worker: Worker, sid: str) -> tuple[httpx.Client, httpx.Response]:
+    """A viewer that reads nothing yet (over the Unix socket, where what the kernel
+    holds for it is the worker's send buffer, some 200 KiB)."""
+    client = worker.http()
+    response = client.send(client.build_request("GET", f"/v1/streams/{sid}/live.mp4"), stream=True)
+    assert response.status_code == 200
+    return client, response
+
+
+def _ended_with_a_stuck_viewer(
+    worker: Worker, h: httpx.Client, segments: Segments, name: str, clip: torch.Tensor
+) -> tuple[httpx.Client, httpx.Response]:
+    """A session whose whole video went to a viewer that read none of it, then finished."""
+    watching = metric(h, "framewire_live_viewers")
+    sid = _open(h, clip, name, live=True, quality=10)["id"]
+    _send(h, segments, sid, clip, 0, clip.shape[1])
+    viewer = _stuck_viewer(worker, sid)
+    _viewers_reach(h, watching + 1)
+    finished = h.post(f"/v1/streams/{sid}/finish")
+    assert finished.status_code == 200, finished.text
+    (worker.outputs / name).unlink()
+    return viewer
+
+
+def test_viewers_of_ended_sessions_count_against_the_cap(workers, segments):
+    w = workers.start("--max-viewers", "2")
+    clip = _noise(48)
+    with w.http() as h:
+        stuck = [_ended_with_a_stuck_viewer(w, h, segments, f"ended{i}.mp4", clip) for i in (0, 1)]
+        sid = _open(h, clip, "third.mp4", live=True)["id"]
+        try:
+            with w.http() as v, v.stream("GET", f"/v1/streams/{sid}/live.mp4") as r:
+                status = r.status_code
+                code = json.loads(r.read())["code"] if status != 200 else None
+            assert (status, code) == (429, "too_many_viewers"), "ended sessions' viewers escaped"
+        finally:
+            for client, response in stuck:  # they go away: their slots are free again
+                response.close()
+                client.close()
+        deadline = time.monotonic() + 30
+        while metric(h, "framewire_live_viewers") > 0:
+            assert time.monotonic() < deadline, "viewers gone kept their slots"
+            time.sleep(0.05)
+        viewer = Watcher(w, sid)
+        _viewers_reach(h, 1)
+        assert h.delete(f"/v1/streams/{sid}").status_code == 204
+        viewer.join(30)
+        assert viewer.status == 200 and _end_reason(bytes(viewer.data)) == "aborted"
+
+
+def test_a_slow_viewer_of_an_ended_session_keeps_nothing_past_the_grace(workers, segments):
+    """What an ended session's viewer has not taken within FRAMEWIRE_LIVE_GRACE_S is
+    dropped (the history it joined with too): its stream ends as too_slow, and its slot
+    is free once it has read that end."""
+    w = workers.start(env={**os.environ, "FRAMEWIRE_LIVE_GRACE_S": "1"})
+    clip = _noise(48)
+    with w.http() as h:
+        drops = _drops(h, "too_slow")
+        client, response = _ended_with_a_stuck_viewer(w, h, segments, "slow.mp4", clip)
+        try:
+            deadline = time.monotonic() + 20
+            while _drops(h, "too_slow") == drops:
+                assert time.monotonic() < deadline, "the ended session's slow viewer was never cut"
+                time.sleep(0.1)
+            data = b"".join(response.iter_bytes())
+        finally:
+            response.close()
+            client.close()
+        assert _end_reason(data) == "too_slow"
+        assert len(data) < 2 << 20, "the viewer got its whole stream"  # the video: ~4.5 MiB
+        deadline = time.monotonic() + 10
+        while metric(h, "framewire_live_viewers") > 0:
+            assert time.monotonic() < deadline, "the cut viewer kept its slot"
+            time.sleep(0.05)

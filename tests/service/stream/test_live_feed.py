@@ -16,7 +16,7 @@ from framewire.core.media.argv import LIVE_MOVFLAGS
 from framewire.service._ops.metrics import Metrics
 from framewire.service._stream import live
 from framewire.service._stream.fmp4 import boxes, starts_with_keyframe, video_samples
-from framewire.service._stream.live import LiveFeed
+from framewire.service._stream.live import LiveFeed, ViewerSlots
 
 from tests.support.media import FFMPEG
 
@@ -31,7 +31,7 @@ def test_a_slow_viewer_is_dropped_and_the_others_go_on(monkeypatch):
     metrics = Metrics()
 
     async def run() -> tuple[list[bytes], bytes, LiveFeed]:
-        feed = LiveFeed("s", metrics, lambda: None)
+        feed = LiveFeed("s", metrics, ViewerSlots(64), 60)
         slow, reader = feed.join(), feed.join()
         got: list[bytes] = []
 
@@ -70,7 +70,7 @@ def test_the_history_has_a_bound_and_viewers_a_cap(monkeypatch):
     monkeypatch.setattr(live, "VIEWERS_PER_STREAM", 2)
 
     async def run() -> None:
-        feed = LiveFeed("s", Metrics(), lambda: None)
+        feed = LiveFeed("s", Metrics(), ViewerSlots(64), 60)
         first = feed.join()
         feed.join()
         with pytest.raises(Overloaded):
@@ -84,6 +84,31 @@ def test_the_history_has_a_bound_and_viewers_a_cap(monkeypatch):
         await feed.close("aborted")
 
     asyncio.run(run())
+
+
+def test_ended_sessions_viewers_hold_their_slots_and_past_the_grace_nothing_else():
+    metrics = Metrics()
+
+    async def run() -> bytes:
+        slots = ViewerSlots(2)
+        ended, other = LiveFeed("a", metrics, slots, 0.05), LiveFeed("b", metrics, slots, 60)
+        ended._publish(bytes(1000), 0)
+        slow, quick = ended.join(), ended.join()
+        await ended.close("finished")
+        with pytest.raises(Overloaded, match="FRAMEWIRE_MAX_VIEWERS=2"):
+            other.join()  # the ended session's viewers still count
+        assert b"".join([d async for d in quick.stream()])[:1000] == bytes(1000)
+        ended.leave(quick)
+        other.leave(other.join())  # its slot came back
+        await asyncio.sleep(0.2)  # the grace is over: what is left of the history goes
+        left = b"".join([d async for d in slow.stream()])
+        ended.leave(slow)
+        assert slots.taken == 0
+        return left
+
+    left = asyncio.run(run())
+    assert left[4:8] == b"free" and json.loads(left[8:])["reason"] == "too_slow"
+    assert _sample(metrics, "framewire_live_drops_total", cause="too_slow") == 1
 
 
 def _fragmented(tmp_path: Path) -> bytes:
@@ -121,7 +146,7 @@ def test_past_its_bound_the_history_starts_at_a_keyframe(tmp_path, monkeypatch):
     monkeypatch.setattr(live, "HISTORY_BYTES", len(init) + tail)
 
     async def run() -> bytes:
-        feed = LiveFeed("s", Metrics(), lambda: None)
+        feed = LiveFeed("s", Metrics(), ViewerSlots(64), 60)
         feed._publish(init, 0)
         for fragment in fragments:
             moof = fragment[: boxes(fragment)[0][2]]
