@@ -11,10 +11,13 @@ import httpx
 from framewire.client._calls import INSTANCE_HEADER, Call, encode_call, per_output
 from framewire.client._handover import Handover
 from framewire.client._local import LocalFallback, worker_gone
+from framewire.client._peer import PeerCheck
 from framewire.client._sharing.audio import shared_audio
 from framewire.core.errors import Unavailable
 from framewire.core.fdsocket import take_output
 from framewire.core.reference import ReferenceFrames, fetch
+from framewire.core.trust import trust_remote as trust_remote_env
+from framewire.core.trust import worker_uids
 from framewire.core.wire import DecodeRequest, OutputResult
 
 DEFAULT_URL = "http://127.0.0.1:7700"
@@ -39,22 +42,31 @@ class BaseClient:
         timeout: float | httpx.Timeout,
         local_fallback: bool,
         output_root: str | os.PathLike[str] | None,
+        worker_uid: int | None = None,
+        trust_remote: bool = False,
     ):
         self.url = url
         self.fd_socket = fd_socket  # None: FRAMEWIRE_FD_SOCKET, else the worker's default
         # One knob for both sockets: an fd-socket request may wait as long as an HTTP read.
         self.fd_timeout = timeout.read if isinstance(timeout, httpx.Timeout) else timeout
-        self._handover = Handover(fd_socket, self.fd_timeout)
+        # Every socket is checked to be the worker's user's before anything goes to it.
+        self.worker_uid = worker_uid
+        self._handover = Handover(fd_socket, self.fd_timeout, worker_uid)
         self._uds: str | None = None
         if url.startswith("unix://"):
             self._base_url, self._uds = "http://framewire", url.removeprefix("unix://")
         else:
             self._base_url = url.rstrip("/")
+        # A worker on another host cannot be checked: it gets the token only over https,
+        # or when the caller says it may (trust_remote, FRAMEWIRE_TRUST_REMOTE).
+        remote_ok = url.startswith("https://") or not token or trust_remote or trust_remote_env()
+        limits = httpx.Limits(keepalive_expiry=KEEPALIVE_S)
+        self._peer = PeerCheck(worker_uids(worker_uid), remote_ok, limits)
         self._client_args: dict[str, Any] = {
             "base_url": self._base_url,
             "headers": {"authorization": f"Bearer {token}"} if token else {},
             "timeout": timeout,
-            "limits": httpx.Limits(keepalive_expiry=KEEPALIVE_S),
+            "limits": limits,
         }
         # Saves and streams that find no worker are encoded here (docs/api.md).
         self._local = LocalFallback(output_root) if local_fallback else None
@@ -114,12 +126,18 @@ class BaseClient:
         """Take the bytes of each ``memory://`` output into its result's ``data``."""
         for result in results:
             if result.handoff is not None and result.data is None:
-                result.data = take_output(result.handoff, self._fd_path(), self.fd_timeout)
+                result.data = take_output(
+                    result.handoff, self._fd_path(), self.fd_timeout, worker_uid=self.worker_uid
+                )
         return results
 
     def _fetch(self, request: DecodeRequest, local_fallback: bool) -> ReferenceFrames:
         return fetch(
-            request, self._fd_path(), local_fallback=local_fallback, timeout=self.fd_timeout
+            request,
+            self._fd_path(),
+            local_fallback=local_fallback,
+            timeout=self.fd_timeout,
+            worker_uid=self.worker_uid,
         )
 
 

@@ -8,7 +8,8 @@ So every socket is checked against the worker that answered ``/v1/info`` (its
 FRAMEWIRE_FD_SOCKET: the worker's socket as this process sees it, through a mount)
 is tried first, then the path ``/v1/info`` gives; a named socket behind which
 another worker answers is passed over, and the log says so (one where nobody
-answers yet leaves the frames to named segments until it does). A long-lived client
+answers yet leaves the frames to named segments until it does); one served by
+another user than the worker's is ``worker_not_trusted``. A long-lived client
 looks again when the worker that answers HTTP is replaced (a restart), and now
 and then after a refusal.
 """
@@ -23,6 +24,7 @@ from typing import Any
 from framewire.client._sharing.fd import FdRegions
 from framewire.core.errors import FramewireError, Unavailable
 from framewire.core.fdsocket import default_fd_socket
+from framewire.core.trust import NOT_TRUSTED
 
 RETRY_S = 10.0  # a socket that was not to be had is tried again after this long
 
@@ -30,9 +32,15 @@ log = logging.getLogger("framewire.client")
 
 
 class Handover:
-    def __init__(self, fd_socket: str | os.PathLike[str] | None, timeout: float | None):
+    def __init__(
+        self,
+        fd_socket: str | os.PathLike[str] | None,
+        timeout: float | None,
+        worker_uid: int | None = None,
+    ):
         self.fd_socket = fd_socket
         self.timeout = timeout
+        self.worker_uid = worker_uid
         self.named = fd_socket is not None or "FRAMEWIRE_FD_SOCKET" in os.environ
         self._warned: set[str] = set()  # named sockets found to be another worker's
         self.regions: FdRegions | None = None  # host frames go as descriptors through it
@@ -93,8 +101,10 @@ class Handover:
 
     def _open(self, path: str | os.PathLike[str]) -> FdRegions | None:
         try:
-            return FdRegions(path, self.timeout)
-        except FramewireError:  # Unavailable, or refused (not an allowed user)
+            return FdRegions(path, self.timeout, worker_uid=self.worker_uid)
+        except FramewireError as exc:  # Unavailable, or refused (not an allowed user)
+            if exc.code == NOT_TRUSTED:
+                raise  # another user's socket: said, not passed over to named segments
             return None
 
     def close(self) -> None:

@@ -34,7 +34,11 @@ class Client(BaseClient, Closing):
     Made to live as long as the process: connections the worker closed, or that a
     restarted worker no longer answers, are replaced before use. With ``local_fallback``
     (the default) a save or stream that finds no worker is encoded here with the same
-    bytes (``route == "local"``), relative paths under ``output_root``."""
+    bytes (``route == "local"``), relative paths under ``output_root``. Every socket is
+    checked to be served by the worker's user (``worker_uid``, else FRAMEWIRE_WORKER_UID,
+    else this process's; or root) before the token or frames go to it, and a worker on
+    another host gets the token only over https or with ``trust_remote``; else
+    :class:`Unavailable` ``worker_not_trusted``."""
 
     def __init__(
         self,
@@ -45,17 +49,13 @@ class Client(BaseClient, Closing):
         timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
         local_fallback: bool = True,
         output_root: str | os.PathLike[str] | None = None,
+        worker_uid: int | None = None,
+        trust_remote: bool = False,
     ):
-        super().__init__(
-            url,
-            fd_socket=fd_socket,
-            token=token,
-            timeout=timeout,
-            local_fallback=local_fallback,
-            output_root=output_root,
-        )
-        transport = httpx.HTTPTransport(uds=self._uds) if self._uds else None
-        self._http = httpx.Client(transport=transport, **self._client_args)
+        super().__init__(url, fd_socket=fd_socket, token=token, timeout=timeout,
+                         local_fallback=local_fallback, output_root=output_root,
+                         worker_uid=worker_uid, trust_remote=trust_remote)  # fmt: skip
+        self._http = httpx.Client(transport=self._peer.transport(self._uds), **self._client_args)
 
     def _send(self, call: Call[T]) -> T:
         resent = False
@@ -231,16 +231,13 @@ class AsyncClient(BaseClient):
         timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
         local_fallback: bool = True,
         output_root: str | os.PathLike[str] | None = None,
+        worker_uid: int | None = None,
+        trust_remote: bool = False,
     ):
-        super().__init__(
-            url,
-            fd_socket=fd_socket,
-            token=token,
-            timeout=timeout,
-            local_fallback=local_fallback,
-            output_root=output_root,
-        )
-        transport = httpx.AsyncHTTPTransport(uds=self._uds) if self._uds else None
+        super().__init__(url, fd_socket=fd_socket, token=token, timeout=timeout,
+                         local_fallback=local_fallback, output_root=output_root,
+                         worker_uid=worker_uid, trust_remote=trust_remote)  # fmt: skip
+        transport = self._peer.async_transport(self._uds)
         self._http = httpx.AsyncClient(transport=transport, **self._client_args)
 
     async def _send(self, call: Call[T]) -> T:

@@ -114,8 +114,9 @@ class WriterBase:
     def _take_data(self, result: OutputResult) -> OutputResult:
         """A ``memory://`` output's bytes, taken into ``result.data`` (over the fd socket)."""
         if result.handoff is not None and result.data is None:
-            path = self._regions.path if self._regions is not None else None
-            result.data = take_output(result.handoff, path, TAKE_TIMEOUT_S)
+            regions = self._regions
+            path, uid = (regions.path, regions.worker_uid) if regions is not None else (None, None)
+            result.data = take_output(result.handoff, path, TAKE_TIMEOUT_S, worker_uid=uid)
         return result
 
     def _check_open(self) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from framewire.core.closing import Closing
 from framewire.core.errors import FramewireError, Unavailable, error_class, rebuild
+from framewire.core.trust import check_dir, check_unix_peer, worker_uids
 from framewire.core.wire import FdReply
 from pydantic import ValidationError
 
@@ -64,11 +65,21 @@ class FdSocket(Closing):
 
     Every way of not reaching the worker (no socket file, nobody listening, the
     worker dying mid-request) raises :class:`Unavailable`, which is what lets a
-    caller fall back to a local decode.
+    caller fall back to a local decode. A socket in a directory that is not the
+    worker's, or served by another user than the worker's (``worker_uid``:
+    core.trust), is ``worker_not_trusted``, before anything is sent.
     """
 
-    def __init__(self, path: str | os.PathLike[str], timeout: float | None = DEFAULT_TIMEOUT):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        timeout: float | None = DEFAULT_TIMEOUT,
+        *,
+        worker_uid: int | None = None,
+    ):
         self.path = Path(path)
+        uids = worker_uids(worker_uid)
+        check_dir(self.path.parent, uids)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -76,6 +87,11 @@ class FdSocket(Closing):
         except OSError as exc:
             self._sock.close()
             raise Unavailable(f"fd socket {self.path} unreachable: {exc}") from exc
+        try:
+            check_unix_peer(self._sock, uids, f"fd socket {self.path}")
+        except BaseException:
+            self._sock.close()
+            raise
 
     def call(self, message: dict[str, Any], fd: int | None = None) -> tuple[FdReply, int | None]:
         """Send one request (with ``fd`` beside it, which stays the caller's); returns the
@@ -143,9 +159,14 @@ class FdSocket(Closing):
         self._sock.close()
 
 
-def ping(path: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> FdReply:
+def ping(
+    path: str | os.PathLike[str] | None = None,
+    timeout: float = 10.0,
+    *,
+    worker_uid: int | None = None,
+) -> FdReply:
     """Ask the worker behind the fd socket whether it answers."""
-    with FdSocket(path or default_fd_socket(), timeout) as conn:
+    with FdSocket(path or default_fd_socket(), timeout, worker_uid=worker_uid) as conn:
         reply, fd = conn.call({"op": "ping"})
     if fd is not None:
         os.close(fd)
@@ -154,10 +175,16 @@ def ping(path: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> F
     return reply
 
 
-def take_output(ticket: str, path: str | os.PathLike[str] | None, timeout: float | None) -> bytes:
+def take_output(
+    ticket: str,
+    path: str | os.PathLike[str] | None,
+    timeout: float | None,
+    *,
+    worker_uid: int | None = None,
+) -> bytes:
     """The bytes of the ``memory://`` output held under ``ticket`` (its result's
     ``handoff``), taken from the worker behind the fd socket; once per ticket."""
-    with FdSocket(path or default_fd_socket(), timeout) as conn:
+    with FdSocket(path or default_fd_socket(), timeout, worker_uid=worker_uid) as conn:
         reply, fd = conn.call({"op": "take", "ticket": ticket})
     if fd is None:
         raise (

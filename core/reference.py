@@ -21,6 +21,7 @@ from framewire.core.decode import DecodeRun, decode_to_memfd
 from framewire.core.errors import FramewireError, Unavailable
 from framewire.core.fdsocket import DEFAULT_TIMEOUT, FdSocket, default_fd_socket, error_from
 from framewire.core.media.process import find_ffmpeg
+from framewire.core.trust import NOT_TRUSTED
 from framewire.core.wire import DecodeRequest, refusal
 from pydantic import ValidationError
 
@@ -157,9 +158,10 @@ def decode_from_worker(
     fd_socket: str | os.PathLike[str] | None = None,
     *,
     timeout: float | None = DEFAULT_TIMEOUT,
+    worker_uid: int | None = None,
 ) -> ReferenceFrames:
     """Ask the worker; raises :class:`Unavailable` when it cannot be reached."""
-    with FdSocket(fd_socket or default_fd_socket(), timeout) as conn:
+    with FdSocket(fd_socket or default_fd_socket(), timeout, worker_uid=worker_uid) as conn:
         reply, fd = conn.call(request.model_dump(mode="json"))
     if not reply.ok:
         if fd is not None:
@@ -211,15 +213,20 @@ def decode_reference(
     local_fallback: bool = True,
     timeout: float | None = DEFAULT_TIMEOUT,
     decoder: str | None = None,
+    worker_uid: int | None = None,
 ) -> ReferenceFrames:
     """The frames of one reference decode: from the worker, else (if allowed) decoded here.
 
     Only an unreachable worker leads to the local decode; an answer of the worker
-    (bad request, forbidden, not found, decode failed, overloaded) is raised.
+    (bad request, forbidden, not found, decode failed, overloaded) is raised, and so
+    is a socket served by another user than the worker's (``worker_uid``, else
+    FRAMEWIRE_WORKER_UID, else this process's: ``worker_not_trusted``).
     """
     request = make_request(path, fps=fps, width=width, height=height, start=start,
                            max_frames=max_frames, decoder=decoder)  # fmt: skip
-    return fetch(request, fd_socket, local_fallback=local_fallback, timeout=timeout)
+    return fetch(
+        request, fd_socket, local_fallback=local_fallback, timeout=timeout, worker_uid=worker_uid
+    )
 
 
 def fetch(
@@ -228,12 +235,14 @@ def fetch(
     *,
     local_fallback: bool = True,
     timeout: float | None = DEFAULT_TIMEOUT,
+    worker_uid: int | None = None,
 ) -> ReferenceFrames:
     """:func:`decode_reference` of a request already made (``make_request``)."""
     try:
-        return decode_from_worker(request, fd_socket, timeout=timeout)
+        return decode_from_worker(request, fd_socket, timeout=timeout, worker_uid=worker_uid)
     except Unavailable as exc:
-        if not local_fallback:
+        # Someone else on the worker's socket is no outage to decode around: it is said.
+        if not local_fallback or exc.code == NOT_TRUSTED:
             raise
         log.info("framewire worker unreachable (%s); decoding %s locally", exc, request.path)
     return decode_locally(request)

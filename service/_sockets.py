@@ -6,12 +6,20 @@ the kernel when it dies), so a second worker started on the same paths refuses
 to start and leaves the running one untouched. A socket file left by a worker
 that was killed is replaced; at exit a worker removes only the socket files it
 made itself.
+
+The directory of each socket must be the worker's own (core.trust): another
+user's (``/tmp/framewire-<uid>`` made first by someone else, say), or one every
+user may write to, could hand the worker's clients to whoever renames a socket
+over the worker's, or plant the lock. The worker refuses to start there, naming
+the directory; it never follows a link to open a lock file, nor uses one that is
+another user's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -20,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from framewire.core.closing import Closing
+from framewire.core.trust import unsafe_dir
 from framewire.service._settings import Settings
 
 log = logging.getLogger("framewire.sockets")
@@ -53,8 +62,37 @@ async def accept_forever(
         await serve(conn)
 
 
-class AlreadyServed(RuntimeError):
+class CannotServe(RuntimeError):
+    """A socket this worker was asked to serve is not to be served by it."""
+
+
+class AlreadyServed(CannotServe):
     """Another worker serves a socket this one was asked to serve."""
+
+
+class NotOwnDirectory(CannotServe):
+    """A socket's directory, or its lock file, is not the worker's own."""
+
+
+def _own_uids() -> frozenset[int]:
+    return frozenset({os.geteuid(), 0})
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file beside the socket at ``path``: never through a link, and the
+    worker's own (or root's)."""
+    lock = f"{path}.lock"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotOwnDirectory(f"{lock} is a symbolic link") from None
+        raise
+    owner = os.fstat(fd).st_uid
+    if owner not in _own_uids():
+        os.close(fd)
+        raise NotOwnDirectory(f"{lock} belongs to uid {owner}")
+    return fd
 
 
 def _answers(path: Path) -> bool:
@@ -74,7 +112,10 @@ class UnixListener(Closing):
     def __init__(self, path: Path, mode: int = 0o660):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-        self._lock = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        unsafe = unsafe_dir(path.parent, _own_uids())
+        if unsafe is not None:
+            raise NotOwnDirectory(f"{unsafe}, so its sockets could be anyone's")
+        self._lock = _open_lock(path)
         try:
             try:
                 fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -105,8 +105,9 @@ class Worker:
 
     def run(self) -> None:
         """Bind, build, serve until SIGTERM/SIGINT, stop. Raises ``AlreadyServed`` (another
-        worker holds the sockets) or ``OSError`` (a socket cannot be bound) before
-        anything else is touched."""
+        worker holds the sockets), ``NotOwnDirectory`` (a socket's directory is not the
+        worker's own) or ``OSError`` (a socket cannot be bound) before anything else is
+        touched."""
         configure_logging(self.settings.log_format, LOG_LEVELS[self.settings.log_level.lower()])
         raise_open_files_limit()
         with StopSignals() as stop, Listeners(self.settings) as listeners:

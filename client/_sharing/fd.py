@@ -72,16 +72,19 @@ class FdRegions(Closing):
     drops every region it registered.
     """
 
-    def __init__(self, path: str | os.PathLike[str], timeout: float | None):
+    def __init__(
+        self, path: str | os.PathLike[str], timeout: float | None, *, worker_uid: int | None = None
+    ):
         self.path = Path(path)
         self.timeout = timeout
+        self.worker_uid = worker_uid  # whose socket it must be (core.trust), on each connect
         self._lock = threading.Lock()
         self._held: set[Registration] = set()
         self.broken = False  # no connection could be made again: its regions are gone
         self._conn, self.instance = self._connect()  # instance: the worker holding them
 
     def _connect(self) -> tuple[FdSocket, str | None]:
-        conn = FdSocket(self.path, self.timeout)
+        conn = FdSocket(self.path, self.timeout, worker_uid=self.worker_uid)
         try:
             pong = self._checked(conn, {"op": "ping"})
         except BaseException:

@@ -21,19 +21,15 @@ Callers are known on both HTTP listeners and the fd socket:
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
 import os
 import pwd
 import socket
 import stat
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from framewire.core.errors import Forbidden
-
-_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+from framewire.core.sockowners import peercred, tcp_owner
 
 READ, WRITE, SEARCH = 4, 2, 1  # the rwx bits, as the owner/group/other triplets spell them
 
@@ -80,58 +76,18 @@ def _groups_of(uid: int) -> set[int]:
 
 def unix_peer(sock: socket.socket) -> Peer | None:
     """The credentials of the process at the other end of a Unix stream socket."""
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-    except OSError:
+    cred = peercred(sock)
+    if cred is None:
         return None
-    pid, uid, gid = _PEERCRED.unpack(raw)
+    pid, uid, gid = cred
     groups = {gid} | (_supplementary_groups(pid) if pid > 0 else set())
     return Peer(uid, frozenset(groups), pid if pid > 0 else None)
 
 
-def _proc_address(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
-    """An address of /proc/net/tcp{,6}: hex words in host byte order, then the port."""
-    host, port = text.split(":")
-    raw = bytes.fromhex(host)
-    # Each 32-bit word was printed as a number: reverse its bytes back into order.
-    packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    address = ipaddress.ip_address(packed)
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address, int(port, 16)
-
-
-def _normal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    address = ipaddress.ip_address(host.split("%")[0])
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
-
-
 def tcp_peer(client: tuple[str, int], server: tuple[str, int]) -> Peer | None:
     """The owner of the loopback TCP socket at ``client`` connected to ``server``."""
-    try:
-        client_ip, server_ip = _normal(client[0]), _normal(server[0])
-    except ValueError:
-        return None
-    if not client_ip.is_loopback:
-        return None
-    want = ((client_ip, client[1]), (server_ip, server[1]))
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as f:
-            next(f, None)  # the header
-            for line in f:
-                fields = line.split()
-                if len(fields) < 8:
-                    continue
-                try:
-                    ends = (_proc_address(fields[1]), _proc_address(fields[2]))
-                    if ends == want:
-                        uid = int(fields[7])
-                        return Peer(uid, frozenset(_groups_of(uid)))
-                except ValueError:
-                    continue
-    return None
+    uid = tcp_owner(client, server)
+    return None if uid is None else Peer(uid, frozenset(_groups_of(uid)))
 
 
 def allowed(peer: Peer | None, uids: list[int], gids: list[int]) -> bool:

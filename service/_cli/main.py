@@ -19,14 +19,14 @@ from framewire.service._cli.settings import settings_flags, settings_from
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from framewire.service._convert.convert import single_threaded_conversion
-    from framewire.service._sockets import AlreadyServed
+    from framewire.service._sockets import CannotServe
     from framewire.service._worker import Worker
 
     single_threaded_conversion()
     settings = settings_from(args)
     try:
         Worker(settings).run()
-    except AlreadyServed as exc:
+    except CannotServe as exc:
         print(f"framewire serve: {exc}; not starting", file=sys.stderr)
         return 1
     except OSError as exc:

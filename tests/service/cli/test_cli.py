@@ -16,6 +16,7 @@ import pytest
 import torch
 from framewire.client.wire import Layout
 
+from tests.support.identity import NOBODY
 from tests.support.media import make_clip, reference_mp4, sha256
 
 CLI = [sys.executable, "-m", "framewire.service"]
@@ -219,3 +220,56 @@ def test_serve_answers_healthz_on_tcp_and_unix_socket(tmp_path):
         if proc.stdout:
             proc.stdout.close()
     assert not Path(uds).exists()
+
+
+def serve_refused(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    """``framewire serve`` that must refuse to start: its stderr (a worker that serves
+    instead is stopped, and fails the test)."""
+    roots = ["--output-roots", str(tmp_path), "--input-roots", str(tmp_path)]
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--port", "0", "--log-level", "warning", *roots, *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=30)
+        pytest.fail(f"the worker started (and was stopped): {stderr}")
+    assert proc.returncode == 1, stderr
+    assert "not starting" in stderr, stderr
+    return stderr
+
+
+MADE = {"nobodys": (NOBODY, 0o777), "nobodys-private": (NOBODY, 0o700), "open": (0, 0o777)}
+
+
+@pytest.mark.parametrize("made", MADE.values(), ids=MADE.keys())
+def test_serve_refuses_a_runtime_directory_that_is_not_its_own(tmp_path, made):
+    """The default runtime directory ($XDG_RUNTIME_DIR/framewire here, the same check as
+    /tmp/framewire-<uid>) that another user made first, or that every user may write
+    to, is refused, named, and left as it was."""
+    owner, mode = made
+    runtime = tmp_path / "framewire"
+    runtime.mkdir()
+    os.chown(runtime, owner, owner)
+    runtime.chmod(mode)
+    env = os.environ | {"XDG_RUNTIME_DIR": str(tmp_path)}  # its framewire/ is the default
+    for configured in ("FRAMEWIRE_UDS", "FRAMEWIRE_FD_SOCKET"):
+        env.pop(configured, None)
+    stderr = serve_refused(tmp_path, env=env)
+    assert f"directory {runtime} " in stderr
+    assert ("belongs to uid 65534" if owner else "writable by every user") in stderr
+    assert list(runtime.iterdir()) == []  # no socket, no lock made in it
+
+
+def test_serve_does_not_follow_a_link_planted_as_its_lock(tmp_path):
+    runtime, target = tmp_path / "run", tmp_path / "planted"
+    runtime.mkdir(mode=0o700)
+    (runtime / "api.sock.lock").symlink_to(target)
+    stderr = serve_refused(
+        tmp_path, "--uds", str(runtime / "api.sock"), "--fd-socket", str(runtime / "fd.sock")
+    )
+    assert f"{runtime / 'api.sock.lock'} is a symbolic link" in stderr
+    assert not target.exists()
+    assert sorted(p.name for p in runtime.iterdir()) == ["api.sock.lock"]
