@@ -130,8 +130,9 @@ class Preparer:
         how it is encoded (the audio opened, closed with ``stack``)."""
         url: Target | None = None
         if is_url(options.path):
-            # The allow-list is the caller's right here; the spool is the worker's own.
-            target = await asyncio.to_thread(self.uploads.target, options.path)
+            # The allow-list and the object's owner judge the caller here; the spool is the
+            # worker's own.
+            target = await asyncio.to_thread(self.uploads.target, options.path, access)
             url, path = target
             if isinstance(url, ObjectUrl):  # a memory output is its request's alone
                 self.claims.claim_url(url, stack)

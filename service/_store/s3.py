@@ -40,7 +40,8 @@ from typing import Any
 from framewire.core.errors import StoreError, Unavailable
 from framewire.service._access.urls import ObjectUrl
 from framewire.service._settings import Settings
-from framewire.service._store.faults import store_error
+from framewire.service._store.faults import missing, store_error
+from framewire.service._store.owners import OWNER_META, Found, OwnedUrl
 
 PARTS_IN_FLIGHT = 4
 log = logging.getLogger("framewire.store")
@@ -123,11 +124,22 @@ class S3Store:
         except Exception as exc:
             raise store_error(exc, "presigning") from None
 
+    def found(self, url: ObjectUrl) -> Found | None:
+        """The object at ``url`` now (its ETag and owner), None if there is none."""
+        try:
+            answer = self.client().head_object(Bucket=url.bucket, Key=url.key)
+        except Exception as exc:
+            if missing(exc):
+                return None
+            raise store_error(exc, "HeadObject") from None
+        return Found(str(answer["ETag"]), answer.get("Metadata", {}).get(OWNER_META))
+
     def upload(
-        self, fd: int, size: int, sha256: str, url: ObjectUrl, check: Callable[[], None]
+        self, fd: int, size: int, sha256: str, url: OwnedUrl, check: Callable[[], None]
     ) -> Uploaded:
-        """The ``size`` bytes of ``fd`` stored at ``url``; ``sha256`` (hex) is what they
-        must hash to. ``check`` raises to stop (cancelled): nothing is left stored."""
+        """The ``size`` bytes of ``fd`` stored at ``url``, with its owner, only over the
+        object it was judged against (``owners``); ``sha256`` (hex) is what they must hash
+        to. ``check`` raises to stop (cancelled): nothing is left stored."""
         client = self.client()
         kind = {"ContentType": CONTENT_TYPES.get(url.suffix, "application/octet-stream")}
         if size < self.part_bytes:
@@ -140,7 +152,7 @@ class S3Store:
         fd: int,
         size: int,
         sha256: str,
-        url: ObjectUrl,
+        url: OwnedUrl,
         kind: dict[str, str],
         check: Callable[[], None],
     ) -> Uploaded:
@@ -151,7 +163,13 @@ class S3Store:
         want = _b64(bytes.fromhex(sha256))
         try:
             answer = client.put_object(
-                Bucket=url.bucket, Key=url.key, Body=body, ChecksumSHA256=want, **kind
+                Bucket=url.bucket,
+                Key=url.key,
+                Body=body,
+                ChecksumSHA256=want,
+                Metadata={OWNER_META: url.owner},
+                **_over(url),
+                **kind,
             )
         except Exception as exc:
             raise store_error(exc, "PutObject") from None
@@ -163,14 +181,18 @@ class S3Store:
         client: Any,
         fd: int,
         size: int,
-        url: ObjectUrl,
+        url: OwnedUrl,
         kind: dict[str, str],
         check: Callable[[], None],
     ) -> Uploaded:
         check()
         try:
             started = client.create_multipart_upload(
-                Bucket=url.bucket, Key=url.key, ChecksumAlgorithm="SHA256", **kind
+                Bucket=url.bucket,
+                Key=url.key,
+                ChecksumAlgorithm="SHA256",
+                Metadata={OWNER_META: url.owner},
+                **kind,
             )
         except Exception as exc:
             raise store_error(exc, "CreateMultipartUpload") from None
@@ -186,7 +208,7 @@ class S3Store:
         client: Any,
         fd: int,
         size: int,
-        url: ObjectUrl,
+        url: OwnedUrl,
         upload_id: str,
         check: Callable[[], None],
     ) -> Uploaded:
@@ -238,6 +260,7 @@ class S3Store:
                 Key=url.key,
                 UploadId=upload_id,
                 MultipartUpload={"Parts": [entry for entry, _, _ in parts]},
+                **_over(url),
             )
         except Exception as exc:
             raise store_error(exc, "CompleteMultipartUpload") from None
@@ -281,3 +304,8 @@ class S3Store:
 
     def close(self) -> None:
         self._parts.shutdown(wait=True, cancel_futures=True)
+
+
+def _over(url: OwnedUrl) -> dict[str, str]:
+    """The condition of a write: over the judged object, or where none is."""
+    return {"IfNoneMatch": "*"} if url.etag is None else {"IfMatch": url.etag}

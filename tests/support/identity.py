@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
+
+from tests.support.worker import Worker, Workers
 
 NOBODY = 65534
 
@@ -47,3 +54,23 @@ def post_json(url: str, path: str, body: dict) -> tuple[int, str]:
     with client:
         r = client.post(path, json=body)
         return r.status_code, r.json().get("code", "")
+
+
+@contextmanager
+def open_worker(*args: str, env: dict[str, str] | None = None) -> Iterator[Worker]:
+    """A worker that serves this uid and :data:`NOBODY` (and ``--allowed-uids`` in
+    ``args``), whose sockets and roots any local user can reach."""
+    base = Path(tempfile.mkdtemp(prefix="framewire-open-"))
+    base.chmod(0o755)
+    started = Workers(lambda: base)
+    try:
+        uids = f"{os.getuid()},{NOBODY}"
+        w = started.start("--allowed-uids", uids, *args, env=env)
+        for path in (w.uds, w.fd_socket):
+            path.chmod(0o666)  # any local user may connect
+        for root in (w.outputs, w.inputs):
+            root.chmod(0o777)
+        yield w
+    finally:
+        started.stop_all()
+        shutil.rmtree(base)

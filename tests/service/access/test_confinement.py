@@ -12,7 +12,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,36 +19,26 @@ from pathlib import Path
 import pytest
 from framewire.core.media.argv import AUDIO_FILE_GUARD, decode_argv
 
-from tests.support.identity import NOBODY, as_nobody, post_json
+from tests.support.identity import NOBODY, as_nobody, open_worker, post_json
 from tests.support.media import FFMPEG, make_clip, reference_mp4, sha256
 from tests.support.refclips import RawConnection, make_video, oracle
 from tests.support.requests import encode_body
 from tests.support.segments import raw_bytes, shm_source
-from tests.support.worker import Worker, Workers
+from tests.support.worker import Worker
 
 SECRET = b"framewire-secret-bytes"
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+def world() -> Iterator[dict[str, Path]]:
     """A worker whose sockets and roots other users can reach, and a secret outside them."""
-    base = Path(tempfile.mkdtemp(prefix="framewire-confine-"))
-    base.chmod(0o755)
-    started = Workers(lambda: base)
-    w = started.start("--allowed-uids", f"{os.getuid()},65534")
-    for path in (w.uds, base / "fd.sock"):
-        path.chmod(0o666)  # any local user may connect: the case this file is about
-    for root in (w.outputs, w.inputs):
-        root.chmod(0o777)
-    outside = base / "outside"
-    outside.mkdir()
-    make_video(outside / "secret.mp4", "testsrc2=size=64x48:rate=24", 1.0)
-    (outside / "secret.wav").write_bytes(SECRET)
-    try:
+    with open_worker() as w:
+        base = w.outputs.parent
+        outside = base / "outside"
+        outside.mkdir()
+        make_video(outside / "secret.mp4", "testsrc2=size=64x48:rate=24", 1.0)
+        (outside / "secret.wav").write_bytes(SECRET)
         yield {"base": base, "outside": outside, "worker": w}  # type: ignore[dict-item]
-    finally:
-        started.stop_all()
-        shutil.rmtree(base)
 
 
 @pytest.fixture
