@@ -26,6 +26,7 @@ from framewire.core.errors import (
 )
 from framewire.core.media.argv import OUTPUT_EXTENSIONS
 from framewire.core.media.inputs import InputFile
+from framewire.service._access.peers import Peer
 from framewire.service._outputs import DIR_FLAGS, TEMP_PREFIX
 
 RESOLVE_TRIES = 3
@@ -116,8 +117,11 @@ def _check_target(mode: int, raw: str) -> None:
         raise BadRequest(f"output path {raw!r} exists and is not a file", code="output_not_a_file")
 
 
-def open_output_dir(target: Path, roots: list[str], made: list[Path] | None = None) -> int:
-    """An fd for the directory of ``target`` (from ``resolve_output``), made if missing.
+def open_output_dir(
+    target: Path, roots: list[str], made: list[Path] | None = None, peer: Peer | None = None
+) -> int:
+    """An fd for the directory of ``target`` (from ``resolve_output``), made if missing
+    (and handed to ``peer``, the caller it is made for: ``_hand_over``).
 
     Opened one component at a time from the root, never following a symlink,
     so a directory swapped for a link since the path was judged is refused
@@ -145,12 +149,16 @@ def open_output_dir(target: Path, roots: list[str], made: list[Path] | None = No
                 try:
                     child = os.open(part, DIR_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
+                    new = False
                     try:
                         os.mkdir(part, dir_fd=fd)
                         _hold(at, made, new=True)
+                        new = True
                     except FileExistsError:
                         pass
                     child = os.open(part, DIR_FLAGS, dir_fd=fd)
+                    if new and peer is not None:
+                        _hand_over(child, fd, peer)
                 else:
                     _hold(at, made, new=False)
             os.close(fd)
@@ -175,6 +183,27 @@ def open_output_dir(target: Path, roots: list[str], made: list[Path] | None = No
     except BaseException:
         os.close(fd)
         raise
+
+
+def _hand_over(child: int, parent: int, peer: Peer) -> None:
+    """A directory made for a caller is the caller's to use afterwards, as one it made
+    itself would be: a root worker gives it to the caller's uid and primary group; any
+    other takes the group and mode of the directory it was made in (where it may), so
+    whoever could write there can write here too. Best effort: the request that made
+    it writes through the worker's fd either way."""
+    if peer.uid == os.geteuid():
+        return  # the worker's own uid: it is the caller's already
+    with contextlib.suppress(OSError):
+        st = os.fstat(child)
+        if st.st_uid != os.geteuid():
+            return  # not the directory made here (one put in its place since): not ours
+        if os.geteuid() == 0:
+            os.fchown(child, peer.uid, peer.gid)
+            return
+        around = os.fstat(parent)
+        if st.st_gid != around.st_gid:
+            os.fchown(child, -1, around.st_gid)
+        os.fchmod(child, stat.S_IMODE(around.st_mode))
 
 
 # Directories requests made, and how many requests in flight use each: one made for a

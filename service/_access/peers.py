@@ -40,11 +40,13 @@ READ, WRITE, SEARCH = 4, 2, 1  # the rwx bits, as the owner/group/other triplets
 
 @dataclass(frozen=True)
 class Peer:
-    """A caller's credentials. ``pid`` is None when only the uid is known (TCP)."""
+    """A caller's credentials. ``pid`` is None when only the uid is known (TCP); ``gid``
+    is its primary group (-1 where the uid has no entry in the user database)."""
 
     uid: int
     gids: frozenset[int]
     pid: int | None = None
+    gid: int = -1
 
     def may(self, st: os.stat_result, want: int) -> bool:
         """Whether this caller has ``want`` (READ, WRITE, SEARCH bits) on a file like ``st``."""
@@ -70,12 +72,13 @@ def _supplementary_groups(pid: int) -> set[int]:
     return set()
 
 
-def _groups_of(uid: int) -> set[int]:
+def _groups_of(uid: int) -> tuple[int, set[int]]:
+    """The primary group of ``uid`` (-1: unknown) and all of its groups."""
     try:
         entry = pwd.getpwuid(uid)
     except KeyError:
-        return set()
-    return set(os.getgrouplist(entry.pw_name, entry.pw_gid))
+        return -1, set()
+    return entry.pw_gid, set(os.getgrouplist(entry.pw_name, entry.pw_gid))
 
 
 def unix_peer(sock: socket.socket) -> Peer | None:
@@ -86,7 +89,7 @@ def unix_peer(sock: socket.socket) -> Peer | None:
         return None
     pid, uid, gid = _PEERCRED.unpack(raw)
     groups = {gid} | (_supplementary_groups(pid) if pid > 0 else set())
-    return Peer(uid, frozenset(groups), pid if pid > 0 else None)
+    return Peer(uid, frozenset(groups), pid if pid > 0 else None, gid)
 
 
 def _proc_address(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
@@ -128,7 +131,8 @@ def tcp_peer(client: tuple[str, int], server: tuple[str, int]) -> Peer | None:
                     ends = (_proc_address(fields[1]), _proc_address(fields[2]))
                     if ends == want:
                         uid = int(fields[7])
-                        return Peer(uid, frozenset(_groups_of(uid)))
+                        gid, groups = _groups_of(uid)
+                        return Peer(uid, frozenset(groups), gid=gid)
                 except ValueError:
                     continue
     return None

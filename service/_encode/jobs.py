@@ -117,7 +117,7 @@ class EncodeJobs:
                 small = sum(self._small(job) for job in jobs)
                 self.scheduler.admit(len(jobs) - small, small)
                 for job in jobs:
-                    await self.prepare.place(job, stack)
+                    await self.prepare.place(job, access, stack)
                 _, outcomes = await self._encode_all(request, jobs, is_disconnected, cancel, me)
         except BaseException:
             for job in jobs:

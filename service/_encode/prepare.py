@@ -241,15 +241,17 @@ class Preparer:
             os.close(fd)
             raise
 
-    async def place(self, job: Prepared, stack: contextlib.AsyncExitStack) -> None:
+    async def place(self, job: Prepared, access: Access, stack: contextlib.AsyncExitStack) -> None:
         """Make and open the output's directory and claim its name (all judged before)."""
-        job.directory = await self.place_at(job.path, job.made, stack)
+        job.directory = await self.place_at(job.path, job.made, access, stack)
 
-    async def place_at(self, path: Path, made: list[Path], stack: contextlib.AsyncExitStack) -> int:
-        """The directory of ``path`` made (``made`` lists what was) and opened, its name
-        claimed; both released with ``stack``."""
+    async def place_at(
+        self, path: Path, made: list[Path], access: Access, stack: contextlib.AsyncExitStack
+    ) -> int:
+        """The directory of ``path`` made for ``access``'s caller (``made`` lists what was)
+        and opened, its name claimed; both released with ``stack``."""
         roots = self.settings.output_roots
-        directory = await asyncio.to_thread(open_output_dir, path, roots, made)
+        directory = await asyncio.to_thread(open_output_dir, path, roots, made, access.peer)
         stack.callback(os.close, directory)
         self.claims.claim(directory, path.name, stack)
         return directory

@@ -95,7 +95,7 @@ class Sessions:
                     "live view: open the stream without live, or with an ffmpeg profile",
                     code="live_unsupported",
                 )
-            directory = await prepare.place_at(path, made, stack)
+            directory = await prepare.place_at(path, made, access, stack)
         except BaseException:
             await stack.aclose()
             remove_made(made)

@@ -319,6 +319,25 @@ def test_a_caller_cannot_write_where_it_may_not(worker, segments):
 
 
 @needs_root
+def test_directories_made_for_a_caller_are_the_caller_s(worker, tmp_path):
+    clip = make_clip(frames=2, height=16, width=16)
+    key = make_segment(clip, NOBODY)
+    made = worker.outputs / "for-nobody"
+    try:
+        for name in ("a", "b"):  # the second output goes where the first made the directories
+            body = encode_body(shm_source(key, clip), f"for-nobody/deep/{name}.mp4")
+            assert as_nobody(post_json, worker.uds_url, "/v1/videos:encode", body) == (200, "")
+        for directory in (made, made / "deep"):
+            st = directory.stat()
+            assert (st.st_uid, st.st_gid) == (NOBODY, NOBODY), directory
+        want = reference_mp4(clip, tmp_path / "ref.mp4")
+        assert sha256(made / "deep" / "a.mp4") == sha256(made / "deep" / "b.mp4") == want
+    finally:
+        Path(f"/dev/shm{key}").unlink()
+        shutil.rmtree(made, ignore_errors=True)
+
+
+@needs_root
 def test_a_decode_of_a_video_the_caller_may_not_read_is_forbidden(world):
     w = world["worker"]  # uid 65534 is allowed on its fd socket
     video = w.inputs / "private.mp4"
