@@ -26,9 +26,14 @@ import numpy as np
 from framewire.core.errors import BadRequest
 from framewire.core.frames import Frames, describe, is_cuda, waveform
 from framewire.core.wire import AudioDType, OutputResult, RegionAudio
+from framewire.service._access.paths import (
+    keep_made,
+    open_output_dir,
+    remove_made,
+    resolve_output,
+)
 from framewire.service._encode.encoder import Encoded, EncodeParams, Encoder
 from framewire.service._encode.results import Check, check_for, output_result
-from framewire.service._outputs import open_directory
 from framewire.service._sources.audio import MemoryAudio, samples_of
 from framewire.service._sources.frames import FrameSource, Geometry, TensorSource
 from framewire.service._stream.output import StreamOutput
@@ -65,22 +70,33 @@ class LocalEncoder:
         # fallback=False: the fallback route materializes the whole clip.
         self.encoder = Encoder(fallback=False)
 
-    def resolve(self, path: str | os.PathLike[str]) -> Path:
-        """An absolute path as given; a relative one under the output root."""
-        given = Path(path)
-        if given.is_absolute():
-            return given
+    def resolve(self, path: str | os.PathLike[str]) -> tuple[Path, list[str]]:
+        """Where ``path`` is written, judged by the worker's rules (``paths``: no ``..``,
+        no reserved names, one-file formats, no link at the name), and the roots it was
+        judged against: a relative path must stay under the output root, links followed;
+        an absolute one is this process's own choice, judged below its nearest existing
+        directory."""
+        raw = os.fspath(path)
+        if os.path.isabs(raw):
+            root = _existing(Path(raw).parent)
+        else:
+            root = self._root(raw)
+            root.mkdir(parents=True, exist_ok=True)  # this process's own place
+        roots = [str(root)]
+        return resolve_output(raw, roots), roots
+
+    def _root(self, raw: str) -> Path:
         root = self.output_root
         if root is None:
             configured = os.environ.get("FRAMEWIRE_OUTPUT_ROOTS", "").split(",")[0].strip()
             root = configured or None
         if root is None:
             raise BadRequest(
-                f"no worker to write the relative path {os.fspath(path)!r}, and no place "
+                f"no worker to write the relative path {raw!r}, and no place "
                 "for it here: give Client(output_root=...) or FRAMEWIRE_OUTPUT_ROOTS",
                 code="no_output_root",
             )
-        return Path(root).absolute() / given
+        return Path(root).absolute()
 
     def save(
         self, video: Any, path: str | os.PathLike[str], fields: dict[str, Any], layout: Any = None
@@ -88,7 +104,7 @@ class LocalEncoder:
         """One output, whole clip (``fields``: :class:`Options`'): the result a worker
         would give, ``route == "local"``."""
         options = Options(**fields)
-        target = self.resolve(path)
+        target, roots = self.resolve(path)
         frames = describe(video, layout)
         started = time.time()
         with contextlib.ExitStack() as stack:
@@ -97,15 +113,19 @@ class LocalEncoder:
             _, count, height, width = frames.dims
             geometry = Geometry(frames.dtype, frames.layout, count, height, width)
             check = check_for(count, geometry, params, options.validate)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            encoded = self.encoder.encode(source, target, params, inspect=check)
+            placed = _Placed(target, roots)
+            stack.callback(placed.close)
+            encoded = self.encoder.encode(
+                source, target, params, directory=placed.fd, inspect=check
+            )
+            placed.written = True
         return _result(encoded, options, check, started)
 
     def open(
         self, path: str | os.PathLike[str], fields: dict[str, Any], first: Frames
     ) -> LocalStream:
         """A stream whose geometry is ``first``'s (the first chunk)."""
-        return LocalStream(self, self.resolve(path), Options(**fields), first)
+        return LocalStream(self, *self.resolve(path), Options(**fields), first)
 
     def _params(self, options: Options, stack: contextlib.ExitStack) -> EncodeParams:
         audio: Any = options.audio
@@ -120,7 +140,9 @@ class LocalEncoder:
 class LocalStream:
     """One output fed chunk by chunk in this process (a stream session without a worker)."""
 
-    def __init__(self, owner: LocalEncoder, path: Path, options: Options, first: Frames):
+    def __init__(
+        self, owner: LocalEncoder, path: Path, roots: list[str], options: Options, first: Frames
+    ):
         self.options = options
         self.frames = 0
         self._started = time.time()
@@ -129,10 +151,11 @@ class LocalStream:
             _, _, height, width = first.dims
             geometry = Geometry(first.dtype, first.layout, 0, height, width)
             self._params = owner._params(options, self._stack)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            directory = open_directory(path.parent)
-            self._stack.callback(os.close, directory)
-            self._output = StreamOutput(owner.encoder, path, self._params, geometry, directory)
+            self._placed = _Placed(path, roots)
+            self._stack.callback(self._placed.close)
+            self._output = StreamOutput(
+                owner.encoder, path, self._params, geometry, self._placed.fd
+            )
             self._stack.callback(self._output.abort)
         except BaseException:
             self._stack.close()
@@ -148,12 +171,40 @@ class LocalStream:
             g = self._output.geometry
             check = check_for(self.frames, g, self._params, self.options.validate)
             encoded = self._output.finish(_no_cancel, check)
+            self._placed.written = True
             return _result(encoded, self.options, check, self._started)
         finally:
             self._stack.close()
 
     def abort(self) -> None:
         self._stack.close()
+
+
+def _existing(directory: Path) -> Path:
+    """``directory``, or its nearest ancestor that exists."""
+    while not directory.is_dir() and directory.parent != directory:
+        directory = directory.parent
+    return directory
+
+
+class _Placed:
+    """The directory of an output made and opened as the worker does (``open_output_dir``);
+    what was made for it is taken back unless the output was written."""
+
+    def __init__(self, target: Path, roots: list[str]):
+        self.made: list[Path] = []
+        self.written = False
+        try:
+            self.fd = open_output_dir(target, roots, self.made)
+        except BaseException:
+            remove_made(self.made)
+            raise
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            (keep_made if self.written else remove_made)(self.made)
 
 
 def _source(frames: Frames) -> FrameSource:

@@ -16,6 +16,7 @@ still writing.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from framewire.core.errors import FramewireError, MediaError, host_error
+from framewire.core.errors import Conflict, FramewireError, MediaError, host_error
 from framewire.core.shm import pid_alive
 
 # Private directories carry this prefix and the writer's pid, so a restarted
@@ -66,7 +67,10 @@ class TempOutput:
 
     def digest(self) -> tuple[int, str]:
         """Size and sha256 of what was written."""
-        fd = os.open(self.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        try:
+            fd = os.open(self.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        except FileNotFoundError as exc:
+            raise changed("cannot read back the output") from exc
         with open(fd, "rb") as f:
             return sha256_of(f)
 
@@ -145,8 +149,21 @@ def atomic_output(directory: int, name: str) -> Iterator[TempOutput]:
 
 
 def _write_error(exc: OSError, what: str) -> FramewireError:
+    if exc.errno == errno.ENOENT:
+        return changed(what)
     refused = MediaError(f"{what}: {exc.strerror}", code="output_not_writable")
     return host_error(exc, what) or refused
+
+
+def changed(what: str) -> Conflict:
+    """A name the worker holds by fd went missing: whoever may write in the output's
+    directory removed or replaced it (a directory made for a request renamed over, or
+    emptied and removed) after the worker opened it. A race with the caller's path,
+    like a link swapped while it is resolved: never the worker's fault."""
+    return Conflict(
+        f"{what}: the output's directory was removed or replaced while the worker used it",
+        code="path_changed",
+    )
 
 
 def open_directory(path: Path) -> int:

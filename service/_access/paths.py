@@ -26,7 +26,8 @@ from framewire.core.errors import (
 )
 from framewire.core.media.argv import OUTPUT_EXTENSIONS
 from framewire.core.media.inputs import InputFile
-from framewire.service._outputs import DIR_FLAGS, TEMP_PREFIX
+from framewire.service._access.peers import Peer
+from framewire.service._outputs import DIR_FLAGS, TEMP_PREFIX, changed
 
 RESOLVE_TRIES = 3
 
@@ -116,8 +117,11 @@ def _check_target(mode: int, raw: str) -> None:
         raise BadRequest(f"output path {raw!r} exists and is not a file", code="output_not_a_file")
 
 
-def open_output_dir(target: Path, roots: list[str], made: list[Path] | None = None) -> int:
-    """An fd for the directory of ``target`` (from ``resolve_output``), made if missing.
+def open_output_dir(
+    target: Path, roots: list[str], made: list[Path] | None = None, peer: Peer | None = None
+) -> int:
+    """An fd for the directory of ``target`` (from ``resolve_output``), made if missing
+    (and handed to ``peer``, the caller it is made for: ``_hand_over``).
 
     Opened one component at a time from the root, never following a symlink,
     so a directory swapped for a link since the path was judged is refused
@@ -145,14 +149,19 @@ def open_output_dir(target: Path, roots: list[str], made: list[Path] | None = No
                 try:
                     child = os.open(part, DIR_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
+                    new = False
                     try:
                         os.mkdir(part, dir_fd=fd)
-                        _hold(at, made, new=True)
+                        st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                        _hold(at, made, new=(st.st_dev, st.st_ino))
+                        new = True
                     except FileExistsError:
                         pass
                     child = os.open(part, DIR_FLAGS, dir_fd=fd)
+                    if new and peer is not None:
+                        _hand_over(child, fd, peer)
                 else:
-                    _hold(at, made, new=False)
+                    _hold(at, made, new=None)
             os.close(fd)
             fd = child
         try:
@@ -163,6 +172,8 @@ def open_output_dir(target: Path, roots: list[str], made: list[Path] | None = No
         return fd
     except OSError as exc:
         os.close(fd)
+        if exc.errno == errno.ENOENT:  # a directory on the way removed between two steps
+            raise changed(f"cannot open or make the output directory {parent!r}") from exc
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             raise Forbidden(
                 f"output directory {parent!r} changed to a link or a file after it was checked",
@@ -177,16 +188,45 @@ def open_output_dir(target: Path, roots: list[str], made: list[Path] | None = No
         raise
 
 
+def _hand_over(child: int, parent: int, peer: Peer) -> None:
+    """A directory made for a caller is the caller's to use afterwards, as one it made
+    itself would be: a root worker gives it to the caller's uid and primary group; any
+    other takes the group and mode of the directory it was made in (where it may), so
+    whoever could write there can write here too. Best effort: the request that made
+    it writes through the worker's fd either way."""
+    if peer.uid == os.geteuid():
+        return  # the worker's own uid: it is the caller's already
+    with contextlib.suppress(OSError):
+        st = os.fstat(child)
+        if st.st_uid != os.geteuid():
+            return  # not the directory made here (one put in its place since): not ours
+        if os.geteuid() == 0:
+            os.fchown(child, peer.uid, peer.gid)
+            return
+        around = os.fstat(parent)
+        if st.st_gid != around.st_gid:
+            os.fchown(child, -1, around.st_gid)
+        os.fchmod(child, stat.S_IMODE(around.st_mode))
+
+
 # Directories requests made, and how many requests in flight use each: one made for a
 # request that fails is removed (if empty) when the last request using it ends, not only
 # when the one that made it does (its rmdir fails while another's temp file is there).
+# Each is known by (device, inode) too: the one at its path when it is taken back may be
+# another, put there since by whoever may write beside it, and that one is not the worker's.
 _users: dict[Path, int] = {}
+_made_as: dict[Path, tuple[int, int]] = {}
 _users_lock = threading.Lock()
 
 
-def _hold(at: Path, made: list[Path] | None, *, new: bool) -> None:
-    """(Under ``_users_lock``.) ``made`` holds ``at`` if a request made it."""
-    if made is not None and (new or at in _users):
+def _hold(at: Path, made: list[Path] | None, *, new: tuple[int, int] | None) -> None:
+    """(Under ``_users_lock``.) ``made`` holds ``at`` if a request made it (``new``: the
+    directory this request made there, by device and inode)."""
+    if made is None:
+        return
+    if new is not None:
+        _made_as[at] = new
+    if new is not None or at in _users:
         _users[at] = _users.get(at, 0) + 1
         made.append(at)
 
@@ -210,9 +250,12 @@ def _let_go(made: list[Path], *, remove: bool) -> None:
                 _users[path] = left
                 continue
             _users.pop(path, None)
+            made_as = _made_as.pop(path, None)
             if remove:
                 with contextlib.suppress(OSError):  # not empty: files of others are in it
-                    os.rmdir(path)
+                    st = os.stat(path, follow_symlinks=False)
+                    if (st.st_dev, st.st_ino) == made_as:
+                        os.rmdir(path)
     made.clear()
 
 

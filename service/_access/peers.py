@@ -36,11 +36,13 @@ READ, WRITE, SEARCH = 4, 2, 1  # the rwx bits, as the owner/group/other triplets
 
 @dataclass(frozen=True)
 class Peer:
-    """A caller's credentials. ``pid`` is None when only the uid is known (TCP)."""
+    """A caller's credentials. ``pid`` is None when only the uid is known (TCP); ``gid``
+    is its primary group (-1 where the uid has no entry in the user database)."""
 
     uid: int
     gids: frozenset[int]
     pid: int | None = None
+    gid: int = -1
 
     def may(self, st: os.stat_result, want: int) -> bool:
         """Whether this caller has ``want`` (READ, WRITE, SEARCH bits) on a file like ``st``."""
@@ -66,12 +68,13 @@ def _supplementary_groups(pid: int) -> set[int]:
     return set()
 
 
-def _groups_of(uid: int) -> set[int]:
+def _groups_of(uid: int) -> tuple[int, set[int]]:
+    """The primary group of ``uid`` (-1: unknown) and all of its groups."""
     try:
         entry = pwd.getpwuid(uid)
     except KeyError:
-        return set()
-    return set(os.getgrouplist(entry.pw_name, entry.pw_gid))
+        return -1, set()
+    return entry.pw_gid, set(os.getgrouplist(entry.pw_name, entry.pw_gid))
 
 
 def unix_peer(sock: socket.socket) -> Peer | None:
@@ -81,13 +84,16 @@ def unix_peer(sock: socket.socket) -> Peer | None:
         return None
     pid, uid, gid = cred
     groups = {gid} | (_supplementary_groups(pid) if pid > 0 else set())
-    return Peer(uid, frozenset(groups), pid if pid > 0 else None)
+    return Peer(uid, frozenset(groups), pid if pid > 0 else None, gid)
 
 
 def tcp_peer(client: tuple[str, int], server: tuple[str, int]) -> Peer | None:
     """The owner of the loopback TCP socket at ``client`` connected to ``server``."""
     uid = tcp_owner(client, server)
-    return None if uid is None else Peer(uid, frozenset(_groups_of(uid)))
+    if uid is None:
+        return None
+    gid, groups = _groups_of(uid)
+    return Peer(uid, frozenset(groups), gid=gid)
 
 
 def allowed(peer: Peer | None, uids: list[int], gids: list[int]) -> bool:

@@ -124,7 +124,7 @@ class EncodeJobs:
                 admission = self.scheduler.admit(len(jobs) - small, small, access.share_key)
                 stack.callback(admission.close)
                 for job in jobs:
-                    await self.prepare.place(job, stack)
+                    await self.prepare.place(job, access, stack)
                 _, outcomes = await self._encode_all(
                     request, jobs, is_disconnected, cancel, me, admission
                 )

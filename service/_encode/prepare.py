@@ -131,8 +131,9 @@ class Preparer:
         how it is encoded (the audio opened, closed with ``stack``)."""
         url: Target | None = None
         if is_url(options.path):
-            # The allow-list is the caller's right here; the spool is the worker's own.
-            target = await asyncio.to_thread(self.uploads.target, options.path)
+            # The allow-list and the object's owner judge the caller here; the spool is the
+            # worker's own.
+            target = await asyncio.to_thread(self.uploads.target, options.path, access)
             url, path = target
             if isinstance(url, ObjectUrl):  # a memory output is its request's alone
                 self.claims.claim_url(url, stack)
@@ -242,21 +243,30 @@ class Preparer:
             os.close(fd)
             raise
 
-    async def place(self, job: Prepared, stack: contextlib.AsyncExitStack) -> None:
+    async def place(self, job: Prepared, access: Access, stack: contextlib.AsyncExitStack) -> None:
         """Make and open the output's directory and claim its name (all judged before)."""
-        job.directory = await self.place_at(job.path, job.made, stack, spooled=job.url is not None)
+        job.directory = await self.place_at(
+            job.path, job.made, access, stack, spooled=job.url is not None
+        )
 
     async def place_at(
-        self, path: Path, made: list[Path], stack: contextlib.AsyncExitStack, *, spooled: bool
+        self,
+        path: Path,
+        made: list[Path],
+        access: Access,
+        stack: contextlib.AsyncExitStack,
+        *,
+        spooled: bool,
     ) -> int:
-        """The directory of ``path`` made (``made`` lists what was) and opened, its name
-        claimed; both released with ``stack``. A ``spooled`` output's directory is the
-        worker's spool, checked as it is opened, and its file is removed with ``stack``."""
+        """The directory of ``path`` made for ``access``'s caller (``made`` lists what was)
+        and opened, its name claimed; both released with ``stack``. A ``spooled`` output's
+        directory is the worker's spool, checked as it is opened, and its file is removed
+        with ``stack``."""
         roots = self.settings.output_roots
         if spooled:
             directory = await asyncio.to_thread(open_spool, roots)
         else:
-            directory = await asyncio.to_thread(open_output_dir, path, roots, made)
+            directory = await asyncio.to_thread(open_output_dir, path, roots, made, access.peer)
         stack.callback(os.close, directory)
         if spooled:  # whatever happens, before the fd is closed
             stack.push_async_callback(asyncio.to_thread, discard, directory, path.name)

@@ -9,7 +9,7 @@ never the store's own message, the endpoint or anything from the credentials.
 
 from __future__ import annotations
 
-from framewire.core.errors import FramewireError, Stalled, StoreError, Unavailable
+from framewire.core.errors import Conflict, FramewireError, Stalled, StoreError, Unavailable
 
 _DENIED = {
     "AccessDenied",
@@ -21,6 +21,18 @@ _DENIED = {
 }
 _BUSY = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}
 _DIGEST = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"}
+# A conditional write that found another object than the one judged (``owners``).
+_CHANGED = {"PreconditionFailed", "ConditionalRequestConflict"}
+
+
+def missing(exc: Exception) -> bool:
+    """Whether ``exc`` says there is no such object (a HEAD's bare 404)."""
+    from botocore import exceptions as bx
+
+    if not isinstance(exc, bx.ClientError):
+        return False
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status == 404 and exc.response.get("Error", {}).get("Code") != "NoSuchBucket"
 
 
 def store_error(exc: Exception, op: str, *, late: bool = False) -> FramewireError:
@@ -46,6 +58,11 @@ def store_error(exc: Exception, op: str, *, late: bool = False) -> FramewireErro
             return StoreError(f"{said}: it refused the worker's credentials", code="store_denied")
         if code == "NoSuchBucket":
             return StoreError(f"{said}: the bucket does not exist", code="store_no_bucket")
+        if code in _CHANGED or status == 412:
+            return Conflict(
+                f"{said}: another writer replaced the object since it was judged",
+                code="output_busy",
+            )
         if code in _DIGEST:
             return StoreError(f"{said}: the bytes it got differ", code="store_checksum_mismatch")
         if code in _BUSY:

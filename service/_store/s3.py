@@ -43,7 +43,8 @@ from framewire.core.errors import Cancelled, FramewireError, StoreError, Unavail
 from framewire.service._access.urls import ObjectUrl
 from framewire.service._settings import Settings
 from framewire.service._store.deadline import Deadlines
-from framewire.service._store.faults import store_error
+from framewire.service._store.faults import missing, store_error
+from framewire.service._store.owners import OWNER_META, Found, OwnedUrl
 
 PARTS_IN_FLIGHT = 4
 log = logging.getLogger("framewire.store")
@@ -151,13 +152,26 @@ class S3Store:
         except Exception as exc:
             raise self._failed(exc, "presigning") from None
 
+    def found(self, url: ObjectUrl) -> Found | None:
+        """The object at ``url`` now (its ETag and owner), None if there is none."""
+        try:
+            answer = self.client().head_object(Bucket=url.bucket, Key=url.key)
+        except Exception as exc:
+            if missing(exc):
+                return None
+            raise self._failed(exc, "HeadObject") from None
+        meta = answer.get("Metadata")
+        owner = meta.get(OWNER_META) if isinstance(meta, dict) else None
+        return Found(_field(answer, "ETag", "HeadObject"), owner)
+
     def upload(
-        self, fd: int, size: int, sha256: str, url: ObjectUrl, cancel: threading.Event
+        self, fd: int, size: int, sha256: str, url: OwnedUrl, cancel: threading.Event
     ) -> Uploaded:
-        """The ``size`` bytes of ``fd`` stored at ``url``; ``sha256`` (hex) is what they
-        must hash to. ``cancel`` set stops it (``Cancelled``), also in the middle of a
-        request: nothing is left stored (the abort and delete that ensure it are not
-        stopped, only bounded)."""
+        """The ``size`` bytes of ``fd`` stored at ``url``, with its owner, only over the
+        object it was judged against; ``sha256`` (hex) is what they must hash to.
+        ``cancel`` set stops it (``Cancelled``), also in the middle of a request: nothing
+        is left stored (the abort and delete that ensure it are not stopped, only
+        bounded)."""
         client = self.client()
         kind = {"ContentType": CONTENT_TYPES.get(url.suffix, "application/octet-stream")}
         if size < self.part_bytes:
@@ -174,7 +188,7 @@ class S3Store:
         fd: int,
         size: int,
         sha256: str,
-        url: ObjectUrl,
+        url: OwnedUrl,
         kind: dict[str, str],
         cancel: threading.Event,
     ) -> Uploaded:
@@ -186,7 +200,13 @@ class S3Store:
         try:
             with self._deadlines.stopped_by(cancel):
                 answer = client.put_object(
-                    Bucket=url.bucket, Key=url.key, Body=body, ChecksumSHA256=want, **kind
+                    Bucket=url.bucket,
+                    Key=url.key,
+                    Body=body,
+                    ChecksumSHA256=want,
+                    Metadata={OWNER_META: url.owner},
+                    **_over(url),
+                    **kind,
                 )
         except Exception as exc:
             raise self._failed(exc, "PutObject") from None
@@ -199,7 +219,7 @@ class S3Store:
         fd: int,
         size: int,
         sha256: str,
-        url: ObjectUrl,
+        url: OwnedUrl,
         kind: dict[str, str],
         cancel: threading.Event,
     ) -> Uploaded:
@@ -207,7 +227,11 @@ class S3Store:
         try:
             with self._deadlines.stopped_by(cancel):
                 started = client.create_multipart_upload(
-                    Bucket=url.bucket, Key=url.key, ChecksumAlgorithm="SHA256", **kind
+                    Bucket=url.bucket,
+                    Key=url.key,
+                    ChecksumAlgorithm="SHA256",
+                    Metadata={OWNER_META: url.owner},
+                    **kind,
                 )
         except Exception as exc:
             raise self._failed(exc, "CreateMultipartUpload") from None
@@ -224,7 +248,7 @@ class S3Store:
         fd: int,
         size: int,
         sha256: str,
-        url: ObjectUrl,
+        url: OwnedUrl,
         upload_id: str,
         cancel: threading.Event,
     ) -> Uploaded:
@@ -281,6 +305,7 @@ class S3Store:
                     Key=url.key,
                     UploadId=upload_id,
                     MultipartUpload={"Parts": [entry for entry, _, _ in parts]},
+                    **_over(url),
                 )
         except Exception as exc:
             raise self._failed(exc, "CompleteMultipartUpload") from None
@@ -325,3 +350,8 @@ class S3Store:
     def close(self) -> None:
         self._parts.shutdown(wait=True, cancel_futures=True)
         self._deadlines.close()
+
+
+def _over(url: OwnedUrl) -> dict[str, str]:
+    """The condition of a write: over the judged object, or where none is."""
+    return {"IfNoneMatch": "*"} if url.etag is None else {"IfMatch": url.etag}

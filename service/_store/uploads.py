@@ -17,17 +17,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from framewire.core.errors import FramewireError
+from framewire.core.errors import FramewireError, Stalled, Unavailable
 from framewire.core.wire import OutputResult
-from framewire.service._access.urls import ObjectUrl, judge_url
+from framewire.service._access.peers import Access
+from framewire.service._access.urls import judge_url
 from framewire.service._ops.threads import in_thread
 from framewire.service._settings import Settings
 from framewire.service._store.handoff import SCHEME as MEMORY
 from framewire.service._store.handoff import Handoffs, MemoryTarget, parse_memory
+from framewire.service._store.owners import OwnedUrl, judge_owner
 from framewire.service._store.s3 import S3Store, Uploaded
 from framewire.service._store.spool import discard, spool_path
 
-Target = ObjectUrl | MemoryTarget
+Target = OwnedUrl | MemoryTarget
 
 log = logging.getLogger("framewire.store")
 
@@ -41,13 +43,20 @@ class Uploads:
             max(4, settings.cpu_slots * 2), thread_name_prefix="framewire-upload"
         )
 
-    def target(self, raw: str) -> tuple[Target, Path]:
-        """The object or memory output ``raw`` names (judged) and the spool file it is
-        encoded to first."""
+    def target(self, raw: str, access: Access) -> tuple[Target, Path]:
+        """The object or memory output ``raw`` names, judged for ``access``'s caller (an
+        object: by its prefix and its owner), and the spool file it is encoded to first."""
         if raw.startswith(MEMORY):
             url: Target = parse_memory(raw)
         else:
-            url = judge_url(raw, self.settings.output_urls)
+            allowed = judge_url(raw, self.settings.output_urls)
+            try:
+                found = self.store.found(allowed)
+            except (Unavailable, Stalled):
+                # The upload's own request says what the store answers; until then the
+                # owner is unknown, so it may only create the object (If-None-Match).
+                found = None
+            url = judge_owner(allowed, access, found)
         return url, spool_path(self.settings.output_roots, url.suffix)
 
     async def deliver(
@@ -97,7 +106,7 @@ class Uploads:
             os.close(fd)
 
     def _upload(
-        self, spool: int, name: str, result: OutputResult, url: ObjectUrl, cancel: threading.Event
+        self, spool: int, name: str, result: OutputResult, url: OwnedUrl, cancel: threading.Event
     ) -> Uploaded:
         assert result.bytes is not None and result.sha256 is not None
         fd = _open_spooled(spool, name)

@@ -98,7 +98,7 @@ class Sessions:
                     "live view: open the stream without live, or with an ffmpeg profile",
                     code="live_unsupported",
                 )
-            directory = await prepare.place_at(path, made, stack, spooled=url is not None)
+            directory = await prepare.place_at(path, made, access, stack, spooled=url is not None)
         except BaseException:
             await stack.aclose()
             remove_made(made)

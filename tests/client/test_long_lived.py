@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from framewire.client import AsyncClient, Client, Unavailable
+from framewire.core.errors import FramewireError
 
 from tests.support.engines import diffusers_save, sglang_save
 from tests.support.media import make_clip, reference_mp4, sha256
@@ -199,6 +200,47 @@ def test_a_relative_path_needs_a_local_root(tmp_path, monkeypatch):
         assert fw.save_video(make_clip(frames=3), "rel.mp4", fps=24).route == "local"
         absolute = fw.save_video(make_clip(frames=3), tmp_path / "abs/a.mp4", fps=24)
     assert (tmp_path / "env/rel.mp4").exists() and absolute.path == str(tmp_path / "abs/a.mp4")
+
+
+# What the worker refuses to write, the local fallback refuses with the same class and code.
+REFUSED_PATHS = [
+    ("../escape.mp4", "path_traversal"),
+    ("out/escape.mp4", "path_outside_roots"),  # out: a link to a directory outside the root
+    ("sub/.framewire-tmp-1-0123456789abcdef/x.mp4", "reserved_name"),
+    ("sub/img%03d.png", "unsupported_output_format"),
+]
+
+
+def _refusal(call) -> tuple[type[FramewireError], str]:
+    with pytest.raises(FramewireError) as refused:
+        call()
+    return type(refused.value), refused.value.code
+
+
+@pytest.mark.parametrize(("path", "code"), REFUSED_PATHS)
+def test_the_local_fallback_refuses_the_paths_the_worker_refuses(workers, tmp_path, path, code):
+    w = workers.start(*ARGS)
+    outside, root = tmp_path / "outside", tmp_path / "root"
+    outside.mkdir()
+    root.mkdir()
+    for where in (w.outputs, root):
+        (where / "out").symlink_to(outside, target_is_directory=True)
+    clip = make_clip(frames=3)
+    with Client(w.uds_url) as fw:
+        by_worker = _refusal(lambda: fw.save_video(clip, path, fps=24))
+    assert by_worker[1] == code
+    with Client(nobody(tmp_path), fd_socket=tmp_path / "nofd.sock", output_root=root) as fw:
+        assert _refusal(lambda: fw.save_video(clip, path, fps=24)) == by_worker
+
+        def stream() -> None:
+            with fw.open_video(path, fps=24) as out:
+                out.write(clip)
+
+        assert _refusal(stream) == by_worker
+    # Nothing was written, made or left anywhere.
+    assert list(outside.iterdir()) == [] and not (tmp_path / "escape.mp4").exists()
+    assert sorted(p.name for p in root.iterdir()) == ["out"]
+    assert framewire_temps(tmp_path) == []
 
 
 def test_the_async_client_lives_through_idle_gaps_and_outages(workers, tmp_path):

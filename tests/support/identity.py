@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
+
+from tests.support.worker import Worker, Workers
 
 NOBODY = 65534
 
@@ -137,3 +144,23 @@ def fd_answer(instance: str):
 
     raw = json.dumps({"ok": True, "pong": True, "instance": instance, "name": "r"}).encode()
     return lambda data: struct.pack(">I", len(raw)) + raw
+
+
+@contextmanager
+def open_worker(*args: str, env: dict[str, str] | None = None) -> Iterator[Worker]:
+    """A worker that serves this uid and :data:`NOBODY` (and ``--allowed-uids`` in
+    ``args``), whose sockets and roots any local user can reach."""
+    base = Path(tempfile.mkdtemp(prefix="framewire-open-"))
+    base.chmod(0o755)
+    started = Workers(lambda: base)
+    try:
+        uids = f"{os.getuid()},{NOBODY}"
+        w = started.start("--allowed-uids", uids, *args, env=env)
+        for path in (w.uds, w.fd_socket):
+            path.chmod(0o666)  # any local user may connect
+        for root in (w.outputs, w.inputs):
+            root.chmod(0o777)
+        yield w
+    finally:
+        started.stop_all()
+        shutil.rmtree(base)

@@ -12,7 +12,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,36 +19,26 @@ from pathlib import Path
 import pytest
 from framewire.core.media.argv import AUDIO_FILE_GUARD, decode_argv
 
-from tests.support.identity import NOBODY, as_nobody, post_json
+from tests.support.identity import NOBODY, as_nobody, open_worker, post_json
 from tests.support.media import FFMPEG, make_clip, reference_mp4, sha256
 from tests.support.refclips import RawConnection, make_video, oracle
 from tests.support.requests import encode_body
 from tests.support.segments import raw_bytes, shm_source
-from tests.support.worker import Worker, Workers
+from tests.support.worker import Worker
 
 SECRET = b"framewire-secret-bytes"
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+def world() -> Iterator[dict[str, Path]]:
     """A worker whose sockets and roots other users can reach, and a secret outside them."""
-    base = Path(tempfile.mkdtemp(prefix="framewire-confine-"))
-    base.chmod(0o755)
-    started = Workers(lambda: base)
-    w = started.start("--allowed-uids", f"{os.getuid()},65534")
-    for path in (w.uds, base / "fd.sock"):
-        path.chmod(0o666)  # any local user may connect: the case this file is about
-    for root in (w.outputs, w.inputs):
-        root.chmod(0o777)
-    outside = base / "outside"
-    outside.mkdir()
-    make_video(outside / "secret.mp4", "testsrc2=size=64x48:rate=24", 1.0)
-    (outside / "secret.wav").write_bytes(SECRET)
-    try:
+    with open_worker() as w:
+        base = w.outputs.parent
+        outside = base / "outside"
+        outside.mkdir()
+        make_video(outside / "secret.mp4", "testsrc2=size=64x48:rate=24", 1.0)
+        (outside / "secret.wav").write_bytes(SECRET)
         yield {"base": base, "outside": outside, "worker": w}  # type: ignore[dict-item]
-    finally:
-        started.stop_all()
-        shutil.rmtree(base)
 
 
 @pytest.fixture
@@ -327,6 +316,25 @@ def test_a_caller_cannot_write_where_it_may_not(worker, segments):
     finally:
         Path(f"/dev/shm{key}").unlink()
         private.rmdir()
+
+
+@needs_root
+def test_directories_made_for_a_caller_are_the_caller_s(worker, tmp_path):
+    clip = make_clip(frames=2, height=16, width=16)
+    key = make_segment(clip, NOBODY)
+    made = worker.outputs / "for-nobody"
+    try:
+        for name in ("a", "b"):  # the second output goes where the first made the directories
+            body = encode_body(shm_source(key, clip), f"for-nobody/deep/{name}.mp4")
+            assert as_nobody(post_json, worker.uds_url, "/v1/videos:encode", body) == (200, "")
+        for directory in (made, made / "deep"):
+            st = directory.stat()
+            assert (st.st_uid, st.st_gid) == (NOBODY, NOBODY), directory
+        want = reference_mp4(clip, tmp_path / "ref.mp4")
+        assert sha256(made / "deep" / "a.mp4") == sha256(made / "deep" / "b.mp4") == want
+    finally:
+        Path(f"/dev/shm{key}").unlink()
+        shutil.rmtree(made, ignore_errors=True)
 
 
 @needs_root

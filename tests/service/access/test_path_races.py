@@ -8,12 +8,17 @@ request must get an answer with a stable code, never a 500.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tests.support.requests import encode_body
+from tests.support.media import make_clip
+from tests.support.processes import framewire_temps
+from tests.support.requests import Request, encode_body, wait_for_ffmpeg
+from tests.support.worker import metric
 
 # Swaps two names until its parent (the test) is gone or it is killed.
 FLIPPER = """\
@@ -62,3 +67,35 @@ def test_a_link_swapped_while_paths_are_resolved_is_never_a_500(workers):
     # The frames are missing (404) once the paths are judged; or a path kept changing.
     assert set(seen) <= {(404, "shm_not_found"), (409, "path_changed")}, seen
     assert seen.get((404, "shm_not_found"), 0) > 0, seen
+
+
+def test_a_directory_replaced_while_its_output_waits_is_a_409(workers, segments):
+    """The directory made (and opened) for an output is replaced by another before the
+    output is written: the worker holds the old one, gone from the tree. One CPU slot held
+    by a stopped encode keeps the output waiting in between, so the swap always lands."""
+    w = workers.start("--cpu-slots", "1", "--small-encode-bytes", "0", "--stall-timeout-s", "120")
+    busy = segments.source(make_clip(frames=96, height=128, width=128))
+    first = Request(w, "POST", "/v1/videos:encode",
+                    json=encode_body(busy, "first.mp4", preset="veryslow"))  # fmt: skip
+    [ffmpeg] = wait_for_ffmpeg(w)
+    os.kill(ffmpeg, signal.SIGSTOP)
+    try:
+        small = segments.source(make_clip(frames=2, height=16, width=16))
+        second = Request(w, "POST", "/v1/videos:encode", json=encode_body(small, "made/x.mp4"))
+        with w.http() as h:
+            deadline = time.monotonic() + 30
+            while metric(h, "framewire_encodes_waiting") < 1:
+                assert time.monotonic() < deadline, "the second output never waited"
+                time.sleep(0.02)
+        assert (w.outputs / "made").is_dir()  # made and opened for it: then replaced
+        (w.outputs / "other").mkdir()
+        os.rename(w.outputs / "other", w.outputs / "made")
+    finally:
+        os.kill(ffmpeg, signal.SIGCONT)
+    assert first.result().status_code == 200
+    r = second.result()
+    assert r.status_code == 409, r.text
+    assert r.json()["outputs"][0]["error"]["code"] == "path_changed", r.text
+    assert list((w.outputs / "made").iterdir()) == [] and framewire_temps(w.outputs) == []
+    with w.http() as h:  # and the worker keeps serving, there too
+        assert h.post("/v1/videos:encode", json=encode_body(small, "made/x.mp4")).status_code == 200

@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.support.identity import NOBODY, as_nobody
+from tests.support.identity import NOBODY, as_nobody, as_user, open_worker
 from tests.support.media import make_clip, reference_mp4
 from tests.support.objstore import (
     KEY_ID,
@@ -607,3 +607,77 @@ def test_sigterm_stops_a_trickling_upload_past_the_grace(workers, moto, proxy, s
     thread.join(timeout=30)
     assert answer and answer[0].status_code == 503, answer
     assert_nothing_left(moto, w)
+
+
+# --- whose an object is -------------------------------------------------------------------
+
+RANK = 65533  # a rank's uid; NOBODY is another local user on the same host
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
+
+
+def encode_as(uid: int, w: Worker, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST ``body`` to the worker's Unix socket from a child running as ``uid``."""
+
+    def post() -> tuple[int, dict[str, Any]]:
+        transport = httpx.HTTPTransport(uds=str(w.uds))
+        with httpx.Client(base_url="http://framewire", transport=transport, timeout=60) as c:
+            r = c.post("/v1/videos:encode", json=body)
+            return r.status_code, r.json()
+
+    answer = as_user(uid, post)
+    assert isinstance(answer, tuple), answer
+    return answer
+
+
+@needs_root
+def test_an_object_is_replaced_and_presigned_only_for_its_writer(moto, proxy, segments):
+    url = f"s3://{BUCKET}/ok/rank.mp4"
+    uids = f"{os.getuid()},{RANK},{NOBODY}"
+    with open_worker(*ARGS, "--allowed-uids", uids, env=store_env(proxy.endpoint)) as w:
+        first = segments.source(make_clip(*SMALL))
+        second = segments.source(make_clip(*SMALL, seed=1))
+
+        def body(source: dict[str, Any]) -> dict[str, Any]:
+            return {"outputs": [{"source": source, "path": url, "fps": 24, "presign_s": 60}]}
+
+        status, got = encode_as(RANK, w, body(first))
+        assert status == 200, got
+        rank_sha = object_sha(moto, "ok/rank.mp4")
+        # Another user may neither replace the rank's object nor get a URL that reads it.
+        status, got = encode_as(NOBODY, w, body(second))
+        assert (status, got.get("code")) == (403, "caller_not_permitted"), got
+        assert "presigned_url" not in json.dumps(got)
+        assert object_sha(moto, "ok/rank.mp4") == rank_sha
+        # Its writer may; so may root (who may act for everyone), and the owner stays.
+        status, got = encode_as(RANK, w, body(second))
+        assert status == 200 and got["outputs"][0]["presigned_url"], got
+        with w.http() as h:
+            assert h.post("/v1/videos:encode", json=body(first)).status_code == 200
+        head = moto.client().head_object(Bucket=BUCKET, Key="ok/rank.mp4")
+        assert head["Metadata"] == {"framewire-owner": str(RANK)}
+        # The other user's own objects are its own.
+        mine = {"outputs": [{"source": second, "path": f"s3://{BUCKET}/ok/nobody.mp4", "fps": 24}]}
+        assert encode_as(NOBODY, w, mine)[0] == 200
+        assert moto.leftovers(BUCKET) == (["ok/nobody.mp4", "ok/rank.mp4"], [])
+        assert framewire_temps(w.outputs) == []
+
+
+def test_an_object_written_by_another_meanwhile_is_not_replaced(sworker, moto, proxy, segments):
+    # Someone else puts the object after the request was judged (nothing there) and
+    # before its upload completes: the upload is refused, theirs stays, nothing is left.
+    placed: list[str] = []
+
+    def plan(method: str, target: str, n: int) -> str:
+        if part_number(target) == 1 and not placed:
+            moto.client().put_object(Bucket=BUCKET, Key="ok/raced.mp4", Body=b"theirs")
+            placed.append(target)
+        return "pass"
+
+    proxy.plan = plan
+    r, _ = encode(sworker, segments, f"s3://{BUCKET}/ok/raced.mp4", LONG)
+    assert r.status_code == 409, r.text
+    assert r.json()["outputs"][0]["error"]["code"] == "output_busy"
+    body = moto.client().get_object(Bucket=BUCKET, Key="ok/raced.mp4")["Body"].read()
+    assert body == b"theirs"
+    assert moto.leftovers(BUCKET) == (["ok/raced.mp4"], [])
+    assert framewire_temps(sworker.outputs) == []
