@@ -47,17 +47,18 @@ class Uploads:
         """The object or memory output ``raw`` names, judged for ``access``'s caller (an
         object: by its prefix and its owner), and the spool file it is encoded to first."""
         if raw.startswith(MEMORY):
-            url: Target = parse_memory(raw)
-        else:
-            allowed = judge_url(raw, self.settings.output_urls)
-            try:
-                found = self.store.found(allowed)
-            except (Unavailable, Stalled):
-                # The upload's own request says what the store answers; until then the
-                # owner is unknown, so it may only create the object (If-None-Match).
-                found = None
-            url = judge_owner(allowed, access, found)
-        return url, spool_path(self.settings.output_roots, url.suffix)
+            memory = parse_memory(raw)
+            return memory, spool_path(self.settings.output_roots, memory.suffix)
+        allowed = judge_url(raw, self.settings.output_urls)
+        # What is judged here first: a spool that is not the worker's asks no store.
+        spooled = spool_path(self.settings.output_roots, allowed.suffix)
+        try:
+            found = self.store.found(allowed)
+        except (Unavailable, Stalled):
+            # The upload's own request says what the store answers; until then the
+            # owner is unknown, so it may only create the object (If-None-Match).
+            found = None
+        return judge_owner(allowed, access, found), spooled
 
     async def deliver(
         self,
