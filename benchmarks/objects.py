@@ -79,6 +79,7 @@ def child(kind: str, path: str, key: str) -> None:
     else:
         from framewire.service._access.urls import parse_url
         from framewire.service._settings import Settings
+        from framewire.service._store.owners import OwnedUrl
         from framewire.service._store.s3 import S3Store
 
         store = S3Store(Settings())
@@ -89,10 +90,11 @@ def child(kind: str, path: str, key: str) -> None:
                 digest.update(block)
         fd = os.open(path, os.O_RDONLY)
 
+        judged = parse_url(f"s3://{BUCKET}/{key}")
+        url = OwnedUrl(judged.bucket, judged.key)  # a new object, as a request judges one
+
         def upload() -> None:
-            store.upload(
-                fd, size, digest.hexdigest(), parse_url(f"s3://{BUCKET}/{key}"), lambda: None
-            )
+            store.upload(fd, size, digest.hexdigest(), url, threading.Event())
 
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     base = _status_kib("self", "VmRSS")

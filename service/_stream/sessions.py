@@ -180,8 +180,7 @@ class Sessions:
             session.touch()
             refuse_misfit(session.received, session.geometry, session.spec, chunk)
             admission = None
-            if session.output is None:
-                # A full queue is a 429 to retry, not an end.
+            if session.output is None:  # a full queue is a 429 to retry, not an end
                 admission = self.resources.scheduler.admit(1, user=access.share_key)
             # Watched from the start: a producer gone while the chunk waits for
             # admission ends the wait too.
