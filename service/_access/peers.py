@@ -28,7 +28,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from framewire.core.errors import Forbidden
+from framewire.core.errors import Conflict, Forbidden
 from framewire.core.sockowners import peercred, tcp_owner
 
 READ, WRITE, SEARCH = 4, 2, 1  # the rwx bits, as the owner/group/other triplets spell them
@@ -113,6 +113,8 @@ def may_reach(
         relative = path.relative_to(root)
     except ValueError:
         return False
+    if peer.uid == 0:
+        return True  # root may do anything: nothing to look up (and nothing to race)
     at = root
     try:
         for part in relative.parts:
@@ -120,6 +122,9 @@ def may_reach(
                 return False
             at = at / part
         return peer.may(target if target is not None else os.stat(path), want)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        # A directory on the way replaced while it was judged: a race, not a refusal.
+        raise Conflict(f"{path} changed while it was being judged", code="path_changed") from exc
     except OSError:
         return False
 

@@ -8,12 +8,16 @@ request must get an answer with a stable code, never a 500.
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import httpx
 
 from tests.support.media import make_clip
 from tests.support.processes import framewire_temps
@@ -99,3 +103,60 @@ def test_a_directory_replaced_while_its_output_waits_is_a_409(workers, segments)
     assert list((w.outputs / "made").iterdir()) == [] and framewire_temps(w.outputs) == []
     with w.http() as h:  # and the worker keeps serving, there too
         assert h.post("/v1/videos:encode", json=encode_body(small, "made/x.mp4")).status_code == 200
+
+
+def test_a_directory_swapped_for_a_link_while_outputs_are_made_in_it(workers, segments, tmp_path):
+    """Outputs go into directories made under ``e`` while ``e`` is swapped with a link to a
+    directory outside the roots. Each answer is a write, a refusal of the link, or a race
+    (409); never a refusal of the caller's rights (root's here), never a 5xx."""
+    w = workers.start()
+    (w.outputs / "e").mkdir()
+    (tmp_path / "outside").mkdir()
+    (w.outputs / "f").symlink_to(tmp_path / "outside")
+    flipper = subprocess.Popen([sys.executable, "-c", FLIPPER, str(w.outputs / "e"),
+                                str(w.outputs / "f")])  # fmt: skip
+    source = segments.source(make_clip(frames=2, height=16, width=16))
+    seen: collections.Counter[tuple[int, str]] = collections.Counter()
+    end = time.monotonic() + REQUESTS_S * 1.5
+
+    errors: list[BaseException] = []
+
+    def post(k: int) -> None:
+        try:
+            with w.http() as h:
+                n = 0
+                while time.monotonic() < end:
+                    n += 1
+                    body = encode_body(source, f"e/n{k}-{n % 3}/o.mp4")
+                    seen[answer_code(h.post("/v1/videos:encode", json=body))] += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=post, args=(k,)) for k in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        flipper.kill()
+        flipper.wait()
+    allowed = {
+        (200, "ok"),
+        (403, "path_outside_roots"),
+        (409, "path_changed"),
+        (409, "output_busy"),
+    }
+    assert set(seen) <= allowed, seen
+    assert seen[(200, "ok")] > 0, seen
+    assert list((tmp_path / "outside").iterdir()) == []  # nothing went through the link
+
+
+def answer_code(r: httpx.Response) -> tuple[int, str]:
+    """An encode's status and code: the request's, or its output's."""
+    if r.status_code == 200:
+        return 200, "ok"
+    body = r.json()
+    if "code" in body:
+        return r.status_code, body["code"]
+    return r.status_code, body["outputs"][0]["error"]["code"]
