@@ -141,6 +141,7 @@ def _await_info(
 
 def wait_for_worker(url: str, token: str | None, seconds: float) -> dict[str, Any]:
     """The /v1/info of the worker at ``url`` once it answers, within ``seconds``."""
+    print(f"waiting up to {seconds:g} s for a worker at {url}", file=sys.stderr, flush=True)
     info = _await_info(url, token, seconds, every=0.5, gone=lambda: False)
     if info is None:
         raise FramewireError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 import time
@@ -84,7 +85,11 @@ def test_demo_waits_for_its_worker_without_starting_one(workers, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(2)  # the demo is waiting: no worker of its own
+    # Once it says it waits (its first look found nobody), the worker starts.
+    assert demo.stderr is not None
+    ready, _, _ = select.select([demo.stderr], [], [], 120)
+    assert ready, "the demo never said it waits"
+    assert demo.stderr.readline().startswith(f"waiting up to 60 s for a worker at unix://{root}/")
     assert demo.poll() is None
     w = workers.start(root=root)
     out, err = demo.communicate(timeout=180)
