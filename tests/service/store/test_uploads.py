@@ -540,14 +540,19 @@ def _trickle_puts(method: str, target: str, n: int) -> str:
     return "trickle" if method == "PUT" else "pass"
 
 
+def _trickled(workers, proxy, segments, key: str, *flags: str) -> tuple[Worker, dict]:
+    """A worker whose store answers every PUT one byte a second, and an encode to ``key``."""
+    w = workers.start(*ARGS, *flags, env=store_env(proxy.endpoint))
+    proxy.plan = _trickle_puts
+    source = segments.source(make_clip(*SMALL))
+    body = {"outputs": [{"source": source, "path": f"s3://{BUCKET}/{key}", "fps": 24}]}
+    return w, body
+
+
 def test_a_store_that_trickles_its_answer_is_timed_out(workers, moto, proxy, segments):
     # One byte a second: each read gets its byte within the 2 s timeout, the answer never
     # comes whole. Each attempt is bounded as a whole: 2 attempts of ~2 s, with backoff.
-    w = workers.start(*ARGS, "--store-timeout-s", "2", env=store_env(proxy.endpoint))
-    proxy.plan = _trickle_puts
-    clip = make_clip(*SMALL)
-    body = {"outputs": [{"source": segments.source(clip), "path": f"s3://{BUCKET}/ok/drip.mp4",
-                         "fps": 24}]}  # fmt: skip
+    w, body = _trickled(workers, proxy, segments, "ok/drip.mp4", "--store-timeout-s", "2")
     t0 = time.monotonic()
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(w.uds)), timeout=30) as h:
         r = h.post("http://framewire/v1/videos:encode", json=body)
@@ -569,11 +574,7 @@ def _wait_for_put(proxy: Proxy) -> None:
 
 
 def test_a_trickling_upload_stops_when_its_caller_leaves(workers, moto, proxy, segments):
-    w = workers.start(*ARGS, "--store-timeout-s", "60", env=store_env(proxy.endpoint))
-    proxy.plan = _trickle_puts
-    clip = make_clip(*SMALL)
-    body = {"outputs": [{"source": segments.source(clip), "path": f"s3://{BUCKET}/ok/left.mp4",
-                         "fps": 24}]}  # fmt: skip
+    w, body = _trickled(workers, proxy, segments, "ok/left.mp4", "--store-timeout-s", "60")
     transport = httpx.HTTPTransport(uds=str(w.uds))
     with httpx.Client(transport=transport, timeout=4) as h, pytest.raises(httpx.ReadTimeout):
         h.post("http://framewire/v1/videos:encode", json=body)  # gives up after 4 s
