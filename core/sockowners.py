@@ -35,7 +35,11 @@ def peercred(sock: socket.socket) -> tuple[int, int, int] | None:
 def normal(host: str) -> Address:
     """``host`` as an address, an IPv4-mapped IPv6 one as the IPv4 it maps
     (raises ValueError for what is no address)."""
-    address = ipaddress.ip_address(host.split("%")[0])
+    return _unmapped(ipaddress.ip_address(host.split("%")[0]))
+
+
+def _unmapped(address: Address) -> Address:
+    """An IPv4-mapped IPv6 address as the IPv4 one it maps; any other as it is."""
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return address.ipv4_mapped
     return address
@@ -54,10 +58,7 @@ def _proc_address(text: str) -> tuple[Address, int]:
     raw = bytes.fromhex(host)
     # Each 32-bit word was printed as a number: reverse its bytes back into order.
     packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    address = ipaddress.ip_address(packed)
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address, int(port, 16)
+    return _unmapped(ipaddress.ip_address(packed)), int(port, 16)
 
 
 def tcp_owner(local: tuple[str, int], remote: tuple[str, int]) -> int | None:

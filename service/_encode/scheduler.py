@@ -29,11 +29,12 @@ import asyncio
 import contextlib
 import math
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from framewire.core.errors import Overloaded
+from framewire.service._ops.shares import Share
 
 
 @dataclass
@@ -57,8 +58,7 @@ class Admission:
         self._unstarted = count + small
         scheduler._pending[False] += count
         scheduler._pending[True] += small
-        if user is not None:
-            scheduler._by_user[user] += count + small
+        scheduler.share.add(user, count + small)
 
     def arrived(self, small: bool) -> None:
         """One encode reached the scheduler: from now on its line counts it."""
@@ -70,14 +70,14 @@ class Admission:
         """One encode runs (or left): it no longer counts against its caller's share."""
         if self._unstarted:
             self._unstarted -= 1
-            self._scheduler._unwait(self.user, 1)
+            self._scheduler.share.add(self.user, -1)
 
     def close(self) -> None:
         """The request ended: whatever of it never started counts no more."""
         for small, left in self._arriving.items():
             self._scheduler._pending[small] -= left
             self._arriving[small] = 0
-        self._scheduler._unwait(self.user, self._unstarted)
+        self._scheduler.share.add(self.user, -self._unstarted)
         self._unstarted = 0
 
 
@@ -96,7 +96,7 @@ class Scheduler:
         have waiting; None: no limit."""
         self.cpu_slots = cpu_slots
         self.max_queue = max_queue
-        self.user_limit = user_limit
+        self.share = Share(user_limit, "FRAMEWIRE_MAX_QUEUE", "encodes waiting")
         self.gpu_budget = gpu_budget
         self.cpu_used = 0
         self.gpu_used: dict[int, int] = {}  # by device index
@@ -106,13 +106,6 @@ class Scheduler:
         self._small_queue: deque[asyncio.Future[None]] = deque()
         self._recent_s = 1.0  # moving average of encode time, for Retry-After
         self._pending = {False: 0, True: 0}  # admitted, not yet at ``hold``: by smallness
-        self._by_user: Counter[int] = Counter()  # admitted, not yet started: by caller
-
-    def _unwait(self, user: int | None, count: int) -> None:
-        if user is not None and count:
-            self._by_user[user] -= count
-            if self._by_user[user] <= 0:
-                del self._by_user[user]
 
     @property
     def waiting(self) -> int:
@@ -145,19 +138,8 @@ class Scheduler:
                 code="queue_full",
                 retry_after=1.0,
             )
-        mine = self._by_user[user] if user is not None else 0
-        if (
-            would_wait
-            and user is not None
-            and self.user_limit is not None
-            and mine + count + small > self.user_limit
-        ):
-            raise Overloaded(
-                f"uid {user} already has {mine} encodes waiting; one caller may have "
-                f"{self.user_limit} (FRAMEWIRE_USER_SHARE of FRAMEWIRE_MAX_QUEUE)",
-                code="user_share",
-                retry_after=self.retry_after(),
-            )
+        if would_wait:  # admitted, not yet started: what the caller's share counts
+            self.share.check(user, count + small, self.retry_after())
         return Admission(self, user, count, small)
 
     def gpu_held(self, device: int) -> int:

@@ -18,13 +18,13 @@ import contextlib
 import copy
 import hashlib
 import threading
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from framewire.core.errors import BadRequest, Overloaded
 from framewire.core.wire import AudioSource
+from framewire.service._ops.shares import Share
 from framewire.service._sources.audio import MemoryAudio, sample_blocks
 
 RETRY_AFTER_S = 5.0
@@ -43,10 +43,9 @@ class AudioStore:
     def __init__(self, budget: int, per_user: int | None = None):
         """``per_user``: the bytes one limited caller's WAVs may count; None: no limit."""
         self.budget = budget
-        self.per_user = per_user
+        self.share = Share(per_user, "FRAMEWIRE_AUDIO_BUDGET_BYTES", "bytes of audio")
         self._held: dict[tuple[object, ...], _Held] = {}
         self._counted = 0  # bytes of the WAVs held and of those being made
-        self._by_user: Counter[int] = Counter()  # of those, by the caller who made them
         self._lock = threading.Lock()  # leases are made and closed on pool threads
 
     def lease(
@@ -85,10 +84,11 @@ class AudioStore:
                 f"{nbytes} bytes of audio, over FRAMEWIRE_AUDIO_BUDGET_BYTES ({self.budget})",
                 code="audio_too_large",
             )
-        if user is not None and self.per_user is not None and nbytes > self.per_user:
+        share = self.share.limit
+        if user is not None and share is not None and nbytes > share:
             raise BadRequest(  # it would never fit
                 f"{nbytes} bytes of audio, over one caller's share of the audio budget "
-                f"({self.per_user}: FRAMEWIRE_USER_SHARE of FRAMEWIRE_AUDIO_BUDGET_BYTES)",
+                f"({share}: FRAMEWIRE_USER_SHARE of FRAMEWIRE_AUDIO_BUDGET_BYTES)",
                 code="audio_too_large",
             )
         with self._lock:
@@ -99,15 +99,7 @@ class AudioStore:
                     code="audio_budget_full",
                     retry_after=RETRY_AFTER_S,
                 )
-            mine = self._by_user[user] if user is not None else 0
-            if user is not None and self.per_user is not None and mine + nbytes > self.per_user:
-                raise Overloaded(
-                    f"uid {user} holds {mine} bytes of audio; {nbytes} more would pass its "
-                    f"share ({self.per_user}: FRAMEWIRE_USER_SHARE of "
-                    "FRAMEWIRE_AUDIO_BUDGET_BYTES)",
-                    code="user_share",
-                    retry_after=RETRY_AFTER_S,
-                )
+            self.share.check(user, nbytes, RETRY_AFTER_S)
             self._count(user, nbytes)
         try:
             yield
@@ -118,10 +110,7 @@ class AudioStore:
     def _count(self, user: int | None, nbytes: int) -> None:
         """(Under ``_lock``.)"""
         self._counted += nbytes
-        if user is not None:
-            self._by_user[user] += nbytes
-            if self._by_user[user] <= 0:
-                del self._by_user[user]
+        self.share.add(user, nbytes)
 
     def _lease(self, held: _Held) -> MemoryAudio:
         """(Under ``_lock``.)"""

@@ -46,6 +46,7 @@ from framewire.service._encode.results import check_for, failed, written
 from framewire.service._encode.scheduler import Admission
 from framewire.service._ops.disconnect import watch_caller
 from framewire.service._ops.metrics import Metrics
+from framewire.service._ops.shares import Share
 from framewire.service._settings import Settings
 from framewire.service._sources.frames import FrameSource, Geometry
 from framewire.service._stream.live import LiveFeed, ViewerSlots
@@ -72,6 +73,9 @@ class Sessions:
         self._reaper: asyncio.Task[None] | None = None
         self.signer = ViewSigner()
         self.viewer_slots = ViewerSlots(settings.max_viewers)  # of open and ended sessions
+        self._share = Share(
+            settings.per_user(settings.max_streams), "FRAMEWIRE_MAX_STREAMS", "stream sessions"
+        )
 
     # --- open ---------------------------------------------------------------------------------
 
@@ -120,17 +124,9 @@ class Sessions:
 
     def _check_share(self, access: Access) -> None:
         """One caller may hold its share of ``FRAMEWIRE_MAX_STREAMS``, not all of them."""
-        user, share = access.share_key, self.settings.per_user(self.settings.max_streams)
-        if user is None or share is None:
-            return
+        user = access.share_key
         mine = sum(self._owners.get(sid) == user for sid in self._open)
-        if mine >= share:
-            raise Overloaded(
-                f"uid {user} has {mine} stream sessions open; one caller may have {share} "
-                "(FRAMEWIRE_USER_SHARE of FRAMEWIRE_MAX_STREAMS)",
-                code="user_share",
-                retry_after=self.settings.stream_idle_s,
-            )
+        self._share.check(user, 1, self.settings.stream_idle_s, held=mine)
 
     def check_owner(self, session_id: str, access: Access) -> None:
         """A session is its opener's (or an admin's): to anyone else it does not exist."""

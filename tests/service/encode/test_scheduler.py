@@ -139,7 +139,7 @@ def test_admitted_encodes_count_until_they_start_and_a_caller_has_its_share():
             for admission in [*theirs, ranks]:
                 admission.close()
             s.admit(2, user=1000).close()  # everything let go: its share is whole again
-        assert s._pending == {False: 0, True: 0} and not s._by_user and s.cpu_used == 0
+        assert s._pending == {False: 0, True: 0} and s.share.held(1000) == 0 and s.cpu_used == 0
 
     asyncio.run(go())
 
