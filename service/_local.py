@@ -28,6 +28,7 @@ from framewire.core.frames import Frames, describe, is_cuda, waveform
 from framewire.core.wire import AudioDType, OutputResult, RegionAudio
 from framewire.service._access.paths import (
     keep_made,
+    nearest_directory,
     open_output_dir,
     remove_made,
     resolve_output,
@@ -78,7 +79,7 @@ class LocalEncoder:
         directory."""
         raw = os.fspath(path)
         if os.path.isabs(raw):
-            root = _existing(Path(raw).parent)
+            root = nearest_directory(Path(raw).parent)
         else:
             root = self._root(raw)
             root.mkdir(parents=True, exist_ok=True)  # this process's own place
@@ -178,13 +179,6 @@ class LocalStream:
 
     def abort(self) -> None:
         self._stack.close()
-
-
-def _existing(directory: Path) -> Path:
-    """``directory``, or its nearest ancestor that exists."""
-    while not directory.is_dir() and directory.parent != directory:
-        directory = directory.parent
-    return directory
 
 
 class _Placed:

@@ -117,6 +117,13 @@ def _check_target(mode: int, raw: str) -> None:
         raise BadRequest(f"output path {raw!r} exists and is not a file", code="output_not_a_file")
 
 
+def nearest_directory(directory: Path) -> Path:
+    """``directory``, or its nearest ancestor that is one (where new ones would be made)."""
+    while not directory.is_dir() and directory.parent != directory:
+        directory = directory.parent
+    return directory
+
+
 def open_output_dir(
     target: Path, roots: list[str], made: list[Path] | None = None, peer: Peer | None = None
 ) -> int:

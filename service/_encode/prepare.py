@@ -29,6 +29,7 @@ from framewire.core.wire import (
     Source,
 )
 from framewire.service._access.paths import (
+    nearest_directory,
     open_input,
     open_output_dir,
     real_roots,
@@ -184,7 +185,7 @@ class Preparer:
         path = resolve_output(raw, roots)
         # Where the file, or the first directory made for it, lands: the caller must be
         # able to write there. (A root gone missing fails the open later: a 503.)
-        parent = _existing(path.parent)
+        parent = nearest_directory(path.parent)
         if any(parent.is_relative_to(root) for root in real_roots(roots)):
             access.check_path(parent, real_roots(roots), WRITE | SEARCH, raw)
         return path
@@ -272,10 +273,3 @@ class Preparer:
             stack.push_async_callback(asyncio.to_thread, discard, directory, path.name)
         self.claims.claim(directory, path.name, stack)
         return directory
-
-
-def _existing(directory: Path) -> Path:
-    """``directory``, or its nearest ancestor that exists (where new ones would be made)."""
-    while not directory.exists() and directory.parent != directory:
-        directory = directory.parent
-    return directory

@@ -76,11 +76,8 @@ class Viewer:
         when at most its end box was left to send."""
         if len(self._queue) <= 1:
             return False
-        self._queue.clear()
-        self._queued = 0
-        self.reason = "too_slow"
-        self._queue.append(end_box(self.reason))
-        self._wake.set()
+        self.reason = None  # the session's end, not yet sent: this one replaces it
+        self.end("too_slow", drop_queued=True)
         return True
 
     def end(self, reason: str, *, drop_queued: bool = False) -> None:
@@ -88,6 +85,7 @@ class Viewer:
             return
         if drop_queued:
             self._queue.clear()
+            self._queued = 0
         self.reason = reason
         self._queue.append(end_box(reason))
         self._wake.set()
