@@ -168,7 +168,8 @@ class Client(BaseClient, Closing):
         manager: an exception inside the block aborts, and nothing of the output remains.
         The file is byte-identical to :meth:`save_video` of the concatenated frames.
         ``live=True`` asks for a live view: ``writer.watch_url`` (after the first write)
-        is a page that plays the video as it is encoded; the file's bytes stay the same."""
+        is a page that plays the video as it is encoded, ``writer.hls_url`` the same as
+        HLS for any player; the file's bytes stay the same."""
         return VideoWriter(
             self._send,
             self._writer_regions,

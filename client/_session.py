@@ -97,6 +97,7 @@ class WriterBase:
         # The live view's watch page (signed, short-lived), once the session is open: it
         # opens at the first write (a stream written locally has none).
         self.watch_url: str | None = None
+        self.hls_url: str | None = None  # the same view as an HLS playlist, signed alike
         self.result: OutputResult | None = None
         self.frames_sent = 0
         # Frames the worker has answered for (read into its encoder): a progress count
@@ -182,7 +183,8 @@ class WriterBase:
         return Call("DELETE", f"/v1/streams/{self.id}", None, _nothing, idempotent=True)
 
     def _opened(self, opened: StreamOpened) -> None:
-        self.id, self._instance, self.watch_url = opened.id, opened.instance, opened.watch_url
+        self.id, self._instance = opened.id, opened.instance
+        self.watch_url, self.hls_url = opened.watch_url, opened.hls_url
 
     def _open_here(self, exc: Unavailable, first: Frames) -> None:
         """No worker took the session: write it in this process, or raise ``exc``."""

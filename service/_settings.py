@@ -97,6 +97,9 @@ class Settings(BaseSettings):
     # A live viewer of a session that has ended has this long to take the rest of its
     # stream; past it the rest is dropped and the stream ends (too_slow).
     live_grace_s: float = Field(default=60.0, gt=0)
+    # What a live view keeps for late joiners and HLS players, about: past it the
+    # oldest segments (keyframe to keyframe) go; past twice it in one, all of it.
+    live_history_bytes: int = Field(default=32 << 20, ge=64 << 10, le=1 << 30)
 
     def per_user(self, total: int) -> int | None:
         """What one limited caller may take of ``total`` (at least 1); None: all of it."""

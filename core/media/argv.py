@@ -187,6 +187,9 @@ def encode_argv(
 # frames) is far longer than a viewer can wait. Fragments after the first may start
 # on a non-keyframe; Media Source Extensions take them.
 LIVE_FRAGMENT_US = 100_000
+# x264's default keyint, which no profile changes (another would change the file): the
+# most frames from one keyframe to the next, so the longest an HLS segment can be.
+GOP_FRAMES = 250
 LIVE_MOVFLAGS = "frag_keyframe+empty_moov+default_base_moof"
 
 

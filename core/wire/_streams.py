@@ -43,8 +43,10 @@ class StreamOpened(BaseModel):
     # The worker process holding the session (``/v1/info``'s ``instance``): an answer
     # from another one means the session is gone with the worker that held it.
     instance: str | None = None
-    # The watch page, with a short-lived signature in its query (when ``live`` was asked).
+    # The watch page, with a short-lived signature in its query (when ``live`` was asked),
+    # and the view as an HLS playlist, signed alike.
     watch_url: str | None = None
+    hls_url: str | None = None
 
 
 class StreamChunk(WireModel):
@@ -71,5 +73,7 @@ class StreamState(BaseModel):
     idle_timeout_s: float
     idle_s: float  # since the last chunk (or the open)
     error: ErrorInfo | None = None
-    # A live session's watch page, freshly signed (a viewer's URL expires; the session may not).
+    # A live session's watch page and HLS playlist, freshly signed (a viewer's URL
+    # expires; the session may not).
     watch_url: str | None = None
+    hls_url: str | None = None

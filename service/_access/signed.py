@@ -16,8 +16,12 @@ import time
 from urllib.parse import parse_qs, urlencode
 
 VIEW_URL_TTL_S = 900
-# The routes a signed URL opens: the watch page and the byte stream it plays.
-VIEW_PATH = re.compile(r"/v1/streams/([0-9a-f]{16})/(?:watch|live\.mp4)")
+# The routes a signed URL opens: the watch page, the byte stream it plays, and the HLS
+# playlist with its init segment, segments and parts (players fetch those by the URIs
+# in the playlist, which carry the same query, and send no headers of their own).
+VIEW_PATH = re.compile(
+    r"/v1/streams/([0-9a-f]{16})/(?:watch|live\.mp4|live\.m3u8|live/[0-9a-z.]{1,32})"
+)
 # An expiry as signed: ASCII digits, as many as a Unix time needs. ``str.isdigit`` also
 # takes other scripts' digits and superscripts, which ``int`` refuses or reads anew, and
 # ``int`` refuses more than 4300 digits: a caller's URL must not make either raise.
@@ -40,11 +44,18 @@ class ViewSigner:
 
     def valid(self, stream_id: str, query_string: str) -> bool:
         """Whether ``query_string`` carries an unexpired signature for ``stream_id``."""
+        return self.expiry(stream_id, query_string) is not None
+
+    def expiry(self, stream_id: str, query_string: str) -> int | None:
+        """When the signature ``query_string`` carries for ``stream_id`` expires; None if
+        it carries no valid one."""
         query = parse_qs(query_string)
         exp, sig = query.get("exp", [""])[-1], query.get("sig", [""])[-1]
         if not EXPIRY.fullmatch(exp) or int(exp) < time.time():
-            return False
-        return hmac.compare_digest(sig.encode(), self._sig(stream_id, int(exp)).encode())
+            return None
+        if not hmac.compare_digest(sig.encode(), self._sig(stream_id, int(exp)).encode()):
+            return None
+        return int(exp)
 
     def allows(self, path: str, query_string: str) -> bool:
         """Whether a request for ``path`` may go without the token: a view route of a

@@ -7,7 +7,7 @@ from contextlib import AbstractAsyncContextManager
 
 from fastapi import FastAPI
 from framewire.client import __version__
-from framewire.service._http import errors, health, live, streams, triton, videos
+from framewire.service._http import errors, health, hls, live, streams, triton, videos
 from framewire.service._http.middleware import (
     BearerAuth,
     BodyGuard,
@@ -25,7 +25,8 @@ def create_app(parts: Parts, lifespan: Lifespan | None = None) -> FastAPI:
     settings = parts.settings
     app = FastAPI(title="framewire", version=__version__, lifespan=lifespan)
     app.state.parts = parts  # read by the routes' dependencies (deps.py) alone
-    for router in (health.router, videos.router, streams.router, live.router, triton.router):
+    routers = (health.router, videos.router, streams.router, live.router, hls.router)
+    for router in (*routers, triton.router):
         app.include_router(router)
     errors.install(app)
     app.add_middleware(errors.Unexpected)  # innermost: an unexpected error keeps the connection

@@ -34,7 +34,11 @@ def error_body(code: str, message: str, detail: object = None) -> dict[str, obje
 
 
 def error_response(exc: FramewireError) -> JSONResponse:
-    headers = {"Retry-After": f"{exc.retry_after:.0f}"} if exc.retry_after is not None else None
+    # An error is never kept by a cache (an HTTP cache in front of the live view's HLS
+    # would otherwise keep a 404 for a part not written yet).
+    headers = {"cache-control": "no-store"}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = f"{exc.retry_after:.0f}"
     return JSONResponse(error_body(exc.code, exc.message, exc.detail), exc.status, headers=headers)
 
 

@@ -28,9 +28,10 @@ router = APIRouter()
 NO_STORE = {"cache-control": "no-store", "x-content-type-options": "nosniff"}
 
 
-def watch_url_of(request: Request, parts: Parts, stream_id: str) -> str:
-    """The signed watch page URL, on the address this request came to (TCP), else on
-    the worker's TCP listener (a Unix socket is no address for a browser)."""
+def view_url(request: Request, parts: Parts, stream_id: str, route: str = "watch") -> str:
+    """A signed URL of a live view's ``route`` (the watch page, ``live.m3u8``), on the
+    address this request came to (TCP), else on the worker's TCP listener (a Unix
+    socket is no address for a browser or a player)."""
     server = request.scope.get("server")
     if server is not None and isinstance(server[1], int):
         base = str(request.base_url).rstrip("/")
@@ -40,14 +41,17 @@ def watch_url_of(request: Request, parts: Parts, stream_id: str) -> str:
         host = f"[{host}]" if ":" in host else host
         base = f"http://{host}:{port or parts.settings.port}"
     query = parts.sessions.signer.query(stream_id)
-    return f"{base}/v1/streams/{stream_id}/watch?{query}"
+    return f"{base}/v1/streams/{stream_id}/{route}?{query}"
 
 
-def _feed(request: Request, parts: Parts, caller: Access, stream_id: str) -> LiveFeed:
-    """The live view a request may watch. A signed URL is the opener's way to hand it to
-    another (a browser, another user): it opens the view to whoever holds it. Without
-    one, the view is its session's, as its other routes are: to a caller who is neither
-    the opener nor an admin it does not exist (404 ``stream_not_found``)."""
+def view_feed(
+    request: Request, parts: Parts, caller: Access, stream_id: str, *, ended: bool = False
+) -> LiveFeed:
+    """The live view a request may watch (``ended``: also one whose session has ended,
+    within its grace). A signed URL is the opener's way to hand it to another (a
+    browser, another user): it opens the view to whoever holds it. Without one, the
+    view is its session's, as its other routes are: to a caller who is neither the
+    opener nor an admin it does not exist (404 ``stream_not_found``)."""
     sessions = parts.sessions
     query = request.url.query
     if "sig=" not in query:
@@ -57,13 +61,14 @@ def _feed(request: Request, parts: Parts, caller: Access, stream_id: str) -> Liv
             "the view URL's signature is wrong or has expired: ask for a new one",
             code="view_url_invalid",
         )
-    session = sessions.get(stream_id)  # 404 stream_not_found, 409 stream_closed
-    if session.live is None:
+    # 404 stream_not_found, 409 stream_closed
+    feed = sessions.live_feed(stream_id) if ended else sessions.get(stream_id).live
+    if feed is None:
         raise Conflict(
             f'stream {stream_id} was opened without a live view ("live": true)',
             code="live_not_enabled",
         )
-    return session.live
+    return feed
 
 
 class ViewerResponse(StreamingResponse):
@@ -86,7 +91,7 @@ class ViewerResponse(StreamingResponse):
 async def live_mp4(
     stream_id: str, request: Request, parts: WorkerParts, caller: Caller
 ) -> StreamingResponse:
-    feed = _feed(request, parts, caller, stream_id)
+    feed = view_feed(request, parts, caller, stream_id)
     return ViewerResponse(feed, feed.join())  # 429 too_many_viewers, 409 live_history_full
 
 
@@ -94,7 +99,7 @@ async def live_mp4(
 async def watch(
     stream_id: str, request: Request, parts: WorkerParts, caller: Caller
 ) -> HTMLResponse:
-    _feed(request, parts, caller, stream_id)
+    view_feed(request, parts, caller, stream_id)
     nonce = secrets.token_urlsafe(16)
     policy = (
         f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; "

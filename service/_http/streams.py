@@ -14,7 +14,7 @@ from framewire.core.wire import (
 )
 from framewire.service._http.deps import Caller, WorkerParts
 from framewire.service._http.errors import error_body
-from framewire.service._http.live import watch_url_of
+from framewire.service._http.live import view_url
 
 router = APIRouter()
 
@@ -24,15 +24,20 @@ async def open_stream(
     body: StreamOpen, request: Request, parts: WorkerParts, caller: Caller
 ) -> StreamOpened:
     session = await parts.sessions.open(body, caller)
-    watch_url = None
-    if session.live is not None:
-        watch_url = watch_url_of(request, parts, session.id)
-    return StreamOpened(
-        id=session.id,
-        idle_timeout_s=parts.settings.stream_idle_s,
-        instance=parts.instance,
-        watch_url=watch_url,
+    opened = StreamOpened(
+        id=session.id, idle_timeout_s=parts.settings.stream_idle_s, instance=parts.instance
     )
+    if session.live is None:
+        return opened
+    return opened.model_copy(update=_view_urls(request, parts, session.id))
+
+
+def _view_urls(request: Request, parts: WorkerParts, stream_id: str) -> dict[str, str]:
+    """A live view's signed URLs: its watch page and its HLS playlist."""
+    return {
+        "watch_url": view_url(request, parts, stream_id),
+        "hls_url": view_url(request, parts, stream_id, "live.m3u8"),
+    }
 
 
 @router.post("/v1/streams/{stream_id}/frames", response_model=StreamChunkAck)
@@ -70,5 +75,5 @@ async def stream_state(
     parts.sessions.check_owner(stream_id, caller)
     state = parts.sessions.state(stream_id)
     if state.state in ("open", "streaming") and parts.sessions.get(stream_id).live is not None:
-        state = state.model_copy(update={"watch_url": watch_url_of(request, parts, stream_id)})
+        state = state.model_copy(update=_view_urls(request, parts, stream_id))
     return state

@@ -69,6 +69,28 @@ class Metrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
             registry=r,
         )
+        # The live views as HLS.
+        self.hls_playlists = Counter(
+            "framewire_hls_playlists",
+            "HLS playlist requests, by whether they asked for a blocking reload",
+            ["blocking"],  # yes, no
+            registry=r,
+        )
+        self.hls_blocked = Counter(
+            "framewire_hls_blocked",
+            "Blocking HLS playlist reloads, by how their wait ended",
+            ["result"],  # ready, ended (the session), bound (BLOCK_MAX_S)
+            registry=r,
+        )
+        self.hls_media = Counter(
+            "framewire_hls_media",
+            "HLS init segment, segment and part requests, by kind and result",
+            ["kind", "result"],  # hit, waited (then hit), miss, gone (the history moved on)
+            registry=r,
+        )
+        self.hls_in_flight = Gauge(
+            "framewire_hls_requests_in_flight", "HLS requests being answered now", registry=r
+        )
         # Reference decodes (the fd socket).
         self.fd_requests = Counter(
             "framewire_fd_requests",

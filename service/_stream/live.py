@@ -6,16 +6,15 @@ pause, so ffmpeg never waits on viewers; it cuts the bytes into the init segment
 (``ftyp`` + ``moov``) and fragments (``moof`` + ``mdat``) and hands them to the
 event loop, which keeps them for late joiners and queues them for each viewer.
 
-Bounds: the history kept for late joiners is about ``HISTORY_BYTES``: past it,
-it starts again at a later fragment that begins with a keyframe (a late viewer
-then sees the video from there, not from its start; the GOP is 250 frames). If
-it reaches ``HISTORY_MAX_BYTES`` with no keyframe to start at, it is released and
-new viewers are refused (``409 live_history_full``), while those already watching
-go on. A viewer's queue holds at most ``VIEWER_QUEUE_BYTES``
+Bounds: the history kept for late joiners and HLS (history.py) is about
+``FRAMEWIRE_LIVE_HISTORY_BYTES``, cut at keyframes; past twice that with no keyframe
+to cut to, it is released and new viewers are refused (``409 live_history_full``), while
+those already watching go on. A viewer's queue holds at most ``VIEWER_QUEUE_BYTES``
 beyond what it has taken; a viewer that falls further behind is dropped. Once
 the session has ended, a viewer has ``FRAMEWIRE_LIVE_GRACE_S`` to take what is
-left: past it the rest is dropped (its share of the history too) and its stream
-ends as ``too_slow``. Every viewer holds one of the worker's
+left: past it the rest is dropped and its stream ends as ``too_slow``; the history
+stays as long for HLS players (``EXT-X-ENDLIST``, then a complete playlist), then is
+released. Every viewer holds one of the worker's
 ``FRAMEWIRE_MAX_VIEWERS`` slots until its response is over, whether its session
 is still open or not (``ViewerSlots``).
 
@@ -32,21 +31,33 @@ import fcntl
 import os
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from fractions import Fraction
 
-from framewire.core.errors import Conflict, Overloaded
+from framewire.core.errors import BadRequest, Conflict, Overloaded
 from framewire.service._ops.metrics import Metrics
 from framewire.service._stream.fmp4 import boxes, end_box, starts_with_keyframe, video_samples
+from framewire.service._stream.history import History
+from framewire.service._stream.hls import Timing
 
-HISTORY_BYTES = 32 << 20  # past it the history is cut back to a keyframe fragment ...
-HISTORY_MAX_BYTES = 64 << 20  # ... and past this with none to cut to, released
 VIEWER_QUEUE_BYTES = 8 << 20
+ENDED_HISTORY_BYTES = 256 << 20
 VIEWERS_PER_STREAM = 16
+HLS_REQUESTS_PER_STREAM = 2 * VIEWERS_PER_STREAM  # a player has a playlist and a part out
 PIPE_BYTES = 1 << 20  # the pipe ffmpeg writes the fragments into (F_SETPIPE_SZ)
 READ_BYTES = 1 << 16
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 EOF_WAIT_S = 10.0  # ffmpeg has exited or been killed when this is awaited
+
+
+def check_live_profile(profile: str) -> None:
+    if profile == "vllm-omni":
+        raise BadRequest(
+            "the vllm-omni profile is muxed by PyAV, which has no second output for a "
+            "live view: open the stream without live, or with an ffmpeg profile",
+            code="live_unsupported",
+        )
 
 
 class Viewer:
@@ -134,16 +145,19 @@ class LiveFeed:
         metrics: Metrics,
         slots: ViewerSlots,
         grace_s: float,
+        rate: Fraction,
+        history_bytes: int | None = None,
     ):
         self.stream_id = stream_id
+        self.timing = Timing(rate)
         self.metrics = metrics
         self._slots = slots
         self._grace_s = grace_s  # for viewers to take the rest once the session has ended
         self._loop = asyncio.get_running_loop()
         self.viewers: set[Viewer] = set()
-        self.history: list[bytes] | None = []  # the init segment, then fragments
-        self._keys: list[bool] = []  # whether each begins with a keyframe
-        self._history_bytes = 0
+        self.hls_requests = 0  # being answered now
+        self.history = History(history_bytes)
+        self._changed = asyncio.Event()  # set, and replaced, at each change to the history
         self._init = False
         self._frames = 0  # video frames in the fragments so far
         self._handed: deque[tuple[int, float]] = deque()  # (frames received by then, when)
@@ -187,13 +201,14 @@ class LiveFeed:
                 for i, (kind, a, b) in enumerate(found):
                     # The init segment goes out whole at the first moof; a fragment, at its mdat.
                     if kind == b"moof" and not self._init and a > 0:
-                        self._publish_soon(bytes(pending[cut:a]), 0)
+                        self._init = True
+                        self._loop.call_soon_threadsafe(self._publish_init, bytes(pending[:a]))
                         cut = a
                     if kind == b"mdat" and i > 0 and found[i - 1][0] == b"moof":
                         moof = bytes(pending[found[i - 1][1] : found[i - 1][2]])
                         fragment = bytes(pending[cut:b])
-                        self._publish_soon(
-                            fragment, video_samples(moof), starts_with_keyframe(moof)
+                        self._loop.call_soon_threadsafe(
+                            self._publish, fragment, video_samples(moof), starts_with_keyframe(moof)
                         )
                         cut = b
                 del pending[:cut]
@@ -204,59 +219,73 @@ class LiveFeed:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody watches
                 self._loop.call_soon_threadsafe(self._eof.set)
 
-    def _publish_soon(self, data: bytes, frames: int, key: bool = False) -> None:
-        self._init = True
-        self._loop.call_soon_threadsafe(self._publish, data, frames, key)
+    def _publish_init(self, data: bytes) -> None:
+        self.history.add_init(data)
+        self._send(data)
 
-    def _publish(self, data: bytes, frames: int, key: bool = False) -> None:
-        if frames:
-            self._frames += frames
-            while self._handed and self._handed[0][0] <= self._frames:
-                _, at = self._handed.popleft()
-                self.metrics.live_delay.observe(time.monotonic() - at)
-        self._keep(data, key)
+    def _publish(self, data: bytes, frames: int, key: bool) -> None:
+        self._frames += frames
+        while self._handed and self._handed[0][0] <= self._frames:
+            _, at = self._handed.popleft()
+            self.metrics.live_delay.observe(time.monotonic() - at)
+        self.history.add(data, frames, key)
+        self._send(data)
+
+    def _send(self, data: bytes) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
         for viewer in list(self.viewers):
             if not viewer.push(data):
                 self._drop(viewer, "too_slow", drop_queued=True)
 
-    def _keep(self, data: bytes, key: bool) -> None:
-        """Keep ``data`` for late joiners. Past ``HISTORY_BYTES`` the history (the init
-        segment, then fragments) starts again at the earliest keyframe fragment that
-        brings it under, else the latest one; past ``HISTORY_MAX_BYTES`` with no
-        keyframe to start at, it is released and joiners are refused."""
-        history = self.history
-        if history is None:
-            return
-        history.append(data)
-        self._keys.append(key)
-        self._history_bytes += len(data)
-        if self._history_bytes <= HISTORY_BYTES:
-            return
-        dropped, cut = 0, None
-        for i in range(2, len(history)):
-            dropped += len(history[i - 1])
-            if self._keys[i]:
-                cut = (i, dropped)
-                if self._history_bytes - dropped <= HISTORY_BYTES:
-                    break
-        if cut is not None:
-            i, dropped = cut
-            self.history, self._keys = [history[0], *history[i:]], [False, *self._keys[i:]]
-            self._history_bytes -= dropped
-        if self._history_bytes > HISTORY_MAX_BYTES:
-            self.history = None
+    async def wait_for(self, ready: Callable[[], bool], bound_s: float) -> str:
+        """Wait until ``ready()``, the feed's end or ``bound_s``: which came first
+        (``ready``, ``ended``, ``bound``)."""
+        deadline = time.monotonic() + bound_s
+        while not ready():
+            left = deadline - time.monotonic()
+            if self.ended or left <= 0:
+                return "ended" if self.ended else "bound"
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._changed.wait()
+        return "ready"
+
+    @contextlib.contextmanager
+    def hls_request(self) -> Iterator[None]:
+        """One HLS request of this view while it is answered. It counts as a viewer does
+        (a slot of ``FRAMEWIRE_MAX_VIEWERS``, a place among the view's own), for as long
+        as it is answered: a blocking reload waits at most ``BLOCK_MAX_S``."""
+        if self.history.released:
+            raise self._released()
+        if self.hls_requests >= HLS_REQUESTS_PER_STREAM:
+            raise Overloaded(
+                f"stream {self.stream_id} is answering {self.hls_requests} HLS requests "
+                f"(at most {HLS_REQUESTS_PER_STREAM} a stream)",
+                code="too_many_viewers",
+                retry_after=5,
+            )
+        self._slots.take()
+        self.hls_requests += 1
+        self.metrics.hls_in_flight.inc()
+        try:
+            yield
+        finally:
+            self.hls_requests -= 1
+            self.metrics.hls_in_flight.dec()
+            self._slots.give()
+
+    @property
+    def ended(self) -> bool:
+        return self.reason is not None
 
     # --- viewers -----------------------------------------------------------------------------
 
     def join(self) -> Viewer:
         if self.reason is not None:
             raise Conflict(f"stream {self.stream_id} has ended", code="stream_closed")
-        if self.history is None:
-            raise Conflict(
-                f"the live view of stream {self.stream_id} has gone over {HISTORY_MAX_BYTES} "
-                "bytes since a keyframe: it is no longer kept for viewers who join now",
-                code="live_history_full",
-            )
+        if self.history.released:
+            raise self._released()
         if len(self.viewers) >= VIEWERS_PER_STREAM:
             raise Overloaded(
                 f"stream {self.stream_id} has {len(self.viewers)} viewers "
@@ -265,10 +294,19 @@ class LiveFeed:
                 retry_after=5,
             )
         self._slots.take()
-        viewer = Viewer(list(self.history))
+        viewer = Viewer(self.history.replay())
         self.viewers.add(viewer)
         self.metrics.live_viewers.inc()
         return viewer
+
+    def _released(self) -> Conflict:
+        if self.ended:
+            return Conflict(f"stream {self.stream_id} has ended", code="stream_closed")
+        return Conflict(
+            f"the live view of stream {self.stream_id} has gone over {2 * self.history.bound} "
+            "bytes since a keyframe: it is no longer kept for viewers who join now",
+            code="live_history_full",
+        )
 
     def leave(self, viewer: Viewer) -> None:
         """The viewer's response is over (ended, dropped, or the viewer went away)."""
@@ -297,15 +335,40 @@ class LiveFeed:
                     await self._eof.wait()
         self._fds = None
         self.reason = reason
+        self._changed.set()  # blocked HLS requests get the final playlist
         for viewer in self.viewers:
             viewer.end(reason)
-        self.history = None
-        if self.viewers:
-            self._loop.call_later(self._grace_s, self._cut_late)
+        self._loop.call_later(self._grace_s, self._cut_late)
 
     def _cut_late(self) -> None:
-        """The grace after the end is over: what viewers still have not taken is dropped,
-        so that a slow reader holds no history, nor queue, of an ended session."""
+        """The grace after the end is over: the history is released, and what viewers
+        still have not taken is dropped, so that a slow reader holds no history, nor
+        queue, of an ended session."""
+        self.history.release()
         for viewer in self.viewers:
             if viewer.cut():
                 self.metrics.live_drops.labels("too_slow").inc()
+
+
+class EndedViews:
+    """Ended sessions' live views within their grace, for HLS players to finish (the
+    final playlist, its segments), their histories under ``ENDED_HISTORY_BYTES`` all
+    together: past it the oldest is released early."""
+
+    def __init__(self) -> None:
+        self._feeds: OrderedDict[str, LiveFeed] = OrderedDict()
+
+    def keep(self, session_id: str, feed: LiveFeed) -> None:
+        self._feeds[session_id] = feed
+        for sid, old in list(self._feeds.items()):
+            if old.history.released:
+                del self._feeds[sid]
+        kept = sum(f.history.bytes for f in self._feeds.values())
+        while kept > ENDED_HISTORY_BYTES:
+            _, old = self._feeds.popitem(last=False)
+            kept -= old.history.bytes
+            old.history.release()
+
+    def get(self, session_id: str) -> LiveFeed | None:
+        feed = self._feeds.get(session_id)
+        return None if feed is None or feed.history.released else feed

@@ -36,6 +36,7 @@ from framewire.core.errors import (
     Overloaded,
     Unavailable,
 )
+from framewire.core.media.argv import profile_rate
 from framewire.core.wire import OutputResult, StreamChunk, StreamOpen, StreamState, StreamStateName
 from framewire.service._access.paths import keep_made, remove_made
 from framewire.service._access.peers import Access
@@ -49,7 +50,7 @@ from framewire.service._ops.metrics import Metrics
 from framewire.service._ops.shares import Share
 from framewire.service._settings import Settings
 from framewire.service._sources.frames import FrameSource, Geometry
-from framewire.service._stream.live import LiveFeed, ViewerSlots
+from framewire.service._stream.live import EndedViews, LiveFeed, ViewerSlots, check_live_profile
 from framewire.service._stream.misfit import refuse_misfit
 from framewire.service._stream.output import StreamOutput
 from framewire.service._stream.session import Session, not_open
@@ -69,6 +70,7 @@ class Sessions:
         self.draining = False
         self._open: dict[str, Session] = {}
         self._closed: OrderedDict[str, StreamState] = OrderedDict()
+        self._ended_views = EndedViews()
         self._owners: dict[str, int | None] = {}  # of the open and the remembered sessions
         self._reaper: asyncio.Task[None] | None = None
         self.signer = ViewSigner()
@@ -96,26 +98,21 @@ class Sessions:
             prepare = self.resources.prepare
             path, params, url = await prepare.judge_options(spec, access, stack)
             check_geometry(params, spec.width, spec.height, spec.dtype)
-            if spec.live and params.profile == "vllm-omni":
-                raise BadRequest(
-                    "the vllm-omni profile is muxed by PyAV, which has no second output for a "
-                    "live view: open the stream without live, or with an ffmpeg profile",
-                    code="live_unsupported",
-                )
+            if spec.live:
+                check_live_profile(params.profile)
             directory = await prepare.place_at(path, made, access, stack, spooled=url is not None)
         except BaseException:
             await stack.aclose()
             remove_made(made)
             raise
         geometry = Geometry(spec.dtype, spec.layout, 0, spec.height, spec.width)
-        session = Session(
-            secrets.token_hex(8), spec, path, params, geometry, directory, made, stack, url
-        )
+        sid = secrets.token_hex(8)
+        session = Session(sid, spec, path, params, geometry, directory, made, stack, url)
         self._owners[session.id] = access.owner("a stream session")
         if spec.live:
-            session.live = LiveFeed(
-                session.id, self.metrics, self.viewer_slots, self.settings.live_grace_s
-            )
+            rate, s = profile_rate(params.profile, params.fps), self.settings
+            session.live = LiveFeed(session.id, self.metrics, self.viewer_slots,
+                                    s.live_grace_s, rate, s.live_history_bytes)  # fmt: skip
         self._open[session.id] = session
         self.metrics.streams_open.set(len(self._open))
         log.info("stream opened for %s", session.shown, extra={"stream_id": session.id})
@@ -140,6 +137,11 @@ class Sessions:
         if session_id in self._closed:
             raise not_open(session_id, self._closed[session_id].state)
         raise NotFound(f"no stream session {session_id!r}", code="stream_not_found")
+
+    def live_feed(self, session_id: str) -> LiveFeed | None:
+        """A session's live view, open or ended within its grace (HLS serves an ended
+        one's final playlist), None if it has none; else as :meth:`get`."""
+        return self._ended_views.get(session_id) or self.get(session_id).live
 
     def state(self, session_id: str) -> StreamState:
         if session_id in self._closed:
@@ -330,6 +332,7 @@ class Sessions:
         await session.admission.aclose()  # the slots
         if session.live is not None:  # ffmpeg is gone: what it wrote goes out, then the end
             await session.live.close("finished" if state == "done" else state)
+            self._ended_views.keep(session.id, session.live)
         await session.stack.aclose()  # claim, directory, audio
         (keep_made if state == "done" else remove_made)(session.made)
         # Only now: whoever reads a final state finds nothing of an unfinished output left.

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.support.identity import NOBODY, as_user
+from tests.support.live import open_stream, send
 from tests.support.media import FFMPEG, make_clip, sha256
 from tests.support.processes import wait_gone
 from tests.support.requests import wait_for_ffmpeg
@@ -29,20 +30,6 @@ from tests.support.worker import Worker, metric
 
 WORKER_ARGS = ("--max-viewers", "3")
 END = b'{"framewire": "end"'
-
-
-def _open(h: httpx.Client, clip: torch.Tensor, path: str, **over: Any) -> dict[str, Any]:
-    _, _, height, width = clip.shape
-    body = {"path": path, "fps": 24, "dtype": "float32", "height": height, "width": width}
-    r = h.post("/v1/streams", json=body | over)
-    assert r.status_code == 201, r.text
-    return r.json()
-
-
-def _send(h: httpx.Client, segments: Segments, sid: str, clip: torch.Tensor, t0: int, t1: int):
-    source = segments.source(clip[:, t0:t1].contiguous())
-    r = h.post(f"/v1/streams/{sid}/frames", json={"first_frame": t0, "source": source})
-    assert r.status_code == 200, r.text
 
 
 class Watcher(threading.Thread):
@@ -91,12 +78,12 @@ def _stream(worker: Worker, segments: Segments, clip: torch.Tensor, path: str,
     frames = clip.shape[1]
     watchers: list[Watcher] = []
     with worker.http() as h:
-        opened = _open(h, clip, path, **over)
+        opened = open_stream(h, clip, path, **over)
         sid = opened["id"]
         for _ in range(max(0, viewers - 1)):
             watchers.append(Watcher(worker, sid))
         for t0 in range(0, frames, 8):
-            _send(h, segments, sid, clip, t0, min(t0 + 8, frames))
+            send(h, segments, sid, clip, t0, min(t0 + 8, frames))
         if viewers:
             if watchers:  # the early ones have had fragments already
                 watchers[0].until(lambda d: b"moof" in d)
@@ -144,15 +131,15 @@ def test_what_a_live_view_refuses(worker, segments):
                    "height": 48, "width": 64, "profile": "vllm-omni", "live": True})  # fmt: skip
         assert (r.status_code, r.json()["code"]) == (400, "live_unsupported")
         assert not (worker.outputs / "o.mp4").exists()
-        plain = _open(h, clip, "plain.mp4")["id"]
+        plain = open_stream(h, clip, "plain.mp4")["id"]
         for route in ("live.mp4", "watch"):
             r = h.get(f"/v1/streams/{plain}/{route}")
             assert (r.status_code, r.json()["code"]) == (409, "live_not_enabled")
         r = h.get("/v1/streams/0123456789abcdef/live.mp4")
         assert (r.status_code, r.json()["code"]) == (404, "stream_not_found")
-        opened = _open(h, clip, "live.mp4", live=True)
+        opened = open_stream(h, clip, "live.mp4", live=True)
         sid = opened["id"]
-        other = _open(h, clip, "other.mp4", live=True)
+        other = open_stream(h, clip, "other.mp4", live=True)
         r = h.get(f"/v1/streams/{sid}/live.mp4?{urlsplit(other['watch_url']).query}")
         assert (r.status_code, r.json()["code"]) == (403, "view_url_invalid")  # not its own
         assert h.delete(f"/v1/streams/{other['id']}").status_code == 204
@@ -161,7 +148,7 @@ def test_what_a_live_view_refuses(worker, segments):
         _viewers_reach(h, 3)  # each joins on its own thread
         r = h.get(f"/v1/streams/{sid}/live.mp4")
         assert (r.status_code, r.json()["code"]) == (429, "too_many_viewers")
-        _send(h, segments, sid, clip, 0, 8)
+        send(h, segments, sid, clip, 0, 8)
         assert h.delete(f"/v1/streams/{sid}").status_code == 204
         for w in watchers:
             w.join(30)
@@ -171,8 +158,8 @@ def test_what_a_live_view_refuses(worker, segments):
         assert h.delete(f"/v1/streams/{plain}").status_code == 204
         pipes_then = _pipes(worker)
         # Nothing of a live session remains after it ends: its pipe is closed.
-        another = _open(h, clip, "gone.mp4", live=True)["id"]
-        _send(h, segments, another, clip, 0, 8)
+        another = open_stream(h, clip, "gone.mp4", live=True)["id"]
+        send(h, segments, another, clip, 0, 8)
         assert _pipes(worker) > pipes_then  # its ffmpeg's input, its live view
         assert h.delete(f"/v1/streams/{another}").status_code == 204
         assert _pipes(worker) == pipes_then
@@ -194,7 +181,7 @@ def test_a_signed_url_opens_the_view_without_the_token(workers, segments):
     w = workers.start("--token", "s3cret")
     clip = make_clip(frames=16, height=48, width=64)
     with w.http("s3cret") as h, w.http() as anonymous:
-        opened = _open(h, clip, "signed.mp4", live=True)
+        opened = open_stream(h, clip, "signed.mp4", live=True)
         sid, url = opened["id"], urlsplit(opened["watch_url"])
         assert url.path == f"/v1/streams/{sid}/watch"
         fresh = h.get(f"/v1/streams/{sid}").json()["watch_url"]  # signed anew, for later
@@ -212,7 +199,7 @@ def test_a_signed_url_opens_the_view_without_the_token(workers, segments):
         assert anonymous.get(f"/v1/streams/{sid}?{url.query}").status_code == 401
         viewer = Watcher(w, sid, url.query)
         for t0 in (0, 8):
-            _send(h, segments, sid, clip, t0, t0 + 8)
+            send(h, segments, sid, clip, t0, t0 + 8)
         assert h.post(f"/v1/streams/{sid}/finish").status_code == 200
         viewer.join(30)
         assert viewer.status == 200 and _end_reason(bytes(viewer.data)) == "finished"
@@ -247,7 +234,7 @@ def test_the_async_writer_exposes_the_watch_url(worker):
 def test_a_viewer_that_goes_away_is_let_go_at_once(worker, segments):
     clip = make_clip(frames=8, height=48, width=64)
     with worker.http() as h:
-        sid = _open(h, clip, "left.mp4", live=True)["id"]
+        sid = open_stream(h, clip, "left.mp4", live=True)["id"]
         drops = _drops(h, "gone")
         with worker.http() as v, v.stream("GET", f"/v1/streams/{sid}/live.mp4") as r:
             assert r.status_code == 200
@@ -274,12 +261,12 @@ def test_a_viewer_that_does_not_read_is_dropped_and_the_encode_goes_on(worker, s
     frames, side = 128, 256
     clip = torch.rand(3, frames, side, side, generator=torch.Generator().manual_seed(3))
     with worker.http() as h:
-        sid = _open(h, clip, "unwatched.mp4", live=True, quality=10)["id"]
+        sid = open_stream(h, clip, "unwatched.mp4", live=True, quality=10)["id"]
         drops = _drops(h, "too_slow")
         with worker.http() as v, v.stream("GET", f"/v1/streams/{sid}/live.mp4") as r:
             assert r.status_code == 200
             for t0 in range(0, frames, 8):  # the viewer reads nothing meanwhile
-                _send(h, segments, sid, clip, t0, t0 + 8)
+                send(h, segments, sid, clip, t0, t0 + 8)
             finished = h.post(f"/v1/streams/{sid}/finish")
             assert finished.status_code == 200, finished.text
             data = b"".join(r.iter_bytes())
@@ -291,11 +278,11 @@ def test_a_viewer_that_does_not_read_is_dropped_and_the_encode_goes_on(worker, s
 def test_a_killed_encode_ends_its_viewers_and_leaves_nothing(worker, segments):
     clip = make_clip(frames=8, height=64, width=64)
     with worker.http() as h:
-        sid = _open(h, clip, "killed.mp4", live=True)["id"]
+        sid = open_stream(h, clip, "killed.mp4", live=True)["id"]
         pipes = _pipes(worker)
         viewer = Watcher(worker, sid)
         _viewers_reach(h, 1)
-        _send(h, segments, sid, clip, 0, 4)
+        send(h, segments, sid, clip, 0, 4)
         [ffmpeg] = wait_for_ffmpeg(worker)
         os.kill(ffmpeg, signal.SIGKILL)
         wait_gone({ffmpeg})
@@ -328,9 +315,9 @@ def test_a_live_view_is_its_openers_unless_a_signed_url_hands_it_on(worker, segm
     session's other routes: it does not exist. The signed URL opens it to whoever holds it."""
     clip = make_clip(frames=8, height=48, width=64)
     with worker.http() as h:
-        opened = _open(h, clip, "owned-live.mp4", live=True)
+        opened = open_stream(h, clip, "owned-live.mp4", live=True)
         sid, signed = opened["id"], urlsplit(opened["watch_url"]).query
-        _send(h, segments, sid, clip, 0, 8)
+        send(h, segments, sid, clip, 0, 8)
         for route in ("live.mp4", "watch"):
             path = f"/v1/streams/{sid}/{route}"
             assert _view_as(NOBODY, worker.tcp_url, path) == (404, "stream_not_found"), route
@@ -361,7 +348,7 @@ def test_a_malformed_expiry_is_a_wrong_signature(workers, worker, segments):
         (tokened, "s3cret", (401, "unauthorized")),
     ):
         with w.http(token) as h, w.http() as anonymous:
-            sid = _open(h, clip, "expiry.mp4", live=True)["id"]
+            sid = open_stream(h, clip, "expiry.mp4", live=True)["id"]
             for exp in ("\u00b2", "9" * 5000, "\u0661" * 12):
                 for route in ("live.mp4", "watch"):
                     r = anonymous.get(f"/v1/streams/{sid}/{route}", params={"exp": exp, "sig": "0"})
@@ -390,8 +377,8 @@ def _ended_with_a_stuck_viewer(
 ) -> tuple[httpx.Client, httpx.Response]:
     """A session whose whole video went to a viewer that read none of it, then finished."""
     watching = metric(h, "framewire_live_viewers")
-    sid = _open(h, clip, name, live=True, quality=10)["id"]
-    _send(h, segments, sid, clip, 0, clip.shape[1])
+    sid = open_stream(h, clip, name, live=True, quality=10)["id"]
+    send(h, segments, sid, clip, 0, clip.shape[1])
     viewer = _stuck_viewer(worker, sid)
     _viewers_reach(h, watching + 1)
     finished = h.post(f"/v1/streams/{sid}/finish")
@@ -405,7 +392,7 @@ def test_viewers_of_ended_sessions_count_against_the_cap(workers, segments):
     clip = _noise(48)
     with w.http() as h:
         stuck = [_ended_with_a_stuck_viewer(w, h, segments, f"ended{i}.mp4", clip) for i in (0, 1)]
-        sid = _open(h, clip, "third.mp4", live=True)["id"]
+        sid = open_stream(h, clip, "third.mp4", live=True)["id"]
         try:
             with w.http() as v, v.stream("GET", f"/v1/streams/{sid}/live.mp4") as r:
                 status = r.status_code

@@ -8,17 +8,20 @@ import asyncio
 import itertools
 import json
 import subprocess
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
 from framewire.core.errors import Conflict, Overloaded
 from framewire.core.media.argv import LIVE_MOVFLAGS
 from framewire.service._ops.metrics import Metrics
-from framewire.service._stream import live
+from framewire.service._stream import history, live
 from framewire.service._stream.fmp4 import boxes, starts_with_keyframe, video_samples
 from framewire.service._stream.live import LiveFeed, ViewerSlots
 
 from tests.support.media import FFMPEG
+
+RATE = Fraction(24)
 
 
 def _sample(metrics: Metrics, name: str, **labels: str) -> float:
@@ -31,7 +34,7 @@ def test_a_slow_viewer_is_dropped_and_the_others_go_on(monkeypatch):
     metrics = Metrics()
 
     async def run() -> tuple[list[bytes], bytes, LiveFeed]:
-        feed = LiveFeed("s", metrics, ViewerSlots(64), 60)
+        feed = LiveFeed("s", metrics, ViewerSlots(64), 60, RATE)
         slow, reader = feed.join(), feed.join()
         got: list[bytes] = []
 
@@ -44,7 +47,7 @@ def test_a_slow_viewer_is_dropped_and_the_others_go_on(monkeypatch):
 
         task = asyncio.create_task(read())
         for i in range(10):
-            feed._publish(bytes([i]) * 300, 0)
+            feed._publish(bytes([i]) * 300, 0, False)
             await asyncio.sleep(0)
         assert slow.reason == "too_slow"
         left = b"".join([d async for d in slow.stream()])
@@ -65,19 +68,18 @@ def test_a_slow_viewer_is_dropped_and_the_others_go_on(monkeypatch):
 
 
 def test_the_history_has_a_bound_and_viewers_a_cap(monkeypatch):
-    monkeypatch.setattr(live, "HISTORY_BYTES", 800)
-    monkeypatch.setattr(live, "HISTORY_MAX_BYTES", 1000)
+    monkeypatch.setattr(history, "HISTORY_BYTES", 500)
     monkeypatch.setattr(live, "VIEWERS_PER_STREAM", 2)
 
     async def run() -> None:
-        feed = LiveFeed("s", Metrics(), ViewerSlots(64), 60)
+        feed = LiveFeed("s", Metrics(), ViewerSlots(64), 60, RATE)
         first = feed.join()
         feed.join()
         with pytest.raises(Overloaded):
             feed.join()
-        feed._publish(bytes(600), 0)
-        feed._publish(bytes(600), 0)  # past the bound, no keyframe to start at: released
-        assert feed.history is None
+        feed._publish(bytes(600), 0, False)
+        feed._publish(bytes(600), 0, False)  # past the bound, no keyframe to cut at: released
+        assert feed.history.released
         feed.leave(first)
         with pytest.raises(Conflict, match="no longer kept"):
             feed.join()
@@ -91,8 +93,9 @@ def test_ended_sessions_viewers_hold_their_slots_and_past_the_grace_nothing_else
 
     async def run() -> bytes:
         slots = ViewerSlots(2)
-        ended, other = LiveFeed("a", metrics, slots, 0.05), LiveFeed("b", metrics, slots, 60)
-        ended._publish(bytes(1000), 0)
+        ended = LiveFeed("a", metrics, slots, 0.05, RATE)
+        other = LiveFeed("b", metrics, slots, 60, RATE)
+        ended._publish(bytes(1000), 0, False)
         slow, quick = ended.join(), ended.join()
         await ended.close("finished")
         with pytest.raises(Overloaded, match="FRAMEWIRE_MAX_VIEWERS=2"):
@@ -143,11 +146,11 @@ def test_past_its_bound_the_history_starts_at_a_keyframe(tmp_path, monkeypatch):
     fragments = [data[a:c] for (k, a, _), (k2, _, c) in itertools.pairwise(found)
                  if k == b"moof" and k2 == b"mdat"]  # fmt: skip
     tail = sum(len(f) for f in fragments[-12:])  # room for a GOP and a half
-    monkeypatch.setattr(live, "HISTORY_BYTES", len(init) + tail)
+    monkeypatch.setattr(history, "HISTORY_BYTES", len(init) + tail)
 
     async def run() -> bytes:
-        feed = LiveFeed("s", Metrics(), ViewerSlots(64), 60)
-        feed._publish(init, 0)
+        feed = LiveFeed("s", Metrics(), ViewerSlots(64), 60, RATE)
+        feed._publish_init(init)
         for fragment in fragments:
             moof = fragment[: boxes(fragment)[0][2]]
             feed._publish(fragment, video_samples(moof), starts_with_keyframe(moof))
