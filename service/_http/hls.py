@@ -27,6 +27,7 @@ from framewire.service._stream.hls import (
     BLOCK_MAX_S,
     Media,
     check_reload,
+    complete_segments,
     media_bytes,
     media_named,
     media_state,
@@ -90,8 +91,9 @@ async def live_m3u8(
         if msn is not None:
             result = await feed.wait_for(lambda: reload_ready(history, msn, part), BLOCK_MAX_S)
             metrics.hls_blocked.labels(result).inc()
-        elif history.init is None:  # nothing to list yet: wait for the encode's first part
-            await feed.wait_for(lambda: bool(history.segments), BLOCK_MAX_S)
+        else:  # players without parts (ffmpeg, Chromium's own) refuse a playlist with no
+            # whole segment: at the start, wait for the first (bounded; the end ends it)
+            await feed.wait_for(lambda: complete_segments(history) > 0, BLOCK_MAX_S)
         query, _ = _signed(request, parts, stream_id)
         text = playlist(history, timing, ended=feed.ended, query=query)
         headers = CORS | {"cache-control": "no-store"}

@@ -103,7 +103,7 @@ async def watch(
     nonce = secrets.token_urlsafe(16)
     policy = (
         f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; "
-        "connect-src 'self'; media-src blob:; base-uri 'none'; form-action 'none'; "
+        "connect-src 'self'; media-src blob: 'self'; base-uri 'none'; form-action 'none'; "
         "frame-ancestors 'none'"
     )
     headers = NO_STORE | {"content-security-policy": policy, "referrer-policy": "no-referrer"}

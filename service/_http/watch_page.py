@@ -1,4 +1,11 @@
-"""The watch page: a ``<video>`` fed through Media Source Extensions by a small feeder.
+"""The watch page: a ``<video>`` fed through Media Source Extensions by a small feeder,
+or playing the view's HLS playlist natively where the browser has no MSE.
+
+Which player: Media Source Extensions wherever ``MediaSource`` exists (its delay is the
+encoder's plus a fragment: the lowest), the browser's own HLS player where it does not
+(iPhone Safari before iOS 17.1), ``?player=hls`` or ``?player=mse`` to choose. No
+player library is served: a page that wants hls.js loads its own and plays
+``hls_url`` (any origin may: the signature grants access).
 
 The feeder reads ``live.mp4`` (same directory, same signed query) with ``fetch``
 streams, cuts it into top-level boxes, appends the init segment and then each
@@ -29,11 +36,25 @@ b {{ color: #fff; font-variant-numeric: tabular-nums; }}
 "use strict";
 (async () => {{
   const live = window.framewireLive = {{state: "connecting", reason: null, frames: 0,
-    playable: [], codecs: null}};
+    playable: [], codecs: null, player: null}};
   const video = document.getElementById("video");
   const show = (id, text) => {{ document.getElementById(id).textContent = text; }};
   const setState = (s) => {{ live.state = s; show("state", live.reason ? s + " (" +
     live.reason + ")" : s); }};
+  const asked = new URLSearchParams(location.search).get("player");
+  const native = video.canPlayType("application/vnd.apple.mpegurl") !== "";
+  live.player = asked === "hls" || (asked !== "mse" && !window.MediaSource && native)
+    ? "hls" : "mse";
+  if (live.player === "hls") {{
+    video.addEventListener("playing", () => setState("playing"));
+    video.addEventListener("ended", () => {{ live.reason = "finished"; setState("ended"); }});
+    video.addEventListener("error", () => {{
+      live.reason = "media error " + (video.error ? video.error.code : "");
+      setState("error");
+    }});
+    video.src = "live.m3u8" + location.search;
+    return;
+  }}
   const u32 = (b, i) => ((b[i] << 24) | (b[i + 1] << 16) | (b[i + 2] << 8) | b[i + 3]) >>> 0;
   const kind = (b, i) => String.fromCharCode(b[i], b[i + 1], b[i + 2], b[i + 3]);
   const find = (b, name) => {{

@@ -142,6 +142,11 @@ def check_reload(history: History, timing: Timing, msn: int | None, part: int | 
         )
 
 
+def complete_segments(history: History) -> int:
+    """Segments listed whole in the live playlist (all but the one being written)."""
+    return len(history.segments) - (history.last_msn in history.segments)
+
+
 def reload_ready(history: History, msn: int, part: int | None) -> bool:
     """Whether the playlist now holds segment ``msn`` (whole when ``part`` is None, else
     up to that part)."""

@@ -12,6 +12,7 @@ import torch
 from framewire.client import Client
 
 from tests.support.browser import browser_missing, chromium_page
+from tests.support.hlsjs import hlsjs_missing, open_hls_player, player_pixel, player_state
 
 FPS = 24
 CHUNK = 8
@@ -41,6 +42,7 @@ READ_COLOUR = """(seekTo) => new Promise((resolve) => {
     if (v.requestVideoFrameCallback) v.requestVideoFrameCallback(once);
     setTimeout(once, 1000);
   }, {once: true});
+  setTimeout(once, 10000);  // no seek at all: read what there is, the caller judges it
   v.currentTime = seekTo;
 })"""
 
@@ -52,11 +54,12 @@ def browser() -> None:
         pytest.skip(f"no browser can be installed here: {missing}")
 
 
-def _clip() -> torch.Tensor:
-    frames = SEGMENT * len(COLOURS)
+def _clip(rounds: int = 1) -> torch.Tensor:
+    frames = SEGMENT * len(COLOURS) * rounds
     clip = torch.empty(3, frames, 96, 128)
-    for i, colour in enumerate(COLOURS):
-        clip[:, i * SEGMENT : (i + 1) * SEGMENT] = torch.tensor(colour).view(3, 1, 1, 1) / 255
+    for i in range(len(COLOURS) * rounds):
+        colour = torch.tensor(COLOURS[i % len(COLOURS)]).view(3, 1, 1, 1) / 255
+        clip[:, i * SEGMENT : (i + 1) * SEGMENT] = colour
     return clip
 
 
@@ -64,22 +67,27 @@ def _close(a: list[int], b: tuple[int, int, int]) -> bool:
     return all(abs(x - y) <= TOLERANCE for x, y in zip(a, b, strict=True))
 
 
-def _expected(sample: dict[str, Any]) -> tuple[int, int, int] | None:
+def _expected(sample: dict[str, Any], frames: int) -> tuple[int, int, int] | None:
     """The colour of the frame at the sample's time; None near a change of colour."""
-    frame = round((sample["time"] - sample["start"]) * FPS)
+    frame = min(round((sample["time"] - sample["start"]) * FPS), frames - 1)
     if frame % SEGMENT < 3 or frame % SEGMENT > SEGMENT - 3:
         return None
-    return COLOURS[min(frame // SEGMENT, len(COLOURS) - 1)]
+    return COLOURS[frame // SEGMENT % len(COLOURS)]
 
 
-def test_the_watch_page_plays_the_stream_and_ends(worker, browser):
+@pytest.mark.parametrize("player", ["mse", "hls"])
+def test_the_watch_page_plays_the_stream_and_ends(worker, browser, player):
+    """Its default player here (MSE: Chromium has MediaSource), and the browser's own
+    HLS player that the page picks where MSE is missing (``player=hls`` asks for it:
+    Chromium plays HLS natively too)."""
     clip = _clip()
     frames = clip.shape[1]
     with Client(worker.uds_url) as client, chromium_page() as page:
-        writer = client.open_video("watched.mp4", fps=FPS, live=True)
+        writer = client.open_video(f"watched-{player}.mp4", fps=FPS, live=True)
         writer.write(clip[:, :CHUNK])
-        assert writer.watch_url is not None
-        page.goto(writer.watch_url)
+        assert writer.watch_url is not None and writer.hls_url is not None
+        if player == "mse":
+            page.goto(writer.watch_url)
         assert page.evaluate("MediaSource.isTypeSupported('video/mp4; codecs=\"avc1.64001f\"')")
         errors: list[BaseException] = []
 
@@ -95,10 +103,13 @@ def test_the_watch_page_plays_the_stream_and_ends(worker, browser):
 
         producer = threading.Thread(target=produce)
         producer.start()
+        if player == "hls":  # the playlist's first request waits for a whole segment
+            page.goto(writer.watch_url + "&player=hls")
         samples = []
         deadline = time.monotonic() + 180  # real-time playback, on a loaded machine at worst
         while page.evaluate("window.framewireLive && window.framewireLive.state") != "ended":
-            assert time.monotonic() < deadline, page.evaluate("window.framewireLive")
+            state = page.evaluate("window.framewireLive")
+            assert time.monotonic() < deadline and state["state"] != "error", state
             sample = page.evaluate(READ_COLOUR, None)
             if sample["readyState"] >= 2 and sample["time"] > 0:
                 samples.append(sample)
@@ -106,27 +117,91 @@ def test_the_watch_page_plays_the_stream_and_ends(worker, browser):
         producer.join(30)
         assert not errors and writer.result is not None and writer.result.ok
         live = page.evaluate("window.framewireLive")
-        assert live["reason"] == "finished" and live["frames"] == frames
+        assert live["reason"] == "finished" and live["player"] == player
+        if player == "mse":
+            assert live["frames"] == frames
         assert page.evaluate("document.getElementById('video').ended")
         assert page.text_content("#state") == "ended (finished)"
         # It played: time went forward with enough data to go on (HAVE_FUTURE_DATA).
         times = [s["time"] for s in samples]
-        assert times == sorted(times) and times[-1] - times[0] > 2
+        # (Chromium's own HLS player starts near the live edge, some three segments in.)
+        span = 2 if player == "mse" else 0.5
+        assert times == sorted(times) and times[-1] - times[0] > span
         assert any(s["readyState"] >= 3 for s in samples)
         # And it showed the clip: each colour where the clip has it, while playing ...
-        judged = [(s, _expected(s)) for s in samples]
+        if player == "hls":  # its buffer starts where it joined; the timeline starts at 0
+            samples = [s | {"start": 0.0} for s in samples]
+        judged = [(s, _expected(s, frames)) for s in samples]
         judged = [(s, want) for s, want in judged if want is not None]
-        assert {want for _, want in judged} == set(COLOURS)
+        shown = {want for _, want in judged}
+        assert shown == set(COLOURS) if player == "mse" else shown
         wrong = [
             (s["time"], s["colour"], want) for s, want in judged if not _close(s["colour"], want)
         ]
         assert not wrong
-        # ... and every segment again when sought to.
+        # ... and every segment again when sought to (MSE: Chromium's own HLS player keeps
+        # no more than it played of a live playlist).
         start = samples[0]["start"]
-        for i, colour in enumerate(COLOURS):
+        for i, colour in enumerate(COLOURS if player == "mse" else []):
             at = start + (i * SEGMENT + SEGMENT / 2) / FPS
             seen = page.evaluate(READ_COLOUR, at)
             if not _close(seen["colour"], colour):  # drawn before the frame was: once more
                 time.sleep(1)
                 seen = page.evaluate(READ_COLOUR, None)
             assert _close(seen["colour"], colour), (i, seen)
+
+
+def test_hlsjs_plays_the_hls_url_while_chunks_arrive(worker, browser):
+    """hls.js from the npm registry, on a page of another origin, plays ``hls_url`` in
+    low-latency mode while the producer still writes: time advances, the frames shown
+    have the clip's colours where the clip has them, and it reaches the end."""
+    missing = hlsjs_missing()
+    if missing is not None:
+        pytest.skip(f"hls.js cannot be installed here: {missing}")
+    clip = _clip(rounds=2)
+    frames = clip.shape[1]
+    with Client(worker.uds_url) as client, chromium_page() as page:
+        writer = client.open_video("hlsjs.mp4", fps=FPS, live=True)
+        writer.write(clip[:, :CHUNK])
+        assert writer.hls_url is not None
+        errors: list[BaseException] = []
+        written = threading.Event()
+
+        def produce() -> None:
+            try:
+                for t0 in range(CHUNK, frames, CHUNK):
+                    time.sleep(CHUNK / FPS)
+                    writer.write(clip[:, t0 : t0 + CHUNK])
+                written.set()
+                writer.close()
+            except BaseException as exc:
+                errors.append(exc)
+                writer.abort()
+
+        producer = threading.Thread(target=produce)
+        producer.start()
+        open_hls_player(page, writer.hls_url)
+        samples, while_written = [], []
+        deadline = time.monotonic() + 120
+        while not (state := player_state(page))["ended"]:
+            assert time.monotonic() < deadline and not state["errors"], state
+            pixel = player_pixel(page, 64, 48)
+            if pixel is not None and state["currentTime"] > 0:
+                sample = {"time": state["currentTime"], "start": 0.0, "colour": pixel}
+                samples.append(sample)
+                if not written.is_set():
+                    while_written.append(sample)
+            time.sleep(0.1)
+        producer.join(30)
+    assert not errors and writer.result is not None and writer.result.ok
+    assert state["levelDetails"]["canBlockReload"] and state["levelDetails"]["partList"]
+    assert not state["levelDetails"]["live"]  # the final playlist: EXT-X-ENDLIST
+    assert len(while_written) > 5, "it played nothing before the producer was done"
+    times = [s["time"] for s in samples]
+    assert times == sorted(times) and times[-1] - times[0] > 2
+    assert times[-1] >= (frames - CHUNK) / FPS  # to the end
+    judged = [(s, _expected(s, frames)) for s in samples]
+    judged = [(s, want) for s, want in judged if want is not None]
+    assert len({want for _, want in judged}) >= 2
+    wrong = [(s["time"], s["colour"], w) for s, w in judged if not _close(s["colour"], w)]
+    assert not wrong
