@@ -91,8 +91,8 @@ async def live_m3u8(
         if msn is not None:
             result = await feed.wait_for(lambda: reload_ready(history, msn, part), BLOCK_MAX_S)
             metrics.hls_blocked.labels(result).inc()
-        else:  # players without parts (ffmpeg, Chromium's own) refuse a playlist with no
-            # whole segment: at the start, wait for the first (bounded; the end ends it)
+        else:  # players refuse a playlist with no whole segment (hls.js, ffmpeg, Chromium's
+            # own): at the start, wait for the first (bounded; the session's end ends it)
             await feed.wait_for(lambda: complete_segments(history) > 0, BLOCK_MAX_S)
         query, _ = _signed(request, parts, stream_id)
         text = playlist(history, timing, ended=feed.ended, query=query)

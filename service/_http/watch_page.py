@@ -52,6 +52,14 @@ b {{ color: #fff; font-variant-numeric: tabular-nums; }}
       live.reason = "media error " + (video.error ? video.error.code : "");
       setState("error");
     }});
+    // A player without parts refuses a playlist that lists no whole segment yet: wait
+    // for the first (it runs to the first keyframe after the start: at most 250 frames).
+    for (;;) {{
+      const r = await fetch("live.m3u8" + location.search, {{cache: "no-store"}});
+      if (!r.ok) {{ live.reason = (await r.json()).code; setState("error"); return; }}
+      if ((await r.text()).includes("#EXTINF")) break;
+      await new Promise((done) => setTimeout(done, 500));
+    }}
     video.src = "live.m3u8" + location.search;
     return;
   }}

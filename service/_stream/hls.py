@@ -158,7 +158,7 @@ def reload_ready(history: History, msn: int, part: int | None) -> bool:
 
 def media_state(history: History, media: Media, *, ended: bool) -> str:
     """``hit`` (it is kept), ``gone`` (the history moved past it), ``wait`` (the part
-    the playlist hints, or one after it, not written yet) or ``missing``."""
+    the playlist hints, or the next segment's first, not written yet) or ``missing``."""
     msn = media.msn
     if msn is None:
         return "hit" if history.init is not None else "missing" if ended else "wait"
@@ -170,7 +170,7 @@ def media_state(history: History, media: Media, *, ended: bool) -> str:
     if history.fragment(msn, media.part) is not None:
         return "hit"
     newest = len(history.segments.get(history.last_msn, []))
-    hinted = (msn == history.last_msn and media.part >= newest) or (
+    hinted = (msn == history.last_msn and media.part == newest) or (
         msn == history.last_msn + 1 and media.part == 0
     )
     return "wait" if hinted and not ended else "missing"

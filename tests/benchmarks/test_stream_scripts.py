@@ -29,17 +29,24 @@ def test_stream_benchmark(tmp_path: Path) -> None:
 
 def test_live_benchmark(tmp_path: Path) -> None:
     from tests.support.browser import browser_missing
+    from tests.support.hlsjs import hlsjs_missing
 
-    missing = browser_missing()
+    missing = browser_missing() or hlsjs_missing()
     if missing is not None:
-        pytest.skip(f"no browser can be installed here: {missing}")
+        pytest.skip(f"no browser or no hls.js can be installed here: {missing}")
     out = tmp_path / "live.json"
-    r = bench("live.py", "--frames", "32", "--width", "64", "--height", "48",
-              "--viewers", "0", "2", "--json", str(out))  # fmt: skip
+    r = bench("live.py", "--frames", "40", "--sizes", "64x48", "--wall-size", "64x48",
+              "--wall-frames", "40", "--wall-runs", "1", "--wall-viewers", "2",
+              "--json", str(out))  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     results = json.loads(out.read_text())
-    assert [row["viewers"] for row in results["rows"]] == [0, 2]
-    assert len({row["sha256"] for row in results["rows"]}) == 1
-    watched = results["rows"][1]
-    assert len(watched["delays_ms"]) == 3 and all(d > 0 for d in watched["delays_ms"])
-    assert len(watched["http_viewer_bytes"]) == 1 and watched["http_viewer_bytes"][0] > 0
+    assert [row["player"] for row in results["rows"]] == ["floor", "mse", "hls"]
+    assert results["sha256_equal"]
+    for row in results["rows"]:
+        playable = row["delays_ms"]["playable"]
+        # hls.js counts only the chunks from the part it joined at: one at least.
+        assert len(playable) == (4 if row["player"] != "hls" else len(playable)) >= 1, row
+        assert all(d > 0 for d in playable), row
+    assert [w["viewers"] for w in results["walls"]] == [0, 2]
+    assert all(n > 0 for n in results["walls"][1]["followed_bytes"])
+    assert "HLS shown p50 - x264 p50" in r.stdout and "ratio" in r.stdout

@@ -14,6 +14,10 @@ def test_a_signature_opens_one_sessions_view_routes_until_it_expires():
     query = signer.query(SID)
     assert signer.allows(f"/v1/streams/{SID}/watch", query)
     assert signer.allows(f"/v1/streams/{SID}/live.mp4", query)
+    for hls in ("live.m3u8", "live/init.mp4", "live/3.m4s", "live/3.11.m4s"):
+        assert signer.allows(f"/v1/streams/{SID}/{hls}", query)
+    assert not signer.allows(f"/v1/streams/{SID}/live/a/b.m4s", query)  # one name below
+    assert not signer.allows(f"/v1/streams/{SID}/live", query)
     assert not signer.allows(f"/v1/streams/{SID}", query)  # not the API
     assert not signer.allows(f"/v1/streams/{SID}/finish", query)
     assert not signer.allows("/v1/streams/fedcba9876543210/watch", query)  # not another's

@@ -103,7 +103,7 @@ def test_the_watch_page_plays_the_stream_and_ends(worker, browser, player):
 
         producer = threading.Thread(target=produce)
         producer.start()
-        if player == "hls":  # the playlist's first request waits for a whole segment
+        if player == "hls":
             page.goto(writer.watch_url + "&player=hls")
         samples = []
         deadline = time.monotonic() + 180  # real-time playback, on a loaded machine at worst

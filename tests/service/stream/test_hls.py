@@ -45,6 +45,11 @@ def _playlist(url: str, **params: int) -> httpx.Response:
     return httpx.get(url + query, timeout=30)
 
 
+def _first_part(url: str) -> str:
+    """The playlist once it lists a part (a plain request waits for a whole segment)."""
+    return _playlist(url, msn=0, part=0).text
+
+
 def _until(predicate: Any, what: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -177,43 +182,58 @@ def test_a_late_joiner_starts_at_the_oldest_kept_segment(workers, segments, tmp_
 
 
 def test_blocking_reloads_wait_within_bounds_and_end_with_the_session(worker, segments):
-    clip = make_clip(frames=96, height=48, width=64)
+    """A reload for a segment not written yet waits, and so does a plain request while no
+    segment is whole (players refuse such a playlist); the session's end answers both
+    with the final playlist. Requests the specification refuses are 400."""
+    clip = torch.full((3, 96, 48, 64), 0.5)  # no scene cut: one segment, whole at the end
     with worker.http() as h:
         opened = open_stream(h, clip, "blocked.mp4", fps=FPS, live=True)
         url, sid = opened["hls_url"], opened["id"]
         send(h, segments, sid, clip, 0, 64)  # past x264's lookahead: parts come out
-        _until(lambda: listed(_playlist(url).text)[1], "no part was written")
-        now = check_media_playlist(_playlist(url).text)
-        newest = now.next_msn - (0 if now.pending_parts else 1)
-        for params in ({"part": 1}, {"msn": newest + 3}, {"msn": 1, "part": 99}):
+        _until(lambda: listed(_first_part(url))[1], "no part was written")
+        now = check_media_playlist(_first_part(url))
+        assert not now.segments and now.pending_parts
+        for params in ({"part": 1}, {"msn": 3}, {"msn": 0, "part": 99}):
             r = _playlist(url, **params)
             assert (r.status_code, r.json()["code"]) == (400, "bad_hls_request"), params
         r = httpx.get(url + "&_HLS_msn=x")
         assert (r.status_code, r.json()["code"]) == (400, "bad_hls_request")
-        # One waits for a segment beyond the end: it gets the final playlist once the
-        # session finishes, not a timeout.
-        answers: list[tuple[float, httpx.Response]] = []
-        waiting = threading.Thread(
-            target=lambda: answers.append((time.monotonic(), _playlist(url, msn=newest + 2)))
-        )
-        waiting.start()
+        answers: dict[str, tuple[float, httpx.Response]] = {}
+
+        def ask(name: str, **params: int) -> None:
+            r = _playlist(url, **params)
+            answers[name] = (time.monotonic(), r)
+
+        def hinted() -> None:  # the part the playlist hints: it waits until written
+            r = httpx.get(url.split("live.m3u8")[0] + (now.preload_hint or ""), timeout=30)
+            answers["hint"] = (time.monotonic(), r)
+
+        waiting = [threading.Thread(target=ask, args=("beyond",), kwargs={"msn": 2}),
+                   threading.Thread(target=ask, args=("plain",)),
+                   threading.Thread(target=hinted)]  # fmt: skip
+        for t in waiting:
+            t.start()
         time.sleep(1.0)
-        assert not answers, "a reload for a segment not written yet was answered at once"
+        assert not answers, "a playlist with nothing new was answered at once"
         send(h, segments, sid, clip, 64, 96)
         finished = time.monotonic()
         assert h.post(f"/v1/streams/{sid}/finish").status_code == 200
-        waiting.join(15)
-        [(at, r)] = answers
-        assert r.status_code == 200 and at - finished < 5
-        assert check_media_playlist(r.text).ended
+        for t in waiting:
+            t.join(15)
+        at, part = answers.pop("hint")
+        assert part.status_code == 200 and part.content[4:8] == b"moof" and at - finished < 5
+        for at, r in answers.values():
+            assert r.status_code == 200 and at - finished < 5
+            assert check_media_playlist(r.text).ended
         # After the end, any segment number: the final playlist at once.
         t = time.monotonic()
-        r = _playlist(url, msn=newest + 2, part=0)
+        r = _playlist(url, msn=2, part=0)
         assert r.status_code == 200 and time.monotonic() - t < 1
         assert check_media_playlist(r.text).ended
         text = h.get("/metrics").text
     assert 'framewire_hls_blocked_total{result="ended"}' in text
     assert 'framewire_hls_playlists_total{blocking="yes"}' in text
+    assert 'framewire_hls_media_total{kind="part",result="waited"} 1.0' in text
 
 
 def test_hls_access_caching_and_its_end(workers, segments):
@@ -229,8 +249,8 @@ def test_hls_access_caching_and_its_end(workers, segments):
         assert urlsplit(url).path == f"/v1/streams/{sid}/live.m3u8"
         assert urlsplit(url).query == urlsplit(opened["watch_url"]).query
         send(h, segments, sid, clip, 0, 64)
-        _until(lambda: listed(_playlist(url).text)[1], "no part was written")
-        r = _playlist(url)
+        _until(lambda: listed(_first_part(url))[1], "no part was written")
+        r = _playlist(url, msn=0, part=0)
         assert r.headers["cache-control"] == "no-store"
         assert r.headers["content-type"] == "application/vnd.apple.mpegurl"
         assert r.headers["access-control-allow-origin"] == "*"
@@ -250,7 +270,7 @@ def test_hls_access_caching_and_its_end(workers, segments):
         assert anonymous.get(path).status_code == 401
         with_token = h.get(path)
         assert with_token.headers["cache-control"].startswith("private, max-age=")
-        text = h.get(f"/v1/streams/{sid}/live.m3u8").text
+        text = h.get(f"/v1/streams/{sid}/live.m3u8?_HLS_msn=0&_HLS_part=0").text
         assert 'live/init.mp4"' in text and "sig=" not in text
         other = open_stream(h, clip, "other.mp4", live=True)
         assert httpx.get(url.replace(sid, other["id"])).status_code == 401  # not its own
@@ -281,7 +301,7 @@ def test_another_user_without_the_signature_finds_no_playlist(worker, segments):
         opened = open_stream(h, clip, "mine.mp4", fps=FPS, live=True)
         sid, url = opened["id"], opened["hls_url"]
         send(h, segments, sid, clip, 0, 64)
-        _until(lambda: listed(_playlist(url).text)[1], "no part was written")
+        _until(lambda: listed(_first_part(url))[1], "no part was written")
         bad = urlsplit(url).query.replace("sig=", "sig=0")
 
         def peek() -> list[tuple[int, str]]:
