@@ -89,7 +89,7 @@ PAGE = """<!doctype html><html><body style="margin:0;background:#000">
 
 # Everything the tests read is plain data on window.hlsPlayer (pixel() aside), so that
 # player_state() can copy it out; the Hls instance itself is window.hls.
-START = """([url, lowLatency]) => {
+START = """([url, config]) => {
   const video = document.getElementById("video");
   const canvas = document.getElementById("canvas");
   const state = {
@@ -99,7 +99,7 @@ START = """([url, lowLatency]) => {
     latency: null, levelDetails: null, levelUpdates: 0, playing: false,
   };
   window.hlsPlayer = state;
-  const hls = new Hls({lowLatencyMode: lowLatency});
+  const hls = new Hls(config);
   window.hls = hls;
   let bufferedEnd = 0;
   const sample = () => {
@@ -155,12 +155,15 @@ START = """([url, lowLatency]) => {
 }"""
 
 
-def open_hls_player(page: Any, url: str, *, low_latency: bool = True) -> None:
+def open_hls_player(
+    page: Any, url: str, *, low_latency: bool = True, **config: float | bool
+) -> None:
     """Play ``url`` (an absolute http URL; the server allows any origin) with hls.js on
-    ``page``, a blank page of ``chromium_page()``; call ``hlsjs_missing()`` first."""
+    ``page``, a blank page of ``chromium_page()``; call ``hlsjs_missing()`` first.
+    ``config``: more of hls.js's settings by their own names (maxLiveSyncPlaybackRate)."""
     page.set_content(PAGE)
     page.add_script_tag(path=str(hlsjs_file()))
-    page.evaluate(START, [url, low_latency])
+    page.evaluate(START, [url, {"lowLatencyMode": low_latency, **config}])
 
 
 def player_state(page: Any) -> dict[str, Any]:
