@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from framewire.core.fdsocket import runtime_dir
+from framewire.core.media.process import Priority
 from framewire.service._access.urls import check_prefix
 from framewire.service._ops.limits import usable_memory
 from pydantic import Field, field_validator
@@ -44,10 +45,12 @@ class Settings(BaseSettings):
     # An encode of at most this many bytes of rgb24 frames (T*H*W*3) that would wait for
     # the CPU slots runs in the small lane instead, one at a time; 0: no small lane.
     small_encode_bytes: int = Field(default=256 << 10, ge=0)
-    # Niceness added to the encoder (x264) of every encode but the small ones: the worker's
-    # event loop, its small lane and reference decodes go first on busy cores (and so does
-    # every other process of the host: encodes slow down beside other work); 0: none.
-    encode_nice: int = Field(default=0, ge=0, le=19)
+    # How the encoder (x264) of every encode but the small ones yields the CPU to the ranks
+    # beside the worker, to its own event loop, small lane and reference decodes: niceness
+    # added, and its threads' policy (docs/configuration.md, "Encodes yield"). 0 and
+    # "normal": it does not.
+    encode_nice: int = Field(default=19, ge=0, le=19)
+    encode_sched: Literal["normal", "batch", "idle"] = "batch"
     # An encode request is a few hundred bytes an output; anything near this is not one.
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     decode_cache_bytes: int = Field(default_factory=_eighth_of_memory, ge=0)
@@ -100,6 +103,10 @@ class Settings(BaseSettings):
     # What a live view keeps for late joiners and HLS players, about: past it the
     # oldest segments (keyframe to keyframe) go; past twice it in one, all of it.
     live_history_bytes: int = Field(default=32 << 20, ge=64 << 10, le=1 << 30)
+
+    @property
+    def encode_priority(self) -> Priority:
+        return Priority(self.encode_nice, self.encode_sched)
 
     def per_user(self, total: int) -> int | None:
         """What one limited caller may take of ``total`` (at least 1); None: all of it."""

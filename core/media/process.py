@@ -29,6 +29,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from framewire.core.closing import Closing
 from framewire.core.errors import BadRequest, Stalled, Unavailable
@@ -203,14 +204,39 @@ def _exit_watch(pid: int) -> _ExitWatch | None:
         return None
 
 
-def renice(pid: int, nice: int) -> None:
-    """Add ``nice`` to the niceness of every thread of ``pid`` (Linux's is per thread)."""
-    value = min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
-    for _ in range(2):  # a thread made during the first pass by one not yet reniced
+# The scheduling policies an encoder may yield with: ``batch`` weighs as its niceness says
+# but never preempts a thread on waking; ``idle`` weighs least whatever its niceness.
+POLICIES = {"normal": os.SCHED_OTHER, "batch": os.SCHED_BATCH, "idle": os.SCHED_IDLE}
+
+
+@dataclass(frozen=True)
+class Priority:
+    """How a child yields the CPU: niceness added to this process's, and its threads'
+    scheduling policy (a key of POLICIES)."""
+
+    nice: int = 0
+    policy: str = "normal"
+
+    @property
+    def yields(self) -> bool:
+        return self.nice > 0 or self.policy != "normal"
+
+
+FULL = Priority()
+
+
+def lower_priority(pid: int, priority: Priority) -> None:
+    """Give every thread of ``pid`` ``priority`` (Linux keeps both per thread)."""
+    value = min(19, os.getpriority(os.PRIO_PROCESS, 0) + priority.nice)
+    policy = POLICIES[priority.policy]
+    for _ in range(2):  # a thread made during the first pass by one not yet lowered
         with contextlib.suppress(OSError):  # gone already: its exit is reported
-            for tid in os.listdir(f"/proc/{pid}/task"):
+            for tid in map(int, os.listdir(f"/proc/{pid}/task")):
                 with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PROCESS, int(tid), value)
+                    os.setpriority(os.PRIO_PROCESS, tid, value)
+                if policy != os.SCHED_OTHER:
+                    with contextlib.suppress(OSError):  # a sandbox that forbids it
+                        os.sched_setscheduler(tid, policy, os.sched_param(0))
 
 
 class FfmpegProcess(Closing):
@@ -219,7 +245,7 @@ class FfmpegProcess(Closing):
     ``stall_s``: seconds without progress before the child is killed (None: never).
     ``file_size_limit``: RLIMIT_FSIZE for the child, so the kernel stops an output
     at that size (set right after the start, before ffmpeg has opened anything).
-    ``nice``: niceness added to the child's, set right after the start too: its
+    ``priority``: how the child yields the CPU, set right after the start too: its
     encoder's threads, made later, inherit it.
     """
 
@@ -233,7 +259,7 @@ class FfmpegProcess(Closing):
         stall_s: float | None = None,
         file_size_limit: int | None = None,
         cwd: str | None = None,
-        nice: int = 0,
+        priority: Priority = FULL,
     ):
         self.argv = list(argv)
         self.stall_s = stall_s
@@ -261,8 +287,8 @@ class FfmpegProcess(Closing):
             with contextlib.suppress(OSError):
                 limit = (file_size_limit, file_size_limit)
                 resource.prlimit(self.proc.pid, resource.RLIMIT_FSIZE, limit)
-        if nice:
-            renice(self.proc.pid, nice)
+        if priority.yields:
+            lower_priority(self.proc.pid, priority)
         self._ticks = cpu_ticks(self.proc.pid)
         self._progress_at = time.monotonic()
         self.input: PipeWriter | None = None

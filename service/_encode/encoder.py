@@ -354,9 +354,9 @@ class Encoder:
         # /proc/self/fd, so it opens exactly what was judged.
         fds = [temp.fd] if params.audio is None else [temp.fd, _audio(params).fd]
         fds += [] if live_fd is None else [live_fd]
-        # cwd "/": nothing a child resolves relative to it (an empty PYTHONPATH entry)
-        # lies in whatever directory the worker was started from.
-        return FfmpegProcess(argv, pass_fds=fds, stall_s=self.stall_s, cwd="/", nice=params.nice)
+        # cwd "/": a child resolves nothing (an empty PYTHONPATH entry) in the worker's.
+        yields = params.priority
+        return FfmpegProcess(argv, pass_fds=fds, stall_s=self.stall_s, cwd="/", priority=yields)
 
 
 def _audio(params: EncodeParams) -> InputFile:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from framewire.core.errors import BadRequest, Cancelled, FramewireError, Unavailable
-from framewire.core.media.process import kill_running
+from framewire.core.media.process import FULL, kill_running
 from framewire.core.wire import (
     EncodeRequest,
     ErrorInfo,
@@ -220,7 +220,7 @@ class EncodeJobs:
         try:
             small = self._small(job)
             if small:  # a few ms of x264: it goes first, as the event loop does
-                job.params = dataclasses.replace(job.params, nice=0)
+                job.params = dataclasses.replace(job.params, priority=FULL)
             async with self.scheduler.hold(
                 threads, gpu, job.source.gpu_index, small=small, admission=admission
             ) as waited:

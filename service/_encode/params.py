@@ -10,6 +10,7 @@ import torch
 from framewire.core.errors import BadRequest
 from framewire.core.media.argv import DEFAULT_PRESETS, PROFILES
 from framewire.core.media.inputs import InputFile
+from framewire.core.media.process import FULL, Priority
 from framewire.core.wire import MAX_FPS, MIN_FPS, DType, profile_misfit
 from framewire.service._convert.convert import TORCH_DTYPES
 from framewire.service._probe import require_pyav
@@ -44,7 +45,7 @@ class EncodeParams:
     audio: Path | InputFile | None = None
     profile: str = "imageio"  # the engine save path reproduced (docs/engines.md)
     value_range: tuple[float, float] | None = None  # the vllm-omni profile's
-    nice: int = 0  # niceness added to its encoder child (the worker's bulk encodes)
+    priority: Priority = FULL  # how its encoder child yields the CPU (bulk encodes do)
     # The ffmpeg executable the request's encoder identity named (None: the encoder's
     # default; the vllm-omni profile runs PyAV).
     ffmpeg: str | None = None
@@ -54,7 +55,7 @@ class EncodeParams:
         cls,
         options: AskedFor,
         audio: Path | InputFile | None = None,
-        nice: int = 0,
+        priority: Priority = FULL,
         ffmpeg: str | None = None,
     ) -> EncodeParams:
         """The parameters ``options`` ask for, with the audio opened and the encoder picked."""
@@ -66,7 +67,7 @@ class EncodeParams:
             audio=audio,
             profile=options.profile,
             value_range=options.value_range,
-            nice=nice,
+            priority=priority,
             ffmpeg=ffmpeg,
         )
 

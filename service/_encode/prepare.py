@@ -148,9 +148,10 @@ class Preparer:
             audio = await self._memory_audio(options.audio, options.profile, access)
         if audio is not None:
             stack.callback(audio.close)
-        # A small output runs without the niceness: jobs.py.
+        # A small output runs at the worker's own priority: jobs.py.
         ffmpeg = self.encoders.pick(options.encoder, options.profile)
-        params = EncodeParams.asked(options, audio, nice=self.settings.encode_nice, ffmpeg=ffmpeg)
+        priority = self.settings.encode_priority
+        params = EncodeParams.asked(options, audio, priority=priority, ffmpeg=ffmpeg)
         check_params(params)
         return path, params, url
 

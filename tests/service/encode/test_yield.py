@@ -1,0 +1,94 @@
+"""Encodes yield to the ranks: by default an encoder's threads run at niceness 19 under
+SCHED_BATCH (the settings choose, or turn it off), the worker's own threads never do, and
+an encode beside a load that takes every core still finishes, with its bytes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from framewire.client import Client
+
+from tests.service.encode.test_small_lane import big_clip, encoder_of
+from tests.support.media import make_clip, reference_mp4
+from tests.support.requests import saved_on_thread
+from tests.support.worker import Worker
+
+POLICY = {os.SCHED_OTHER: "normal", os.SCHED_BATCH: "batch", os.SCHED_IDLE: "idle"}
+
+
+def priority_of_threads(pid: int) -> set[tuple[int, str]]:
+    """(niceness, policy) of every thread of ``pid``, from /proc (fields 19 and 41)."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with_name_cut = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        found.add((int(with_name_cut[16]), POLICY[int(with_name_cut[38])]))
+    return found
+
+
+def running_encoder(w: Worker) -> int:
+    deadline = time.monotonic() + 30
+    while (ffmpeg := encoder_of(w)) is None:  # started, its threads running
+        assert time.monotonic() < deadline, "no encoder started"
+        time.sleep(0.02)
+    return ffmpeg
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ((), {(19, "batch")}),  # the default
+        (("--encode-sched", "idle"), {(19, "idle")}),
+        (("--encode-nice", "5", "--encode-sched", "normal"), {(5, "normal")}),
+        (("--encode-nice", "0", "--encode-sched", "normal"), {(0, "normal")}),  # off
+    ],
+    ids=["default", "idle", "nice-only", "off"],
+)
+def test_an_encoders_threads_run_at_the_priority_the_settings_say(workers, flags, expected):
+    w = workers.start("--cpu-slots", "1", *flags)
+    results: dict[str, Any] = {}
+    big = saved_on_thread(w, big_clip(), "big.mp4", results, preset="placebo")
+    ffmpeg = running_encoder(w)
+    assert priority_of_threads(ffmpeg) == expected, "every thread, x264's included"
+    assert priority_of_threads(w.pid) == {(0, "normal")}  # the worker: its loop goes first
+    big.join(timeout=180)
+    assert results["big.mp4"]["ok"]
+
+
+def _spin(until: float) -> None:
+    while time.monotonic() < until:
+        pass
+
+
+def test_an_encode_beside_a_load_on_every_core_finishes_with_its_bytes(workers, tmp_path):
+    """One busy process per CPU (and one more) at the ranks' priority for up to a minute: a
+    niced SCHED_BATCH encoder still gets its share (CFS gives every runnable thread a
+    weight: 15 at niceness 19 against 1024), so the encode ends, byte-exact, in bounds."""
+    w = workers.start()
+    clip = make_clip(frames=24, height=96, width=128)
+    expected = reference_mp4(clip, tmp_path / "ref.mp4")
+    ctx = multiprocessing.get_context("fork")
+    until = time.monotonic() + 60
+    hogs = [ctx.Process(target=_spin, args=(until,), daemon=True)
+            for _ in range(len(os.sched_getaffinity(0)) + 1)]  # fmt: skip
+    for hog in hogs:
+        hog.start()
+    try:
+        time.sleep(0.5)  # the load in place before the encode starts
+        started = time.monotonic()
+        with Client(w.uds_url, local_fallback=False, timeout=120) as c:
+            result = c.save_video(clip, "loaded.mp4", fps=24)
+        took = time.monotonic() - started
+        still_loaded = all(h.is_alive() for h in hogs)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.join(10)
+    print(f"\nencode beside {len(hogs)} busy processes: {took:.1f} s")
+    assert result.sha256 == expected
+    assert still_loaded, "the load ended before the encode did: nothing was shown"
+    assert took < 55
