@@ -48,6 +48,7 @@ class Parts:
         encoder = Encoder.from_settings(settings)
         encoder.encoders.warm()
         metrics = Metrics()
+        metrics.show_limits(settings)
         encoder.encoders.on_refusal = metrics.encoder_unavailable.labels("encode").inc
         cuda = CudaRuntime.start()
         regions = RegionRegistry(
@@ -62,6 +63,7 @@ class Parts:
         if cuda is not None:
             scheduler.gpu_budget = cuda.gpu_budget(scheduler.gpu_held)
         resources = EncodeResources(settings, encoder, regions, scheduler, cuda)
+        resources.uploads.on_upload = lambda result: metrics.uploads.labels(result).inc()
         jobs = EncodeJobs(settings, resources, metrics)
         sessions = Sessions(settings, resources, metrics)
         decode_ffmpeg = resolve_ffmpeg(settings.decode_ffmpeg) if settings.decode_ffmpeg else None

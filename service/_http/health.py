@@ -74,5 +74,7 @@ def info(parts: WorkerParts) -> dict[str, object]:
 
 @router.get("/metrics")
 def prometheus(parts: WorkerParts) -> PlainTextResponse:
+    # Readiness as a scrape sees it (a thread of the pool: this route is sync).
+    parts.metrics.ready.set(1 if ffmpeg_runs(parts.encoder.ffmpeg) else 0)
     registry = parts.metrics.registry
     return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -2,13 +2,53 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+
+
+def memfds_open() -> int:
+    """The memfds this process holds (decoded references, staged frames, audio): what a
+    leak of them would grow."""
+    count = 0
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return 0
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:"):
+                count += 1
+        except OSError:
+            continue  # closed while counted
+    return count
+
+
+# The settings exported as framewire_limit{setting}, so that alerts can read a gauge's
+# share of its bound rather than a threshold copied from the defaults.
+LIMITS = ("cpu_slots", "max_queue", "max_streams", "max_viewers", "max_regions",
+          "decode_cache_bytes")  # fmt: skip
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # process_open_fds, process_max_fds, process_resident_memory_bytes, CPU seconds.
+        ProcessCollector(registry=r)
+        Gauge("framewire_memfds", "memfds the worker holds open", registry=r).set_function(
+            memfds_open
+        )
+        self.ready = Gauge("framewire_ready", "1 while the worker can encode (/readyz)", registry=r)
+        self.limits = Gauge(
+            "framewire_limit", "The worker's bounds, by setting", ["setting"], registry=r
+        )
+        self.uploads = Counter(
+            "framewire_store_uploads",
+            "Object-store uploads by result: ok, or the error code",
+            ["result"],
+            registry=r,
+        )
         self.requests = Counter(
             "framewire_requests",
             "HTTP requests by route and status",
@@ -124,3 +164,7 @@ class Metrics:
         self.decode_cache_entries = Gauge(
             "framewire_decode_cache_entries", "Decodes held in the cache", registry=r
         )
+
+    def show_limits(self, settings: object) -> None:
+        for name in LIMITS:
+            self.limits.labels(name).set(getattr(settings, name))

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -42,6 +43,8 @@ class Uploads:
         self.pool = ThreadPoolExecutor(
             max(4, settings.cpu_slots * 2), thread_name_prefix="framewire-upload"
         )
+        # Told each object upload's end: "ok", "cancelled", or the error's code.
+        self.on_upload: Callable[[str], None] = lambda result: None
 
     def target(self, raw: str, access: Access) -> tuple[Target, Path]:
         """The object or memory output ``raw`` names, judged for ``access``'s caller (an
@@ -76,7 +79,18 @@ class Uploads:
             return await self._hold(result, spool, name, url)
         t0 = time.perf_counter()
         try:
-            await in_thread(self.pool, cancel, self._upload, spool, name, result, url, cancel)
+            try:
+                await in_thread(self.pool, cancel, self._upload, spool, name, result, url, cancel)
+            except FramewireError as exc:  # Cancelled's code is "cancelled"
+                self.on_upload(exc.code)
+                raise
+            except asyncio.CancelledError:
+                self.on_upload("cancelled")
+                raise
+            except Exception:
+                self.on_upload("internal")
+                raise
+            self.on_upload("ok")
             presigned = None
             if presign_s is not None:
                 presigned = await asyncio.to_thread(self.store.presign, url, presign_s)
