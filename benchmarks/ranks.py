@@ -2,7 +2,8 @@
 worker (its encodes yield) and in the ranks' own processes (the engine's save path).
 
     .venv/bin/python benchmarks/ranks.py [--encodes 2] [--frames 48] [--width 320]
-        [--height 192] [--step-ms 20] [--repeat 3] [--alone-s 4] [--json OUT]
+        [--height 192] [--step-ms 20] [--repeat 3] [--alone-s 4] [--settings NAME ...]
+        [--json OUT]
 
 One rank per CPU of this process's affinity set: a process looping over a fixed step of
 torch CPU work (one thread, a chain of 256x256 matmuls sized to ``--step-ms`` alone),
@@ -202,6 +203,7 @@ def main() -> int:
     ap.add_argument("--height", type=harness.count, default=192)
     ap.add_argument("--step-ms", type=float, default=20.0)
     ap.add_argument("--repeat", type=harness.count, default=3)
+    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     ap.add_argument("--alone-s", type=float, default=ALONE_S, help="each window of the ranks alone")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -218,15 +220,16 @@ def main() -> int:
     windows: list[dict[str, Any]] = []
     probes: dict[str, list[dict[str, list[float]]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        workers = {name: start_worker(Path(tmp) / name.replace(" ", "-"), *flags)
-                   for name, flags in SETTINGS.items()}  # fmt: skip
-        outputs = str(next(iter(workers.values())).outputs)
+        workers = {name: start_worker(Path(tmp) / name.replace(" ", "-"), *flags, yielding=True)
+                   for name, flags in SETTINGS.items() if name in args.settings}  # fmt: skip
+        first = next(iter(workers.values()))  # where the probes without saves go
+        outputs = str(first.outputs)
         savers = Savers(ctx, args.encodes, spec)
         try:
             for w in workers.values():  # untimed: the first save's set-up and kernels
                 savers.run("worker", w, str(w.outputs))
             savers.run("imageio", None, outputs)
-            probes["idle host"] = [probed(ctx, workers["yield"], None)]
+            probes["idle host"] = [probed(ctx, first, None)]
             bare = {name: [savers.run("worker", w, str(w.outputs))["wall_s"]
                            for _ in range(args.repeat)] for name, w in workers.items()}  # fmt: skip
             bare["in-process"] = [savers.run("imageio", None, outputs)["wall_s"]
@@ -249,7 +252,7 @@ def main() -> int:
                     where = str(w.outputs) if w is not None else outputs
                     windows.append({"name": name} | savers.run(how, w, where))
                 print(f"round {i + 1} of {args.repeat} done", file=sys.stderr)
-            probes["ranks alone"] = [probed(ctx, workers["yield"], None)]
+            probes["ranks alone"] = [probed(ctx, first, None)]
             for name, w in workers.items():
                 probes[name] = [probed(ctx, w, lambda w=w: savers.run("worker", w, str(w.outputs)))]
             for conn in conns:

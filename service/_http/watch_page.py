@@ -46,11 +46,17 @@ b {{ color: #fff; font-variant-numeric: tabular-nums; }}
   live.player = asked === "hls" || (asked !== "mse" && !window.MediaSource && native)
     ? "hls" : "mse";
   if (live.player === "hls") {{
-    video.addEventListener("playing", () => setState("playing"));
+    video.addEventListener("playing", () => {{ live.reason = null; setState("playing"); }});
     video.addEventListener("ended", () => {{ live.reason = "finished"; setState("ended"); }});
+    // A media error (Chromium's player has raised "not supported" on a busy host, once
+    // in a while, for a playlist it plays when asked again): the live edge anew, twice.
+    live.retries = 0;
     video.addEventListener("error", () => {{
       live.reason = "media error " + (video.error ? video.error.code : "");
-      setState("error");
+      if (live.retries >= 2) {{ setState("error"); return; }}
+      live.retries += 1;
+      setState("retrying");
+      setTimeout(() => {{ video.src = "live.m3u8" + location.search; video.play(); }}, 1000);
     }});
     // A player without parts refuses a playlist that lists no whole segment yet: wait
     // for the first (it runs to the first keyframe after the start: at most 250 frames).

@@ -12,17 +12,19 @@ from tests.support.benchruns import bench
 def test_ranks_benchmark(tmp_path: Path) -> None:
     out = tmp_path / "ranks.json"
     r = bench("ranks.py", "--encodes", "1", "--frames", "8", "--width", "160", "--height", "96",
-              "--step-ms", "5", "--repeat", "1", "--alone-s", "1", "--json", str(out))  # fmt: skip
+              "--step-ms", "5", "--repeat", "1", "--alone-s", "1",
+              "--settings", "yield", "no yield", "--json", str(out))  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     results = json.loads(out.read_text())
     rows = {row["name"]: row for row in results["rows"]}
-    assert list(rows) == ["alone", "yield", "idle policy", "no yield", "in-process"]
+    # (the idle policy, the slowest to run beside busy ranks, only in the full run)
+    assert list(rows) == ["alone", "yield", "no yield", "in-process"]
     assert results["sha256_equal"]
     for name, row in rows.items():
         assert row["steps"][0] > 0 and row["step_mean_ms"] > 0, row  # the ranks stepped
         assert name == "alone" or (row["wall_s"] > 0 and row["bare_wall_s"] > 0), row
-    assert len(rows["alone"]["step_means_ms"]) == 4  # one before each window
+    assert len(rows["alone"]["step_means_ms"]) == 3  # one before each window
     probes = results["probes"]
-    assert list(probes) == ["idle host", "ranks alone", "yield", "idle policy", "no yield"]
+    assert list(probes) == ["idle host", "ranks alone", "yield", "no yield"]
     assert all(got["health_ms"] and got["tiny_ms"] for [got] in probes.values())
     assert "(goal <= 1.05:" in r.stdout and "x ranks alone" in r.stdout

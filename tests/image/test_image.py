@@ -131,11 +131,32 @@ def test_the_image_runs_the_locked_versions_and_the_same_ffmpeg(podman, image):
     assert found["ffmpeg"] == sha256(Path(imageio_ffmpeg.get_ffmpeg_exe()))
 
 
+def test_an_encoder_in_the_image_may_yield(podman, image):
+    """Under the container's default seccomp profile and without capabilities, the worker
+    can give a child its encoders' default priority (niceness 19, SCHED_BATCH), and the
+    idle policy: what the worker does to every big encode's ffmpeg."""
+    script = (
+        "import subprocess; from framewire.core.media.process import Priority, lower_priority\n"
+        "for policy in ('batch', 'idle'):\n"
+        "    child = subprocess.Popen(['sleep', '30'])\n"
+        "    lower_priority(child.pid, Priority(19, policy))\n"
+        "    f = open(f'/proc/{child.pid}/stat').read().rsplit(')', 1)[1].split()\n"
+        "    print(policy, f[16], f[38]); child.kill()\n"
+    )
+    run = podman("run", "--rm", "--cap-drop", "ALL", "--entrypoint", "python", image, "-c", script)
+    assert run.stdout.split() == ["batch", "19", "3", "idle", "19", "5"], run.stdout + run.stderr
+
+
 @pytest.fixture(scope="module")
 def compose(podman: Podman, image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """compose.yaml brought up as shipped, less the GPU reservation; down (volumes too) after."""
+    """compose.yaml brought up as shipped, less the GPU reservation and with its encodes not
+    yielding (the suite runs beside it on the same cores: a niced x264 behind it would make
+    the drain's bound a race); down (volumes too) after."""
     override = tmp_path_factory.mktemp("compose") / "no-gpu.yaml"
-    override.write_text("services:\n  worker:\n    deploy: !reset {}\n")
+    override.write_text(
+        "services:\n  worker:\n    deploy: !reset {}\n    environment:\n"
+        "      FRAMEWIRE_ENCODE_NICE: '0'\n      FRAMEWIRE_ENCODE_SCHED: normal\n"
+    )
     argv = [sys.executable, "-m", "podman_compose", "-f", str(REPO / "compose.yaml"),
             "-f", str(override)]  # fmt: skip
 

@@ -86,10 +86,23 @@ class Worker:
             return self.proc.wait()
 
 
+# The suite's workers do not yield their encodes (their default): the suite's own
+# processes fill both cores, and a niced x264 would crawl behind them, turning every
+# bound a test waits for into a race. tests/service/encode/test_yield.py and the ranks
+# benchmark start theirs with ``yielding=True``; an env or a flag that sets these wins.
+NOT_YIELDING = {"FRAMEWIRE_ENCODE_NICE": "0", "FRAMEWIRE_ENCODE_SCHED": "normal"}
+
+
 def start_worker(
-    root: Path, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+    root: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    yielding: bool = False,
 ) -> Worker:
     outputs, inputs = root / "outputs", root / "inputs"
+    if not yielding:
+        env = NOT_YIELDING | dict(os.environ if env is None else env)
     outputs.mkdir(parents=True, exist_ok=True)
     inputs.mkdir(parents=True, exist_ok=True)
     port, uds, log = free_port(), root / "api.sock", root / "worker.log"
@@ -146,8 +159,9 @@ class Workers:
         root: Path | None = None,
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
+        yielding: bool = False,
     ) -> Worker:
-        worker = start_worker(root or self._new_root(), *args, env=env, cwd=cwd)
+        worker = start_worker(root or self._new_root(), *args, env=env, cwd=cwd, yielding=yielding)
         self.started.append(worker)
         return worker
 

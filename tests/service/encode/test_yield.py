@@ -8,14 +8,12 @@ import multiprocessing
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from framewire.client import Client
 
-from tests.service.encode.test_small_lane import big_clip, encoder_of
+from tests.service.encode.test_small_lane import encoder_of
 from tests.support.media import make_clip, reference_mp4
-from tests.support.requests import saved_on_thread
 from tests.support.worker import Worker
 
 POLICY = {os.SCHED_OTHER: "normal", os.SCHED_BATCH: "batch", os.SCHED_IDLE: "idle"}
@@ -49,14 +47,19 @@ def running_encoder(w: Worker) -> int:
     ids=["default", "idle", "nice-only", "off"],
 )
 def test_an_encoders_threads_run_at_the_priority_the_settings_say(workers, flags, expected):
-    w = workers.start("--cpu-slots", "1", *flags)
-    results: dict[str, Any] = {}
-    big = saved_on_thread(w, big_clip(), "big.mp4", results, preset="placebo")
-    ffmpeg = running_encoder(w)
-    assert priority_of_threads(ffmpeg) == expected, "every thread, x264's included"
-    assert priority_of_threads(w.pid) == {(0, "normal")}  # the worker: its loop goes first
-    big.join(timeout=180)
-    assert results["big.mp4"]["ok"]
+    """Seen on a stream session's encoder (big encodes' rules: a session never takes the
+    small lane), which waits for the next chunk with every thread made, using no CPU."""
+    w = workers.start(*flags, yielding=True)
+    clip = make_clip(frames=8, height=256, width=256)
+    with Client(w.uds_url, local_fallback=False) as c:
+        writer = c.open_video("watched.mp4", fps=24, threads=2)
+        writer.write(clip)
+        try:
+            ffmpeg = running_encoder(w)
+            assert priority_of_threads(ffmpeg) == expected, "every thread, x264's included"
+            assert priority_of_threads(w.pid) == {(0, "normal")}  # the worker: its loop first
+        finally:
+            writer.abort()
 
 
 def _spin(until: float) -> None:
@@ -68,7 +71,7 @@ def test_an_encode_beside_a_load_on_every_core_finishes_with_its_bytes(workers, 
     """One busy process per CPU (and one more) at the ranks' priority for up to a minute: a
     niced SCHED_BATCH encoder still gets its share (CFS gives every runnable thread a
     weight: 15 at niceness 19 against 1024), so the encode ends, byte-exact, in bounds."""
-    w = workers.start()
+    w = workers.start(yielding=True)
     clip = make_clip(frames=24, height=96, width=128)
     expected = reference_mp4(clip, tmp_path / "ref.mp4")
     ctx = multiprocessing.get_context("fork")
