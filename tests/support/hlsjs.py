@@ -2,7 +2,7 @@
 headless Chromium (tests.support.browser): what an LL-HLS viewer of the live view runs.
 
 ``open_hls_player`` starts hls.js on a blank page and records what it does on
-``window.hlsPlayer``; ``player_state`` and ``player_pixel`` read it back.
+``window.hlsPlayer``; ``player_state``, ``player_pixel`` and ``player_frame`` read it back.
 """
 
 from __future__ import annotations
@@ -176,3 +176,15 @@ def player_pixel(page: Any, x: int, y: int) -> list[int] | None:
     """The [r, g, b] of the video frame on screen at (x, y); None before the first frame."""
     pixel: list[int] | None = page.evaluate("([x, y]) => window.hlsPlayer.pixel(x, y)", [x, y])
     return pixel
+
+
+def player_frame(page: Any, x: int, y: int) -> tuple[float, list[int]] | None:
+    """The video's currentTime and the [r, g, b] on screen at (x, y), read in one task (a
+    currentTime sampled apart can be stale by a seek: hls.js jumps to the live edge);
+    None before the first frame."""
+    got: list[Any] | None = page.evaluate(
+        "([x, y]) => { const p = window.hlsPlayer.pixel(x, y);"
+        " return p && [document.getElementById('video').currentTime, p]; }",
+        [x, y],
+    )
+    return None if got is None else (float(got[0]), got[1])

@@ -12,7 +12,7 @@ import torch
 from framewire.client import Client
 
 from tests.support.browser import browser_missing, chromium_page
-from tests.support.hlsjs import hlsjs_missing, open_hls_player, player_pixel, player_state
+from tests.support.hlsjs import hlsjs_missing, open_hls_player, player_frame, player_state
 
 FPS = 24
 CHUNK = 8
@@ -185,9 +185,9 @@ def test_hlsjs_plays_the_hls_url_while_chunks_arrive(worker, browser):
         deadline = time.monotonic() + 120
         while not (state := player_state(page))["ended"]:
             assert time.monotonic() < deadline and not state["errors"], state
-            pixel = player_pixel(page, 64, 48)
-            if pixel is not None and state["currentTime"] > 0:
-                sample = {"time": state["currentTime"], "start": 0.0, "colour": pixel}
+            shown = player_frame(page, 64, 48)
+            if shown is not None and shown[0] > 0:
+                sample = {"time": shown[0], "start": 0.0, "colour": shown[1]}
                 samples.append(sample)
                 if not written.is_set():
                     while_written.append(sample)

@@ -198,6 +198,7 @@ def test_a_signed_url_opens_the_view_without_the_token(workers, segments):
         # The signature opens this session's view routes, nothing else.
         assert anonymous.get(f"/v1/streams/{sid}?{url.query}").status_code == 401
         viewer = Watcher(w, sid, url.query)
+        _viewers_reach(h, 1)  # watching before the end (after it: 409 stream_closed)
         for t0 in (0, 8):
             send(h, segments, sid, clip, t0, t0 + 8)
         assert h.post(f"/v1/streams/{sid}/finish").status_code == 200
