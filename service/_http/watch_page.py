@@ -56,7 +56,10 @@ b {{ color: #fff; font-variant-numeric: tabular-nums; }}
       if (live.retries >= 2) {{ setState("error"); return; }}
       live.retries += 1;
       setState("retrying");
-      setTimeout(() => {{ video.src = "live.m3u8" + location.search; video.play(); }}, 1000);
+      setTimeout(() => {{
+        video.src = "live.m3u8" + location.search;
+        video.play().catch(() => {{}});  // autoplay decides; "playing" reports it
+      }}, 1000);
     }});
     // A player without parts refuses a playlist that lists no whole segment yet: wait
     // for the first (it runs to the first keyframe after the start: at most 250 frames).

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -575,9 +576,17 @@ def _wait_for_put(proxy: Proxy) -> None:
 
 def test_a_trickling_upload_stops_when_its_caller_leaves(workers, moto, proxy, segments):
     w, body = _trickled(workers, proxy, segments, "ok/left.mp4", "--store-timeout-s", "60")
-    transport = httpx.HTTPTransport(uds=str(w.uds))
-    with httpx.Client(transport=transport, timeout=4) as h, pytest.raises(httpx.ReadTimeout):
-        h.post("http://framewire/v1/videos:encode", json=body)  # gives up after 4 s
+    payload = json.dumps(body).encode()
+    caller = socket.socket(socket.AF_UNIX)
+    caller.connect(str(w.uds))
+    caller.sendall(b"POST /v1/videos:encode HTTP/1.1\r\nhost: framewire\r\n"
+                   b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                   % (len(payload), payload))  # fmt: skip
+    deadline = time.monotonic() + 60  # the encode first, however loaded the host
+    while proxy.count("PUT", "ok/left.mp4") < 1:
+        assert time.monotonic() < deadline, "the upload never started"
+        time.sleep(0.05)
+    caller.close()  # the caller leaves while its upload trickles
     deadline = time.monotonic() + 15
     while not proxy.trickled:  # the worker hangs up on the store: the trickle ends
         assert time.monotonic() < deadline, "the upload went on after its caller left"
