@@ -33,6 +33,12 @@ def timed_ms(fn: Callable[[int], object], repeat: int) -> list[float]:
     return times
 
 
+def pct(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values``, nearest rank (no interpolation between runs)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
 def write_json(path: Path | None, rows: object) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

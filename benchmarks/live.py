@@ -83,11 +83,6 @@ RECORDER = """() => {
 PLAYERS: dict[str, dict[str, float]] = {"hls": {}, "hls-1.5x": {"maxLiveSyncPlaybackRate": 1.5}}
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def _first(records: list[tuple[float, float]], at_least: float) -> float | None:
     return next((t for v, t in records if v >= at_least), None)
 
@@ -315,7 +310,8 @@ def _report(args: argparse.Namespace, rows: list[dict], walls: list[dict], same:
         cells = []
         for key in ("playable", "shown"):
             v = d[key]
-            cells += [f"{statistics.median(v):.0f}", f"{pct(v, 0.95):.0f}"] if v else ["-", "-"]
+            median = f"{statistics.median(v):.0f}" if v else "-"
+            cells += [median, f"{harness.pct(v, 0.95):.0f}" if v else "-"]
         first = "-" if d["first_shown_ms"] is None else f"{d['first_shown_ms']:.0f}"
         counted = len(d["shown"] or d["playable"])
         name = {"floor": "x264", "mse": "MSE"}.get(row["player"], row["player"].upper())

@@ -190,11 +190,6 @@ def window(ranks: list[tuple[list[float], list[float]]], t0: float, t1: float) -
             for e, d in zip(ends, took, strict=True) if t0 <= e <= t1]  # fmt: skip
 
 
-def p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--encodes", type=harness.count, default=2)
@@ -281,7 +276,7 @@ def summarize(
         row: dict[str, Any] = {
             "name": name,
             "step_mean_ms": statistics.median(statistics.fmean(s) for s in steps),
-            "step_p95_ms": statistics.median(p(s, 0.95) for s in steps),
+            "step_p95_ms": statistics.median(harness.pct(s, 0.95) for s in steps),
             "step_means_ms": [statistics.fmean(s) for s in steps],
             "steps": [len(s) for s in steps],
         }
@@ -320,14 +315,14 @@ def report(args: argparse.Namespace, cpus: int, k: int, rows: list[dict],
         f"the ranks alone: {len(rows[0]['step_means_ms'])} windows, their means within "
         f"{spread:.1f} % of each other (the noise of 'x alone')"
     )
-    idle_tiny = p(probes["idle host"][0]["tiny_ms"], 0.99)
-    ranks_tiny = p(probes["ranks alone"][0]["tiny_ms"], 0.99)
+    idle_tiny = harness.pct(probes["idle host"][0]["tiny_ms"], 0.99)
+    ranks_tiny = harness.pct(probes["ranks alone"][0]["tiny_ms"], 0.99)
     print(
         f"{'probes':>16} {'health p99':>10} {'tiny p50':>8} {'tiny p99':>8} {'x idle host':>11} "
         f"{'x ranks alone':>13}"
     )
     for name, [got] in probes.items():
-        tiny99, health99 = p(got["tiny_ms"], 0.99), p(got["health_ms"], 0.99)
+        tiny99, health99 = harness.pct(got["tiny_ms"], 0.99), harness.pct(got["health_ms"], 0.99)
         goal = ""
         if name == "yield":
             ok = tiny99 <= GOAL_TINY * idle_tiny and health99 <= GOAL_HEALTH_MS

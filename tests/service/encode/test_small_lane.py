@@ -4,6 +4,7 @@ tiny encode stay fast; the small lane takes one tiny encode at a time, in arriva
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 from pathlib import Path
@@ -127,23 +128,35 @@ def encoder_of(w: Worker) -> int | None:
     return None
 
 
-def nice_of_threads(pid: int) -> set[int]:
+POLICY = {os.SCHED_OTHER: "normal", os.SCHED_BATCH: "batch", os.SCHED_IDLE: "idle"}
+
+
+def priority_of_threads(pid: int) -> set[tuple[int, str]]:
+    """(niceness, policy) of every thread of ``pid``, from /proc (fields 19 and 41)."""
     found = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
-        found.add(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        found.add((int(fields[16]), POLICY[int(fields[38])]))
     return found
+
+
+def running_encoder(w: Worker) -> int:
+    """The worker's x264 child, once it runs with its threads made."""
+    deadline = time.monotonic() + 30
+    while (ffmpeg := encoder_of(w)) is None:
+        assert time.monotonic() < deadline, "no encoder started"
+        time.sleep(0.02)
+    return ffmpeg
 
 
 def test_a_big_encode_runs_niced_and_yields_to_small_work(workers):
     w = workers.start("--cpu-slots", "1", "--encode-nice", "7")
     results: dict[str, Any] = {}
     big = saved_on_thread(w, big_clip(), "big.mp4", results, preset="placebo")
-    deadline = time.monotonic() + 30
-    while (ffmpeg := encoder_of(w)) is None:  # started, its threads running
-        assert time.monotonic() < deadline, "no encoder started"
-        time.sleep(0.02)
-    assert nice_of_threads(ffmpeg) == {7}, "every thread of the encoder, x264's included"
-    assert nice_of_threads(w.pid) == {0}  # the worker itself: its loop goes first
+    ffmpeg = running_encoder(w)
+    # (the suite's workers run "normal": tests/support/worker.py)
+    assert priority_of_threads(ffmpeg) == {(7, "normal")}, "every thread, x264's included"
+    assert priority_of_threads(w.pid) == {(0, "normal")}  # the worker: its loop goes first
     big.join(timeout=120)
     assert results["big.mp4"]["ok"]
 

@@ -7,33 +7,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
-from pathlib import Path
 
 import pytest
 from framewire.client import Client
 
-from tests.service.encode.test_small_lane import encoder_of
+from tests.service.encode.test_small_lane import priority_of_threads, running_encoder
 from tests.support.media import make_clip, reference_mp4
-from tests.support.worker import Worker
-
-POLICY = {os.SCHED_OTHER: "normal", os.SCHED_BATCH: "batch", os.SCHED_IDLE: "idle"}
-
-
-def priority_of_threads(pid: int) -> set[tuple[int, str]]:
-    """(niceness, policy) of every thread of ``pid``, from /proc (fields 19 and 41)."""
-    found = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with_name_cut = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        found.add((int(with_name_cut[16]), POLICY[int(with_name_cut[38])]))
-    return found
-
-
-def running_encoder(w: Worker) -> int:
-    deadline = time.monotonic() + 30
-    while (ffmpeg := encoder_of(w)) is None:  # started, its threads running
-        assert time.monotonic() < deadline, "no encoder started"
-        time.sleep(0.02)
-    return ffmpeg
 
 
 @pytest.mark.parametrize(
