@@ -65,6 +65,7 @@ def rank(mode: str, video: str, fd_socket: str) -> None:
     from framewire.client import Client
     from framewire.core.media.argv import decode_argv
     from framewire.core.media.process import find_ffmpeg
+    from framewire.core.wire import DecodeRequest
 
     ffmpeg = find_ffmpeg()
     client = Client(fd_socket=fd_socket)
@@ -74,7 +75,8 @@ def rank(mode: str, video: str, fd_socket: str) -> None:
     ref = None
     if mode == "ffmpeg":
         # What a rank does without framewire: its own ffmpeg, its own copy.
-        argv = decode_argv(ffmpeg, path=video, fps=FPS, width=WIDTH, height=HEIGHT, guard=False)
+        request = DecodeRequest(path=video, fps=FPS, width=WIDTH, height=HEIGHT)
+        argv = decode_argv(ffmpeg, request, guard=False)
         out = subprocess.run(argv, capture_output=True, check=True).stdout
         frames = np.frombuffer(out, np.uint8).reshape(-1, HEIGHT, WIDTH, 3)
         source = "ffmpeg"

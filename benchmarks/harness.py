@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: a count argument, the JSON rows, how they exit."""
+"""What the benchmark scripts share: their options, the JSON rows, how they exit."""
 
 from __future__ import annotations
 
@@ -21,6 +21,22 @@ def count(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is less than 1")
     return value
+
+
+def parser(
+    doc: str, *, frames: int | list[int], width: int, height: int, repeat: int
+) -> argparse.ArgumentParser:
+    """The options every clip benchmark takes, ``doc`` as its help as written: the clip's
+    size and length (several lengths where ``frames`` is a list), the runs of each, and
+    where the JSON rows go."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    several = "+" if isinstance(frames, list) else None
+    p.add_argument("--frames", type=count, nargs=several, default=frames)
+    p.add_argument("--width", type=count, default=width)
+    p.add_argument("--height", type=count, default=height)
+    p.add_argument("--repeat", type=count, default=repeat)
+    p.add_argument("--json", type=Path, default=None)
+    return p
 
 
 def timed_ms(fn: Callable[[int], object], repeat: int) -> list[float]:

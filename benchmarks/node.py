@@ -40,7 +40,6 @@ Goals in benchmarks/README.md. Beside the table it draws node.png.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import multiprocessing
 import os
@@ -245,17 +244,10 @@ def plot(rows: list[dict[str, Any]], directory: Path, note: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = harness.parser(__doc__, frames=48, width=640, height=384, repeat=3)
     parser.add_argument("--ranks", type=harness.count, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--frames", type=harness.count, default=48)
-    parser.add_argument("--width", type=harness.count, default=640)
-    parser.add_argument("--height", type=harness.count, default=384)
     parser.add_argument("--chunk", type=harness.count, default=8)
     parser.add_argument("--threads", type=harness.count, default=1, help="x264's, for all")
-    parser.add_argument("--repeat", type=harness.count, default=3)
-    parser.add_argument("--json", type=Path, default=None)
     plots.add_option(parser)
     args = parser.parse_args()
     from framewire.core.media.process import resolve_ffmpeg

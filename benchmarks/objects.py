@@ -238,13 +238,8 @@ def big_row(root: Path, env: dict[str, str], mib: int, s3: Any, repeat: int) -> 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--frames", type=harness.count, default=120)
-    parser.add_argument("--width", type=harness.count, default=1344)
-    parser.add_argument("--height", type=harness.count, default=768)
+    parser = harness.parser(__doc__.splitlines()[0], frames=120, width=1344, height=768, repeat=3)
     parser.add_argument("--big-mib", dest="big_mib", type=harness.count, default=1024)
-    parser.add_argument("--repeat", type=harness.count, default=3)
-    parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     with moto_server() as moto, tempfile.TemporaryDirectory(prefix="fw-objects-") as tmp:
         env = store_env(moto.endpoint)

@@ -27,7 +27,6 @@ wall <= 1.10x bare ffmpeg at 120 and 480 frames; extra <= 192 MiB, flat.
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import hashlib
 import os
@@ -179,14 +178,7 @@ def spread(values: list[float]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--frames", type=harness.count, nargs="+", default=[24, 120, 480])
-    parser.add_argument("--width", type=harness.count, default=1344)
-    parser.add_argument("--height", type=harness.count, default=768)
-    parser.add_argument("--repeat", type=harness.count, default=5)
-    parser.add_argument("--json", type=Path, default=None)
+    parser = harness.parser(__doc__, frames=[24, 120, 480], width=1344, height=768, repeat=5)
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="framewire-routes-") as tmp:

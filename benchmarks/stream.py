@@ -200,15 +200,8 @@ def plot(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--frames", type=harness.count, default=120)
+    parser = harness.parser(__doc__, frames=120, width=1344, height=768, repeat=3)
     parser.add_argument("--chunk", type=harness.count, default=8)
-    parser.add_argument("--width", type=harness.count, default=1344)
-    parser.add_argument("--height", type=harness.count, default=768)
-    parser.add_argument("--repeat", type=harness.count, default=3)
-    parser.add_argument("--json", type=Path, default=None)
     plots.add_option(parser)
     parser.add_argument("--producer", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -1,24 +1,36 @@
-"""What the two clients share: settings, request building, answer reading (no I/O)."""
+"""What the two clients share: settings, request building, answer reading, and each
+operation as a plan (client._plan) that either client runs its own way."""
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import httpx
-from framewire.client._calls import INSTANCE_HEADER, Call, encode_call, per_output
+from framewire.client._calls import (
+    INSTANCE_HEADER,
+    Call,
+    encode_call,
+    info_call,
+    per_output,
+    unreachable,
+)
 from framewire.client._handover import Handover
 from framewire.client._local import LocalFallback, worker_gone
 from framewire.client._peer import PeerCheck
+from framewire.client._plan import Plan, blocking, sent
+from framewire.client._sharing import share
 from framewire.client._sharing.audio import shared_audio
+from framewire.client._sharing.fd import FdRegions
 from framewire.core.errors import Unavailable
 from framewire.core.fdsocket import take_output
 from framewire.core.reference import ReferenceFrames, fetch
 from framewire.core.trust import trust_remote as trust_remote_env
 from framewire.core.trust import worker_uids
-from framewire.core.wire import DecodeRequest, OutputResult
+from framewire.core.wire import DecodeRequest, Layout, OutputResult
 
 DEFAULT_URL = "http://127.0.0.1:7700"
 DEFAULT_TIMEOUT = httpx.Timeout(3600.0, connect=10.0)
@@ -27,21 +39,23 @@ DEFAULT_TIMEOUT = httpx.Timeout(3600.0, connect=10.0)
 KEEPALIVE_S = 2.0
 
 T = TypeVar("T")
+H = TypeVar("H", httpx.Client, httpx.AsyncClient)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class BaseClient:
-    """Settings, request building and answer reading: all of a client but its I/O."""
+class BaseClient(abc.ABC, Generic[H]):
+    """Settings, request building, answer reading and the plan of each operation: all of
+    a client but its I/O (its connection pool, ``H``)."""
 
     def __init__(
         self,
-        url: str,
+        url: str = DEFAULT_URL,
         *,
-        fd_socket: str | os.PathLike[str] | None,
-        token: str | None,
-        timeout: float | httpx.Timeout,
-        local_fallback: bool,
-        output_root: str | os.PathLike[str] | None,
+        fd_socket: str | os.PathLike[str] | None = None,
+        token: str | None = None,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+        local_fallback: bool = True,
+        output_root: str | os.PathLike[str] | None = None,
         worker_uid: int | None = None,
         trust_remote: bool = False,
     ):
@@ -71,6 +85,11 @@ class BaseClient:
         # Saves and streams that find no worker are encoded here (docs/api.md).
         self._local = LocalFallback(output_root) if local_fallback else None
         self.instance: str | None = None  # the worker process that answered last
+        self._http: H = self._open_http()
+
+    @abc.abstractmethod
+    def _open_http(self) -> H:
+        """The connection pool, whose connections are checked as they are made."""
 
     def _answer(self, call: Call[T], response: httpx.Response) -> T:
         """Read an answer, noting which worker gave it."""
@@ -79,14 +98,24 @@ class BaseClient:
             self._local.recovered()
         return call.answer(response)
 
+    def _sending(self, call: Call[T]) -> Plan[T]:
+        """``call`` sent (each step a request of the client's transport), and its answer.
+        A request that failed is sent once more, on a fresh connection, when it may be
+        (the pool dropped the connection it used: ``Call.resendable``)."""
+        resent = False
+        while True:
+            try:
+                response: httpx.Response = yield call
+            except httpx.TransportError as exc:
+                if resent or not call.resendable(exc):
+                    raise unreachable(exc) from exc
+                resent = True
+                continue
+            return self._answer(call, response)
+
     def _falls_back(self, exc: Unavailable) -> LocalFallback | None:
         """The local fallback, when it takes a call that failed with ``exc``."""
         return self._local if self._local is not None and worker_gone(exc) else None
-
-    @staticmethod
-    def _check_pairs(videos: Sequence[Any], paths: Sequence[Any]) -> None:
-        if len(videos) != len(paths):
-            raise ValueError(f"{len(videos)} videos for {len(paths)} paths")
 
     def _share_audio(
         self, stack: contextlib.ExitStack, audio: Any, sample_rate: int | None, n: int
@@ -110,6 +139,62 @@ class BaseClient:
         fields = {k: v for k, v in options.items() if k not in ("audio", "audio_sample_rate")}
         return encode_call(sources, audios, paths, **fields)
 
+    def _handover_plan(self) -> Plan[None]:
+        """Bring the fd handover up to date for the worker that answers now. Looking at
+        the connection does not block, and is all a call does as a rule; connecting
+        (again) is a blocking step."""
+        handover = self._handover
+        if handover.stale():
+            yield from blocking(handover.refresh)
+        if not handover.current(self.instance):
+            info = yield from sent(info_call())
+            yield from blocking(handover.connect, info)
+
+    def _regions_plan(self) -> Plan[FdRegions | None]:
+        """The fd handover a stream's chunk buffers are registered on (None: segments)."""
+        yield from self._handover_plan()
+        return self._handover.regions
+
+    def _save_plan(
+        self,
+        videos: Sequence[Any],
+        paths: Sequence[str | os.PathLike[str]],
+        options: dict[str, Any],
+        layout: Layout | str | None,
+    ) -> Plan[list[OutputResult]]:
+        if len(videos) != len(paths):
+            raise ValueError(f"{len(videos)} videos for {len(paths)} paths")
+        try:
+            yield from self._handover_plan()
+            with contextlib.ExitStack() as stack:  # closed here on a failure or a cancellation
+                sources = yield from self._share_videos(stack, videos, layout)
+                audios = yield from blocking(
+                    self._share_audio, stack, options["audio"], options["audio_sample_rate"],
+                    len(paths),
+                )  # fmt: skip
+                results = yield from sent(self._encode_call(sources, audios, paths, options))
+                return (yield from blocking(self._end_save, stack, results))
+        except Unavailable as exc:
+            local = self._falls_back(exc)
+            if local is None:
+                raise
+            return (yield from blocking(local.save_videos, exc, videos, paths, options, layout))
+
+    def _share_videos(
+        self, stack: contextlib.ExitStack, videos: Sequence[Any], layout: Layout | str | None
+    ) -> Plan[list[Any]]:
+        """Each video's descriptor, shared until ``stack`` closes."""
+        sources = []
+        for video in videos:
+            # share() runs here, where the caller's CUDA stream is current; entering it
+            # (the copy into shared memory, the stream wait) is a blocking step.
+            shared = share(video, layout=layout, regions=self._handover.regions)
+            sources.append((yield from blocking(stack.enter_context, shared)))
+        return sources
+
+    def _decode_plan(self, request: DecodeRequest, local_fallback: bool) -> Plan[ReferenceFrames]:
+        return (yield from blocking(self._fetch, request, local_fallback))
+
     @property
     def host_route(self) -> str:
         """How host frames reach the worker now: ``"fd"`` (descriptors over the fd socket)
@@ -121,6 +206,13 @@ class BaseClient:
         """The fd socket: as configured, else the one the handover found (else the default)."""
         regions = self._handover.regions
         return self.fd_socket or (regions.path if regions is not None else None)
+
+    def _end_save(
+        self, stack: contextlib.ExitStack, results: list[OutputResult]
+    ) -> list[OutputResult]:
+        """Release what a save shared, then take its outputs' bytes (one blocking step)."""
+        stack.close()
+        return self._take_data(results)
 
     def _take_data(self, results: list[OutputResult]) -> list[OutputResult]:
         """Take the bytes of each ``memory://`` output into its result's ``data``."""

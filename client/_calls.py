@@ -7,9 +7,9 @@ here and differ only in how they send them.
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import httpx
 from framewire.core.errors import FramewireError, Unavailable, error_class, rebuild
@@ -24,18 +24,6 @@ from framewire.core.wire import (
 from pydantic import ValidationError
 
 T = TypeVar("T")
-
-
-class Send(Protocol):
-    """How a :class:`Client` sends one call (its ``_send``)."""
-
-    def __call__(self, call: Call[T], /) -> T: ...
-
-
-class AsyncSend(Protocol):
-    """How an :class:`AsyncClient` sends one call."""
-
-    def __call__(self, call: Call[T], /) -> Awaitable[T]: ...
 
 
 def raise_for(response: httpx.Response) -> None:

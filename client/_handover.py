@@ -54,19 +54,31 @@ class Handover:
 
     def settled(self, instance: str | None = None) -> bool:
         """Connected, or not to be had from this worker for now: nothing to try before a
-        call. ``instance``: the worker that answers HTTP now, when known.
+        call. ``instance``: the worker that answers HTTP now, when known. May block: it
+        is :meth:`refresh`, then :meth:`current`."""
+        self.refresh()
+        return self.current(instance)
 
-        A connection the worker closed (it restarted) is made again here, before the
-        call uses it; one that now reaches another worker than ``instance`` is dropped
-        and looked for again, as the first time."""
+    def stale(self) -> bool:
+        """Whether the connection may need making again (:meth:`refresh`), seen without
+        waiting: a call looks once, and connects again only when this says so."""
+        return self.regions is not None and self.regions.stale()
+
+    def refresh(self) -> None:
+        """Make the connection again if the worker closed it (it restarted); blocks. When
+        nobody answers there now, it is dropped: the call goes by shm, or falls back."""
         if self.regions is not None:
             try:
                 self.regions.refresh()
             except Unavailable:
-                self.close()  # nobody there now: the call goes by shm, or falls back
-            else:
-                if instance is not None and self.regions.instance != instance:
-                    self.close()
+                self.close()
+
+    def current(self, instance: str | None = None) -> bool:
+        """:meth:`settled` of a connection already refreshed (does not block): one that
+        reaches another worker than ``instance`` is dropped and looked for again, as the
+        first time."""
+        if self.regions is not None and instance is not None and self.regions.instance != instance:
+            self.close()
         if self._refused is not None:
             was, when = self._refused
             changed = instance is not None and instance != was

@@ -1,34 +1,31 @@
 """Client and AsyncClient: the worker's HTTP API as Python calls.
 
-:class:`BaseClient` builds every request and reads every answer; the twins differ only
-in how the bytes move (``httpx.Client`` or ``httpx.AsyncClient``) and where blocking work
-runs (the async twin copies frames and waits on CUDA streams off the event loop). Their
+:class:`BaseClient` builds every request, reads every answer and writes each operation
+once, as a plan of steps (client._plan); the twins differ only in how they take the
+steps: ``httpx.Client`` and blocking work here, or ``httpx.AsyncClient`` awaited and
+blocking work (copying frames, waiting on CUDA streams, connecting) in a thread. Their
 public methods have the same signatures and docstrings (a test holds them to it).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import httpx
-from framewire.client._base import DEFAULT_TIMEOUT, DEFAULT_URL, BaseClient, save_options, twin
-from framewire.client._calls import Call, info_call, probe_call, unreachable
-from framewire.client._sharing import share
-from framewire.client._sharing.fd import FdRegions
+from framewire.client._base import BaseClient, save_options, twin
+from framewire.client._calls import Call, info_call, probe_call
+from framewire.client._plan import Plan, run, run_async
 from framewire.client._stream import AsyncVideoWriter, VideoWriter
 from framewire.core.closing import Closing
-from framewire.core.errors import Unavailable
 from framewire.core.reference import ReferenceFrames, make_request
 from framewire.core.wire import Layout, MediaInfo, OutputResult
 
 T = TypeVar("T")
 
 
-class Client(BaseClient, Closing):
+class Client(BaseClient[httpx.Client], Closing):
     """Synchronous client. ``url`` is ``http://host:port`` or ``unix:///path/api.sock``.
 
     Made to live as long as the process: connections the worker closed, or that a
@@ -40,42 +37,20 @@ class Client(BaseClient, Closing):
     another host gets the token only over https or with ``trust_remote``; else
     :class:`Unavailable` ``worker_not_trusted``."""
 
-    def __init__(
-        self,
-        url: str = DEFAULT_URL,
-        *,
-        fd_socket: str | os.PathLike[str] | None = None,
-        token: str | None = None,
-        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
-        local_fallback: bool = True,
-        output_root: str | os.PathLike[str] | None = None,
-        worker_uid: int | None = None,
-        trust_remote: bool = False,
-    ):
-        super().__init__(url, fd_socket=fd_socket, token=token, timeout=timeout,
-                         local_fallback=local_fallback, output_root=output_root,
-                         worker_uid=worker_uid, trust_remote=trust_remote)  # fmt: skip
-        self._http = httpx.Client(transport=self._peer.transport(self._uds), **self._client_args)
+    def _open_http(self) -> httpx.Client:
+        return httpx.Client(transport=self._peer.transport(self._uds), **self._client_args)
+
+    def _request(self, call: Call[Any]) -> httpx.Response:
+        return self._http.request(call.method, call.path, json=call.body)
 
     def _send(self, call: Call[T]) -> T:
-        resent = False
-        while True:
-            try:
-                response = self._http.request(call.method, call.path, json=call.body)
-            except httpx.TransportError as exc:
-                if resent or not call.resendable(exc):
-                    raise unreachable(exc) from exc
-                resent = True  # once, on a fresh connection (the pool dropped this one)
-                continue
-            return self._answer(call, response)
+        return run(self._sending(call), self._request)
+
+    def _run(self, plan: Plan[T]) -> T:
+        return run(plan, self._send)
 
     def _update_handover(self) -> None:
-        if not self._handover.settled(self.instance):
-            self._handover.connect(self.info())
-
-    def _writer_regions(self) -> FdRegions | None:
-        self._update_handover()
-        return self._handover.regions
+        self._run(self._handover_plan())
 
     def info(self) -> dict[str, Any]:
         """The worker's versions, devices, limits, sockets and roots (``GET /v1/info``)."""
@@ -110,36 +85,9 @@ class Client(BaseClient, Closing):
         until the worker has answered. Work queued on the current CUDA stream is
         waited for first. ``encoder``: the identity the bytes must come from (docs/api.md).
         """
-        self._check_pairs(videos, paths)
-        options = save_options(
-            fps, quality, preset, threads, audio, audio_sample_rate, profile, value_range,
-            presign_s, validate, encoder,
-        )  # fmt: skip
-        try:
-            return self._save_on_worker(videos, paths, options, layout)
-        except Unavailable as exc:
-            local = self._falls_back(exc)
-            if local is None:
-                raise
-            return local.save_videos(exc, videos, paths, options, layout)
-
-    def _save_on_worker(
-        self,
-        videos: Sequence[Any],
-        paths: Sequence[str | os.PathLike[str]],
-        options: dict[str, Any],
-        layout: Layout | str | None,
-    ) -> list[OutputResult]:
-        self._update_handover()
-        with contextlib.ExitStack() as stack:
-            sources = [
-                stack.enter_context(share(v, layout=layout, regions=self._handover.regions))
-                for v in videos
-            ]
-            audios = self._share_audio(
-                stack, options["audio"], options["audio_sample_rate"], len(paths)
-            )
-            return self._take_data(self._send(self._encode_call(sources, audios, paths, options)))
+        options = save_options(fps, quality, preset, threads, audio, audio_sample_rate,
+                               profile, value_range, presign_s, validate, encoder)  # fmt: skip
+        return self._run(self._save_plan(videos, paths, options, layout))
 
     def save_video(self, video: Any, path: str | os.PathLike[str], **kw: Any) -> OutputResult:
         """:meth:`save_videos` of one video; the same keywords."""
@@ -170,25 +118,10 @@ class Client(BaseClient, Closing):
         ``live=True`` asks for a live view: ``writer.watch_url`` (after the first write)
         is a page that plays the video as it is encoded, ``writer.hls_url`` the same as
         HLS for any player; the file's bytes stay the same."""
-        return VideoWriter(
-            self._send,
-            self._writer_regions,
-            self._local,
-            path,
-            fps=fps,
-            quality=quality,
-            preset=preset,
-            threads=threads,
-            audio=audio,
-            audio_sample_rate=audio_sample_rate,
-            profile=profile,
-            value_range=value_range,
-            presign_s=presign_s,
-            validate=validate,
-            layout=layout,
-            live=live,
-            encoder=encoder,
-        )
+        options = save_options(fps, quality, preset, threads, audio, audio_sample_rate,
+                               profile, value_range, presign_s, validate, encoder)  # fmt: skip
+        return VideoWriter(self._send, self._regions_plan, self._local, path, options,
+                           layout=layout, live=live)  # fmt: skip
 
     def decode_reference(
         self,
@@ -212,7 +145,7 @@ class Client(BaseClient, Closing):
         """
         request = make_request(path, fps=fps, width=width, height=height, start=start,
                                max_frames=max_frames, decoder=decoder)  # fmt: skip
-        return self._fetch(request, local_fallback)
+        return self._run(self._decode_plan(request, local_fallback))
 
     def close(self) -> None:
         """Close the connection pool and the fd socket (the worker drops its regions)."""
@@ -220,46 +153,24 @@ class Client(BaseClient, Closing):
         self._http.close()
 
 
-class AsyncClient(BaseClient):
+class AsyncClient(BaseClient[httpx.AsyncClient]):
     """The same calls as coroutines."""
 
-    def __init__(
-        self,
-        url: str = DEFAULT_URL,
-        *,
-        fd_socket: str | os.PathLike[str] | None = None,
-        token: str | None = None,
-        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
-        local_fallback: bool = True,
-        output_root: str | os.PathLike[str] | None = None,
-        worker_uid: int | None = None,
-        trust_remote: bool = False,
-    ):
-        super().__init__(url, fd_socket=fd_socket, token=token, timeout=timeout,
-                         local_fallback=local_fallback, output_root=output_root,
-                         worker_uid=worker_uid, trust_remote=trust_remote)  # fmt: skip
+    def _open_http(self) -> httpx.AsyncClient:
         transport = self._peer.async_transport(self._uds)
-        self._http = httpx.AsyncClient(transport=transport, **self._client_args)
+        return httpx.AsyncClient(transport=transport, **self._client_args)
+
+    async def _request(self, call: Call[Any]) -> httpx.Response:
+        return await self._http.request(call.method, call.path, json=call.body)
 
     async def _send(self, call: Call[T]) -> T:
-        resent = False
-        while True:
-            try:
-                response = await self._http.request(call.method, call.path, json=call.body)
-            except httpx.TransportError as exc:
-                if resent or not call.resendable(exc):
-                    raise unreachable(exc) from exc
-                resent = True
-                continue
-            return self._answer(call, response)
+        return await run_async(self._sending(call), self._request)
+
+    async def _run(self, plan: Plan[T]) -> T:
+        return await run_async(plan, self._send)
 
     async def _update_handover(self) -> None:
-        if not await asyncio.to_thread(self._handover.settled, self.instance):
-            await asyncio.to_thread(self._handover.connect, await self.info())
-
-    async def _writer_regions(self) -> FdRegions | None:
-        await self._update_handover()
-        return self._handover.regions
+        await self._run(self._handover_plan())
 
     @twin(Client.info)
     async def info(self) -> dict[str, Any]:
@@ -288,42 +199,9 @@ class AsyncClient(BaseClient):
         encoder: str | None = None,
         layout: Layout | str | None = None,
     ) -> list[OutputResult]:
-        self._check_pairs(videos, paths)
-        options = save_options(
-            fps, quality, preset, threads, audio, audio_sample_rate, profile, value_range,
-            presign_s, validate, encoder,
-        )  # fmt: skip
-        try:
-            return await self._save_on_worker(videos, paths, options, layout)
-        except Unavailable as exc:
-            local = self._falls_back(exc)
-            if local is None:
-                raise
-            return await asyncio.to_thread(local.save_videos, exc, videos, paths, options, layout)
-
-    async def _save_on_worker(
-        self,
-        videos: Sequence[Any],
-        paths: Sequence[str | os.PathLike[str]],
-        options: dict[str, Any],
-        layout: Layout | str | None,
-    ) -> list[OutputResult]:
-        await self._update_handover()
-        with contextlib.ExitStack() as stack:
-            # share() runs here, where the caller's CUDA stream is current; entering it
-            # (the copy into shared memory, the stream wait) runs off the event loop.
-            sources = [
-                await asyncio.to_thread(
-                    stack.enter_context, share(v, layout=layout, regions=self._handover.regions)
-                )
-                for v in videos
-            ]
-            audios = await asyncio.to_thread(
-                self._share_audio, stack, options["audio"], options["audio_sample_rate"],
-                len(paths),
-            )  # fmt: skip
-            results = await self._send(self._encode_call(sources, audios, paths, options))
-        return await asyncio.to_thread(self._take_data, results)
+        options = save_options(fps, quality, preset, threads, audio, audio_sample_rate,
+                               profile, value_range, presign_s, validate, encoder)  # fmt: skip
+        return await self._run(self._save_plan(videos, paths, options, layout))
 
     @twin(Client.save_video)
     async def save_video(self, video: Any, path: str | os.PathLike[str], **kw: Any) -> OutputResult:
@@ -348,25 +226,10 @@ class AsyncClient(BaseClient):
         layout: Layout | str | None = None,
         live: bool = False,
     ) -> AsyncVideoWriter:
-        return AsyncVideoWriter(
-            self._send,
-            self._writer_regions,
-            self._local,
-            path,
-            fps=fps,
-            quality=quality,
-            preset=preset,
-            threads=threads,
-            audio=audio,
-            audio_sample_rate=audio_sample_rate,
-            profile=profile,
-            value_range=value_range,
-            presign_s=presign_s,
-            validate=validate,
-            layout=layout,
-            live=live,
-            encoder=encoder,
-        )
+        options = save_options(fps, quality, preset, threads, audio, audio_sample_rate,
+                               profile, value_range, presign_s, validate, encoder)  # fmt: skip
+        return AsyncVideoWriter(self._send, self._regions_plan, self._local, path, options,
+                                layout=layout, live=live)  # fmt: skip
 
     @twin(Client.decode_reference)
     async def decode_reference(
@@ -383,7 +246,7 @@ class AsyncClient(BaseClient):
     ) -> ReferenceFrames:
         request = make_request(path, fps=fps, width=width, height=height, start=start,
                                max_frames=max_frames, decoder=decoder)  # fmt: skip
-        return await asyncio.to_thread(self._fetch, request, local_fallback)
+        return await self._run(self._decode_plan(request, local_fallback))
 
     async def aclose(self) -> None:
         """Close the connection pool and the fd socket (the worker drops its regions)."""

@@ -2,16 +2,15 @@
 
 An engine's own save path writes its file whatever happens to a worker, so a
 client that adopted framewire must too: when no worker can be reached, saves and
-streams run the worker's own encoder here (``framewire.service.LocalEncoder``),
-with the same bytes and memory bounded by the chunk, and their results say
-``route == "local"``. The encoder is an optional part of the client (the
-``service`` extra), loaded by name on first need, so the client imports without
-it; where it is missing the save raises the worker's :class:`Unavailable`.
+streams run the worker's own encoder here, with the same bytes and memory bounded
+by the chunk, and their results say ``route == "local"``. The encoder is the
+service's, found through the core's seam (``framewire.core.local``) on first
+need, so the client imports without the ``service`` extra; where it is missing
+the save raises the worker's :class:`Unavailable`.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import threading
@@ -21,6 +20,7 @@ from typing import Any
 from framewire.client._calls import per_output
 from framewire.core.errors import Unavailable
 from framewire.core.frames import Frames
+from framewire.core.local import LocalEncoding, LocalStream, local_encoder
 from framewire.core.wire import OutputResult
 
 log = logging.getLogger("framewire.client")
@@ -46,7 +46,7 @@ class LocalFallback:
 
     def __init__(self, output_root: str | os.PathLike[str] | None):
         self.output_root = output_root
-        self._encoder: Any = None
+        self._encoder: LocalEncoding | None = None
         self._lock = threading.Lock()
         self._in_outage = False
 
@@ -54,19 +54,19 @@ class LocalFallback:
         """A worker answered: the next outage is warned about again."""
         self._in_outage = False
 
-    def _take(self, exc: Unavailable) -> Any:
+    def _take(self, exc: Unavailable) -> LocalEncoding:
         """The local encoder, once the outage is noted; raises ``exc`` without one."""
         with self._lock:
             if self._encoder is None:
                 try:
-                    module = importlib.import_module("framewire.service")
-                    self._encoder = module.LocalEncoder(self.output_root)
+                    self._encoder = local_encoder(self.output_root)
                 except ImportError as missing:
                     raise Unavailable(
                         f"{exc.message}; no local encoder either ({missing}): "
                         "install framewire[service] for the local fallback",
                         code=exc.code,
                     ) from exc
+            encoder = self._encoder
             if not self._in_outage:
                 self._in_outage = True
                 # The message, not the exception: a record kept by a handler would keep its
@@ -74,7 +74,7 @@ class LocalFallback:
                 log.warning(
                     "framewire worker unreachable (%s); encoding in this process", exc.message
                 )
-        return self._encoder
+        return encoder
 
     def save_videos(
         self,
@@ -95,6 +95,6 @@ class LocalFallback:
     def open(
         self, exc: Unavailable, path: str | os.PathLike[str], options: dict[str, Any],
         first: Frames,
-    ) -> Any:  # fmt: skip
+    ) -> LocalStream:  # fmt: skip
         _here(exc, [path])
         return self._take(exc).open(path, options, first)

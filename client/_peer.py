@@ -10,15 +10,12 @@ the Unix socket, is checked (core.trust); one that fails is closed, with
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import httpcore
 import httpx
 from framewire.core.trust import check_dir, check_tcp_peer, check_unix_peer
-
-SocketOptions = Iterable[Any] | None
 
 
 class PeerCheck:
@@ -55,75 +52,58 @@ class PeerCheck:
 
 
 class _Checked(httpcore.NetworkBackend):
+    """The pool's own backend: each connection it makes is checked before it is used."""
+
     def __init__(self, inner: httpcore.NetworkBackend, peer: PeerCheck):
         self._inner, self._peer = inner, peer
 
-    def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: SocketOptions = None,
-    ) -> httpcore.NetworkStream:
-        stream = self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
-        return _checked(stream, self._peer, None)
+    def connect_tcp(self, host: str, port: int, *args: Any, **kw: Any) -> httpcore.NetworkStream:
+        return self._checked(self._inner.connect_tcp(host, port, *args, **kw), None)
 
-    def connect_unix_socket(
-        self, path: str, timeout: float | None = None, socket_options: SocketOptions = None
-    ) -> httpcore.NetworkStream:
+    def connect_unix_socket(self, path: str, *args: Any, **kw: Any) -> httpcore.NetworkStream:
         self._peer.before_unix(path)
-        stream = self._inner.connect_unix_socket(path, timeout, socket_options)
-        return _checked(stream, self._peer, path)
+        return self._checked(self._inner.connect_unix_socket(path, *args, **kw), path)
 
     def sleep(self, seconds: float) -> None:
         self._inner.sleep(seconds)
 
-
-def _checked(
-    stream: httpcore.NetworkStream, peer: PeerCheck, where: str | None
-) -> httpcore.NetworkStream:
-    try:
-        peer.check(stream, where)
-    except BaseException:
-        stream.close()
-        raise
-    return stream
+    def _checked(self, stream: httpcore.NetworkStream, where: str | None) -> httpcore.NetworkStream:
+        try:
+            self._peer.check(stream, where)
+        except BaseException:
+            stream.close()
+            raise
+        return stream
 
 
 class _AsyncChecked(httpcore.AsyncNetworkBackend):
+    """:class:`_Checked` for the async pool."""
+
     def __init__(self, inner: httpcore.AsyncNetworkBackend, peer: PeerCheck):
         self._inner, self._peer = inner, peer
 
     async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: SocketOptions = None,
+        self, host: str, port: int, *args: Any, **kw: Any
     ) -> httpcore.AsyncNetworkStream:
-        stream = await self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
-        return await _async_checked(stream, self._peer, None)
+        return await self._checked(await self._inner.connect_tcp(host, port, *args, **kw), None)
 
     async def connect_unix_socket(
-        self, path: str, timeout: float | None = None, socket_options: SocketOptions = None
+        self, path: str, *args: Any, **kw: Any
     ) -> httpcore.AsyncNetworkStream:
         self._peer.before_unix(path)
-        stream = await self._inner.connect_unix_socket(path, timeout, socket_options)
-        return await _async_checked(stream, self._peer, path)
+        stream = await self._inner.connect_unix_socket(path, *args, **kw)
+        return await self._checked(stream, path)
 
     async def sleep(self, seconds: float) -> None:
         await self._inner.sleep(seconds)
 
-
-async def _async_checked(
-    stream: httpcore.AsyncNetworkStream, peer: PeerCheck, where: str | None
-) -> httpcore.AsyncNetworkStream:
-    try:
-        # A few stat calls and a read of /proc/net/tcp: short enough for the event loop.
-        peer.check(stream, where)
-    except BaseException:
-        await stream.aclose()
-        raise
-    return stream
+    async def _checked(
+        self, stream: httpcore.AsyncNetworkStream, where: str | None
+    ) -> httpcore.AsyncNetworkStream:
+        try:
+            # A few stat calls and a read of /proc/net/tcp: short enough for the event loop.
+            self._peer.check(stream, where)
+        except BaseException:
+            await stream.aclose()
+            raise
+        return stream

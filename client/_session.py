@@ -59,38 +59,23 @@ class WriterBase:
         self,
         local: LocalFallback | None,
         path: str | os.PathLike[str],
+        options: dict[str, Any],
         *,
-        fps: float,
-        quality: float | None,
-        preset: str | None,
-        threads: int | None,
-        audio: Any,
-        audio_sample_rate: int | None,
-        profile: str,
-        value_range: tuple[float, float] | None,
-        presign_s: int | None,
-        validate: bool,
         layout: Layout | str | None,
         live: bool = False,
-        encoder: str | None = None,
     ):
+        """``options``: a save's keywords (client._base.save_options)."""
         # Samples are shared for the opening call alone: the worker reads them then.
         self._samples = None
+        audio = options["audio"]
         if audio is not None and not isinstance(audio, (str, os.PathLike)):
-            self._samples, audio = (audio, audio_sample_rate), None
+            self._samples, audio = (audio, options["audio_sample_rate"]), None
+        kept = {k: v for k, v in options.items() if k != "audio_sample_rate"}
         self._options: dict[str, Any] = {
             "path": os.fspath(path),
-            "fps": fps,
-            "quality": quality,
-            "preset": preset,
-            "threads": threads,
+            **kept,
             "audio": None if audio is None else os.fspath(audio),
-            "profile": profile,
-            "value_range": value_range,
-            "presign_s": presign_s,
-            "validate": validate,
             "live": live,
-            "encoder": encoder,
         }
         self._layout = layout
         self.id: str | None = None

@@ -23,135 +23,195 @@ how far it has read, for progress displays.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
+import functools
 import os
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from framewire.client._calls import AsyncSend, Call, Send
+from framewire.client._calls import Call
 from framewire.client._local import LocalFallback
+from framewire.client._plan import (
+    AsyncSend,
+    Later,
+    Pending,
+    Plan,
+    Send,
+    blocking,
+    run,
+    run_async,
+    sent,
+    waited,
+)
 from framewire.client._session import WriterBase
 from framewire.client._sharing.fd import FdRegions
 from framewire.core.errors import Unavailable
-from framewire.core.frames import is_cuda
-from framewire.core.wire import OutputResult, StreamChunkAck
+from framewire.core.frames import Frames, is_cuda
+from framewire.core.wire import Layout, OutputResult, StreamChunkAck
+
+T = TypeVar("T")
+S = TypeVar("S", Send, AsyncSend)
+Chunk = Call[StreamChunkAck]
 
 
-class VideoWriter(WriterBase):
-    """A stream session of :class:`Client`: ``write`` chunks, then ``close`` (or ``abort``)."""
+class StreamPlans(WriterBase, abc.ABC, Generic[S]):
+    """Each of a writer's operations, as a plan (client._plan) its twin runs: the order
+    of chunks and answers, the fallback to this process, and how a session ends."""
 
     def __init__(
         self,
-        send: Send,
-        regions: Callable[[], FdRegions | None],
+        send: S,
+        regions: Callable[[], Plan[FdRegions | None]],
         local: LocalFallback | None,
         path: str | os.PathLike[str],
-        **options: Any,
+        options: dict[str, Any],
+        *,
+        layout: Layout | str | None,
+        live: bool = False,
     ):
-        super().__init__(local, path, **options)
-        self._send = send
-        self._regions_of = regions
-        self._sender = ThreadPoolExecutor(1, thread_name_prefix="framewire-stream")
-        # Host chunks on their way, oldest first; the oldest uses this turn's segment.
-        self._in_flight: deque[Future[StreamChunkAck]] = deque()
+        super().__init__(local, path, options, layout=layout, live=live)
+        self._send: S = send  # the client's
+        self._regions_of = regions  # the client's fd handover, brought up to date
+        # Host chunks on their way, oldest first; the oldest uses this turn's buffer.
+        self._in_flight: deque[Pending[StreamChunkAck]] = deque()
 
-    def write(self, frames: Any) -> None:
-        """Hand over the next chunk of frames, in any form ``save_video`` takes."""
+    @abc.abstractmethod
+    def _submit(self, call: Chunk) -> Pending[StreamChunkAck]:
+        """Send a host chunk's ``call`` on its way, in order after those before it."""
+
+    def _stop_sending(self) -> None:
+        """The session is over: nothing more goes on its way."""
+
+    def _write_plan(self, frames: Any) -> Plan[None]:
         self._check_open()
-        self._settle(wait=False)
+        yield from self._settle(wait=False)
         chunk = self._describe(frames)
         if self.id is None and self._local is None:
-            try:
-                self._regions = self._regions_of()
-                with self._shared_audio() as audio:
-                    self._opened(self._send(self._open_call(chunk, audio)))
-            except Unavailable as exc:
-                self._open_here(exc, chunk)
+            yield from self._open_plan(chunk)
         if self._local is not None:
-            self._write_here(chunk)
+            yield from blocking(self._write_here, chunk)
             return
         if is_cuda(chunk.video):
-            from framewire.client._sharing.cuda import CudaShare  # imports torch
-
-            self._settle(wait=True)  # the chunks before it go first, in order
-            with CudaShare(chunk.video, layout=chunk.layout) as source:
-                self._send_chunk(self._chunk_call(source, chunk))
+            yield from self._cuda_chunk(chunk)
             return
         if len(self._in_flight) == 2:
-            self._settle(wait=True, keep=1)  # the worker has read the segment's last chunk
-        source = self._stage(chunk)
-        call = self._chunk_call(source, chunk)
-        self._in_flight.append(self._sender.submit(self._send_chunk, call))
+            yield from self._settle(wait=True, keep=1)  # the worker read the buffer's last chunk
+        source = yield from blocking(self._stage, chunk)
+        self._in_flight.append(self._submit(self._chunk_call(source, chunk)))
 
-    def _send_chunk(self, call: Call[StreamChunkAck]) -> StreamChunkAck:
+    def _open_plan(self, first: Frames) -> Plan[None]:
         try:
-            return self._received(self._send(call))
+            self._regions = yield from self._regions_of()
+            with contextlib.ExitStack() as stack:  # closed here on a failure or a cancellation
+                audio = yield from blocking(stack.enter_context, self._shared_audio())
+                self._opened((yield from sent(self._open_call(first, audio))))
+                yield from blocking(stack.close)
+        except Unavailable as exc:
+            yield from blocking(self._open_here, exc, first)
+
+    def _cuda_chunk(self, chunk: Frames) -> Plan[None]:
+        from framewire.client._sharing.cuda import CudaShare  # imports torch
+
+        yield from self._settle(wait=True)  # the chunks before it go first, in order
+        share = CudaShare(chunk.video, layout=chunk.layout)  # here: the producer's stream
+        try:
+            source = yield from blocking(share.__enter__)
+            yield from self._chunk_plan(self._chunk_call(source, chunk))
+        finally:
+            share.release()
+
+    def _chunk_plan(self, call: Chunk) -> Plan[StreamChunkAck]:
+        try:
+            ack = yield from sent(call)
         except Unavailable as exc:
             raise self._lost(exc) from exc
+        return self._received(ack)
 
-    def close(self) -> OutputResult:
-        """End of frames: returns the result once the file is complete (also ``result``)."""
-        if self.result is not None:
-            return self.result
-        try:
-            self._check_open()
-            if self._local is not None:
-                self.result = self._local.finish()
-                return self.result
-            self._settle(wait=True)
-            try:
-                self.result = self._take_data(self._send(self._finish_call()))
-            except Unavailable as exc:
-                raise self._lost(exc) from exc
-            return self.result
-        except BaseException:
-            self._end_session()
-            raise
-        finally:
-            self._shut()
-
-    def abort(self) -> None:
-        """Stop the session; nothing of the output remains. Safe to call at any time."""
-        try:
-            self._end_session()
-        finally:
-            self._shut()
-
-    def _settle(self, *, wait: bool, keep: int = 0) -> None:
+    def _settle(self, *, wait: bool, keep: int = 0) -> Plan[None]:
         """Collect the answers of chunks sent (all but ``keep``, or those already in);
         the first refusal is kept and raised, now and by every later call."""
-        self._collect(wait=wait, keep=keep)
+        yield from self._collect(wait=wait, keep=keep)
         self._check_open()
 
-    def _collect(self, *, wait: bool, keep: int = 0) -> None:
+    def _collect(self, *, wait: bool, keep: int = 0) -> Plan[None]:
         while len(self._in_flight) > keep and (wait or self._in_flight[0].done()):
             try:
-                self._in_flight[0].result()
-            except Exception as exc:  # the chunk's refusal; Ctrl-C in the wait goes on up
+                yield from waited(self._in_flight[0])
+            except Exception as exc:  # the chunk's refusal; a cancellation goes on up
                 self._failed(exc)
             self._in_flight.popleft()
 
-    def _end_session(self) -> None:
+    def _close_plan(self) -> Plan[OutputResult]:
+        if self.result is not None:
+            return self.result
+        self._check_open()
         if self._local is not None:
-            self._local.abort()
+            self.result = yield from blocking(self._local.finish)
+            return self.result
+        yield from self._settle(wait=True)
+        try:
+            finished = yield from sent(self._finish_call())
+            self.result = yield from blocking(self._take_data, finished)
+        except Unavailable as exc:
+            raise self._lost(exc) from exc
+        return self.result
+
+    def _end_plan(self) -> Plan[None]:
+        """End the session wherever it is; after a failed close, and by abort."""
+        if self._local is not None:
+            yield from blocking(self._local.abort)
             return
-        # The DELETE before the chunks in flight are collected (by _shut): one may wait
+        # The DELETE before the chunks in flight are collected (by _shut_plan): one may wait
         # for the worker's CPU slots behind another session, and the DELETE ends that wait.
         call = self._abort_call()
         if call is not None:
             with contextlib.suppress(Exception):  # gone already: idle, failed, finished
-                self._send(call)
+                yield from sent(call)
 
-    def _shut(self) -> None:
+    def _shut_plan(self) -> Plan[None]:
+        """Collect what is still on its way, then let go of the chunk buffers."""
         try:
-            self._collect(wait=True)  # close() or abort() from a failing write
+            yield from self._collect(wait=True)  # close() or abort() from a failing write
         finally:
             self._in_flight.clear()
-            self._sender.shutdown(wait=True)
+            self._stop_sending()
             self._release()
+
+
+class VideoWriter(StreamPlans[Send]):
+    """A stream session of :class:`Client`: ``write`` chunks, then ``close`` (or ``abort``)."""
+
+    @functools.cached_property
+    def _sender(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(1, thread_name_prefix="framewire-stream")
+
+    def _run(self, plan: Plan[T], failed: Later = None, last: Later = None) -> T:
+        return run(plan, self._send, failed=failed, last=last)
+
+    def _send_chunk(self, call: Chunk) -> StreamChunkAck:
+        return self._run(self._chunk_plan(call))
+
+    def _submit(self, call: Chunk) -> Future[StreamChunkAck]:
+        return self._sender.submit(self._send_chunk, call)
+
+    def _stop_sending(self) -> None:
+        self._sender.shutdown(wait=True)
+
+    def write(self, frames: Any) -> None:
+        """Hand over the next chunk of frames, in any form ``save_video`` takes."""
+        self._run(self._write_plan(frames))
+
+    def close(self) -> OutputResult:
+        """End of frames: returns the result once the file is complete (also ``result``)."""
+        return self._run(self._close_plan(), failed=self._end_plan, last=self._shut_plan)
+
+    def abort(self) -> None:
+        """Stop the session; nothing of the output remains. Safe to call at any time."""
+        self._run(self._end_plan(), last=self._shut_plan)
 
     def __enter__(self) -> VideoWriter:
         return self
@@ -163,125 +223,37 @@ class VideoWriter(WriterBase):
             self.abort()
 
 
-class AsyncVideoWriter(WriterBase):
+class AsyncVideoWriter(StreamPlans[AsyncSend]):
     """The same session for :class:`AsyncClient`: ``await write(...)``, ``async with``."""
 
-    def __init__(
-        self,
-        send: AsyncSend,
-        regions: Callable[[], Awaitable[FdRegions | None]],
-        local: LocalFallback | None,
-        path: str | os.PathLike[str],
-        **options: Any,
-    ):
-        super().__init__(local, path, **options)
-        self._send = send
-        self._regions_of = regions
-        self._in_flight: deque[asyncio.Task[StreamChunkAck]] = deque()
-        self._order = asyncio.Lock()  # chunks leave in the order they were written
+    @functools.cached_property
+    def _order(self) -> asyncio.Lock:
+        return asyncio.Lock()  # chunks leave in the order they were written
 
-    async def write(self, frames: Any) -> None:
-        """Hand over the next chunk of frames, in any form ``save_video`` takes."""
-        self._check_open()
-        await self._settle(wait=False)
-        chunk = self._describe(frames)
-        if self.id is None and self._local is None:
-            try:
-                self._regions = await self._regions_of()
-                shared = self._shared_audio()
-                audio = await asyncio.to_thread(shared.__enter__)
-                try:
-                    self._opened(await self._send(self._open_call(chunk, audio)))
-                finally:
-                    await asyncio.to_thread(shared.__exit__, None, None, None)
-            except Unavailable as exc:
-                await asyncio.to_thread(self._open_here, exc, chunk)
-        if self._local is not None:
-            await asyncio.to_thread(self._write_here, chunk)
-            return
-        if is_cuda(chunk.video):
-            from framewire.client._sharing.cuda import CudaShare  # imports torch
+    async def _run(self, plan: Plan[T], failed: Later = None, last: Later = None) -> T:
+        return await run_async(plan, self._send, failed=failed, last=last)
 
-            await self._settle(wait=True)
-            share = CudaShare(chunk.video, layout=chunk.layout)  # on the producer's stream
-            source = await asyncio.to_thread(share.__enter__)
-            try:
-                await self._send_chunk(self._chunk_call(source, chunk))
-            finally:
-                share.release()
-            return
-        if len(self._in_flight) == 2:
-            await self._settle(wait=True, keep=1)
-        source = await asyncio.to_thread(self._stage, chunk)
-        call = self._chunk_call(source, chunk)
-        self._in_flight.append(asyncio.create_task(self._send_in_order(call)))
+    async def _send_chunk(self, call: Chunk) -> StreamChunkAck:
+        return await self._run(self._chunk_plan(call))
 
-    async def _send_in_order(self, call: Call[StreamChunkAck]) -> StreamChunkAck:
+    def _submit(self, call: Chunk) -> asyncio.Task[StreamChunkAck]:
+        return asyncio.create_task(self._send_in_order(call))
+
+    async def _send_in_order(self, call: Chunk) -> StreamChunkAck:
         async with self._order:
             return await self._send_chunk(call)
 
-    async def _send_chunk(self, call: Call[StreamChunkAck]) -> StreamChunkAck:
-        try:
-            return self._received(await self._send(call))
-        except Unavailable as exc:
-            raise self._lost(exc) from exc
+    async def write(self, frames: Any) -> None:
+        """Hand over the next chunk of frames, in any form ``save_video`` takes."""
+        await self._run(self._write_plan(frames))
 
     async def close(self) -> OutputResult:
         """End of frames: returns the result once the file is complete (also ``result``)."""
-        if self.result is not None:
-            return self.result
-        try:
-            self._check_open()
-            if self._local is not None:
-                self.result = await asyncio.to_thread(self._local.finish)
-                return self.result
-            await self._settle(wait=True)
-            try:
-                finished = await self._send(self._finish_call())
-                self.result = await asyncio.to_thread(self._take_data, finished)
-            except Unavailable as exc:
-                raise self._lost(exc) from exc
-            return self.result
-        except BaseException:
-            await self._end_session()
-            raise
-        finally:
-            await self._shut()
+        return await self._run(self._close_plan(), failed=self._end_plan, last=self._shut_plan)
 
     async def abort(self) -> None:
         """Stop the session; nothing of the output remains. Safe to call at any time."""
-        try:
-            await self._end_session()
-        finally:
-            await self._shut()
-
-    async def _settle(self, *, wait: bool, keep: int = 0) -> None:
-        await self._collect(wait=wait, keep=keep)
-        self._check_open()
-
-    async def _collect(self, *, wait: bool, keep: int = 0) -> None:
-        while len(self._in_flight) > keep and (wait or self._in_flight[0].done()):
-            try:
-                await self._in_flight[0]
-            except Exception as exc:  # the chunk's refusal; a cancellation goes on up
-                self._failed(exc)
-            self._in_flight.popleft()
-
-    async def _end_session(self) -> None:
-        if self._local is not None:
-            await asyncio.to_thread(self._local.abort)
-            return
-        call = self._abort_call()  # first, as in VideoWriter._end_session
-        if call is not None:
-            with contextlib.suppress(Exception):
-                await self._send(call)
-
-    async def _shut(self) -> None:
-        try:
-            await self._collect(wait=True)
-        finally:
-            self._in_flight.clear()
-            self._release()
+        await self._run(self._end_plan(), last=self._shut_plan)
 
     async def __aenter__(self) -> AsyncVideoWriter:
         return self

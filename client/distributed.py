@@ -79,8 +79,7 @@ def decode_reference_shared(
         request = make_request(path, fps=fps, width=width, height=height, start=start,
                                max_frames=max_frames, decoder=decoder)  # fmt: skip
         if client is not None:
-            params = request.parameters()
-            return client.decode_reference(request.path, local_fallback=local_fallback, **params)
+            return client._fetch(request, local_fallback)  # its fd socket, its worker's user
         return fetch(request, local_fallback=local_fallback)
 
     if not (dist.is_available() and dist.is_initialized()):

@@ -70,16 +70,7 @@ class DecodeRun:
         self._written = 0
         self._out = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            argv = decode_argv(
-                ffmpeg,
-                path=source.ffmpeg_path,
-                fps=request.fps,
-                width=request.width,
-                height=request.height,
-                start=request.start,
-                max_frames=request.max_frames,
-                out_fd=self._out,
-            )
+            argv = decode_argv(ffmpeg, request, path=source.ffmpeg_path, out_fd=self._out)
             self._started = time.perf_counter()
             # pass_fds: the child inherits the memfd at the same number, so pipe:N
             # names it; a fresh memfd's offset is 0 and write() appends from there.

@@ -15,11 +15,29 @@ from typing import Any, ClassVar
 
 
 class FramewireError(Exception):
-    """Base class. ``code`` is stable; ``message`` is for people; ``detail`` is ffmpeg's."""
+    """Base class. ``code`` is stable; ``message`` is for people; ``detail`` is ffmpeg's.
+
+    A subclass names what sets it apart in its class line: ``status``, ``code`` (its
+    default code) and ``fd_code``, each its parent's where not given.
+    """
 
     status: ClassVar[int] = 500
     default_code: ClassVar[str] = "internal"
     fd_code: ClassVar[str] = "decode_failed"  # the fd socket names six codes only
+    default_retry_after: ClassVar[float | None] = None
+
+    def __init_subclass__(
+        cls,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        fd_code: str | None = None,
+        **kwargs: Any,
+    ):
+        super().__init_subclass__(**kwargs)
+        cls.status = status or cls.status
+        cls.default_code = code or cls.default_code
+        cls.fd_code = fd_code or cls.fd_code
 
     def __init__(
         self,
@@ -33,7 +51,8 @@ class FramewireError(Exception):
         self.message = message
         self.code = code or self.default_code
         self.detail = detail  # e.g. ffmpeg's stderr tail
-        self.retry_after = retry_after  # seconds, when waiting would help
+        # Seconds, when waiting would help.
+        self.retry_after = self.default_retry_after if retry_after is None else retry_after
         # A failed encode request: every output's result (those that did succeed are
         # complete files). Any, so errors need not know the wire models.
         self.results: list[Any] | None = None
@@ -45,107 +64,60 @@ class FramewireError(Exception):
         return text
 
 
-class Unavailable(FramewireError):
+class Unavailable(FramewireError, status=503, code="unavailable", fd_code="unavailable"):
     """The worker (or ffmpeg) cannot be reached or run."""
 
-    status = 503
-    default_code = "unavailable"
-    fd_code = "unavailable"
 
-
-class InsufficientStorage(Unavailable):
+class InsufficientStorage(Unavailable, status=507, code="no_space"):
     """The output's filesystem is full, over quota, or past a file-size limit.
 
     A kind of Unavailable: the request was fine, the host cannot take it now.
     """
 
-    status = 507
-    default_code = "no_space"
 
-
-class StoreError(Unavailable):
+class StoreError(Unavailable, status=502, code="store_unavailable"):
     """The object store refused or failed an upload (after retries): a bad gateway.
 
     A kind of Unavailable: the request was fine, the store behind the worker was not.
     """
 
-    status = 502
-    default_code = "store_unavailable"
 
-
-class BadRequest(FramewireError):
+class BadRequest(FramewireError, status=400, code="bad_request", fd_code="bad_request"):
     """The request is malformed or describes data that does not match."""
 
-    status = 400
-    default_code = "bad_request"
-    fd_code = "bad_request"
 
-
-class Conflict(BadRequest):
+class Conflict(BadRequest, status=409, code="conflict"):
     """The request clashes with the state of something in use (a busy output, a stream)."""
 
-    status = 409
-    default_code = "conflict"
 
-
-class Forbidden(FramewireError):
+class Forbidden(FramewireError, status=403, code="forbidden", fd_code="forbidden"):
     """The request names something outside what the worker may touch for this caller."""
 
-    status = 403
-    default_code = "forbidden"
-    fd_code = "forbidden"
 
-
-class Unauthorized(Forbidden):
+class Unauthorized(Forbidden, status=401, code="unauthorized"):
     """No bearer token, or the wrong one."""
 
-    status = 401
-    default_code = "unauthorized"
+
+class NotFound(FramewireError, status=404, code="not_found", fd_code="not_found"):
+    """Something the request names is not there: a file, a region, a stream session."""
 
 
-class NotFound(FramewireError):
-    status = 404
-    default_code = "not_found"
-    fd_code = "not_found"
-
-
-class MediaError(FramewireError):
+class MediaError(FramewireError, status=422, code="media_error"):
     """ffmpeg failed, or a file is not the media it should be."""
 
-    status = 422
-    default_code = "media_error"
 
-
-class Stalled(MediaError):
+class Stalled(MediaError, status=504, code="ffmpeg_stalled"):
     """ffmpeg made no progress for the stall timeout and was stopped."""
 
-    status = 504
-    default_code = "ffmpeg_stalled"
 
-
-class Overloaded(FramewireError):
+class Overloaded(FramewireError, status=429, code="overloaded", fd_code="overloaded"):
     """The wait queue (or a cap) is full; retry after ``retry_after`` seconds."""
 
-    status = 429
-    default_code = "overloaded"
-    fd_code = "overloaded"
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        code: str | None = None,
-        detail: str | None = None,
-        retry_after: float | None = 1.0,
-    ):
-        super().__init__(message, code=code, detail=detail, retry_after=retry_after)
+    default_retry_after = 1.0
 
 
-class Cancelled(FramewireError):
+class Cancelled(FramewireError, status=499, code="cancelled"):
     """The caller went away; the work was stopped and cleaned up."""
-
-    status = 499
-    default_code = "cancelled"
 
 
 # The whole hierarchy, most general first.
@@ -200,8 +172,6 @@ def rebuild(
     retry_after: float | None = None,
 ) -> FramewireError:
     """An instance of ``cls`` from what crossed a boundary (every class takes the same)."""
-    if retry_after is None and cls is Overloaded:
-        retry_after = 1.0
     return cls(message, code=code, detail=detail, retry_after=retry_after)
 
 

@@ -8,9 +8,10 @@ the same bytes everywhere). Frames are read where they lie and converted in
 bounded chunks, never materialized whole, so there is no fallback route to fall
 back to: a failed encode fails.
 
-The client loads this module by name (``framewire.service.LocalEncoder``), only
-when it needs it, so an inference process without the service's extra still
-imports the client.
+The client finds :class:`LocalEncoder` through the core's seam
+(``framewire.core.local``: an entry point this package declares), only when it
+needs it, so an inference process without the service's extra still imports
+the client.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from framewire.service._convert import kernels
 from framewire.service._decode.decoder import ReferenceDecoder
 from framewire.service._encode.encoder import Encoder
 from framewire.service._encode.jobs import EncodeJobs
+from framewire.service._encode.prepare import Preparer
 from framewire.service._encode.resources import EncodeResources
 from framewire.service._encode.scheduler import Scheduler
 from framewire.service._fdsocket.server import FdServer
@@ -22,6 +23,7 @@ from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
 from framewire.service._sources.cuda_ipc import CudaRuntime
 from framewire.service._sources.regions import RegionRegistry
+from framewire.service._store.uploads import Uploads
 from framewire.service._stream.sessions import Sessions
 
 
@@ -62,8 +64,10 @@ class Parts:
         )
         if cuda is not None:
             scheduler.gpu_budget = cuda.gpu_budget(scheduler.gpu_held)
-        resources = EncodeResources(settings, encoder, regions, scheduler, cuda)
-        resources.uploads.on_upload = lambda result: metrics.uploads.labels(result).inc()
+        uploads = Uploads(settings)
+        uploads.on_upload = lambda result: metrics.uploads.labels(result).inc()
+        prepare = Preparer(settings, regions, uploads, encoder.encoders, cuda)
+        resources = EncodeResources(encoder, scheduler, uploads, prepare)
         jobs = EncodeJobs(settings, resources, metrics)
         sessions = Sessions(settings, resources, metrics)
         decode_ffmpeg = resolve_ffmpeg(settings.decode_ffmpeg) if settings.decode_ffmpeg else None

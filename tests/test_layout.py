@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import itertools
 import re
 from pathlib import Path
 
@@ -71,12 +72,64 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
-    """The framewire modules ``module`` imports, anywhere in its source."""
+# A module named in a string: ``importlib.import_module("framewire.service")``, an
+# entry point's ``"framewire.service._local:LocalEncoder"``, a lazy name table.
+NAMED = re.compile(r"framewire(?:\.\w+)+(?=:\w+$|$)")
+
+
+def prose_and_loggers(tree: ast.AST) -> set[int]:
+    """The ids of the strings of ``tree`` that name no lookup: docstrings, and logger
+    names (``getLogger("framewire.client")`` is a logger, not the package)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                found.add(id(body[0].value))
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "getLogger":
+            found.update(id(arg) for arg in node.args)
+    return found
+
+
+def children_run(tree: ast.AST) -> set[int]:
+    """The ids of the strings of ``tree`` that name the module a child process runs:
+    the item after ``"-m"`` in a command's list."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.List, ast.Tuple)):
+            for flag, name in itertools.pairwise(node.elts):
+                if isinstance(flag, ast.Constant) and flag.value == "-m":
+                    found.add(id(name))
+    return found
+
+
+def named_modules(text: str, known: set[str]) -> set[str]:
+    """The framewire module a string names: the longest known prefix of the dotted name
+    (``framewire.service.LocalEncoder`` names framewire.service)."""
+    found = NAMED.match(text)
+    if found is None:
+        return set()
+    parts = found.group(0).split(".")
+    for end in range(len(parts), 1, -1):
+        if ".".join(parts[:end]) in known:
+            return {".".join(parts[:end])}
+    return set()
+
+
+def imports_of(module: str, path: Path, known: set[str], *, children: bool = False) -> set[str]:
+    """The framewire modules ``module`` imports, anywhere in its source, or looks up by
+    name: a string naming one counts as an import of it. ``children``: also the modules
+    its child processes run (``-m``): no import in this process, so no cycle, but a
+    dependency all the same (the layer rule counts them)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
+    tree = ast.parse(path.read_text())
+    skipped = prose_and_loggers(tree) | (set() if children else children_run(tree))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if id(node) not in skipped:
+                found.update(named_modules(node.value, known))
+        elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -88,9 +141,9 @@ def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
     return {m for m in found if m in known and m != module}
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(*, children: bool = False) -> dict[str, set[str]]:
     mods = modules()
-    return {m: imports_of(m, p, set(mods)) for m, p in mods.items()}
+    return {m: imports_of(m, p, set(mods), children=children) for m, p in mods.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -197,7 +250,7 @@ def test_no_import_cycles_between_packages():
 def test_each_layer_imports_only_those_below_and_only_their_public_modules():
     """core <- client <- service: the client never imports the service, the core neither,
     and no layer reaches into another's _private modules."""
-    assert layer_violations(import_graph()) == []
+    assert layer_violations(import_graph(children=True)) == []
 
 
 def documented_order() -> list[set[str]]:
@@ -240,6 +293,44 @@ def test_the_cycle_check_sees_cycles(tmp_path):
         "framewire.client.b": {"framewire.client.a"},
     }
     assert cycles(graph) == [["framewire.client.a", "framewire.client.b"]]
+
+
+def test_the_import_checks_see_names_looked_up(tmp_path):
+    """A module named in a string is an import of it (a lookup by name hides no arrow);
+    a logger's name or a docstring is not; a child's ``-m`` counts for the layers alone."""
+    (tmp_path / "a.py").write_text(
+        '"""Prose naming framewire.service is no import."""\n'
+        "import importlib, logging\n"
+        'log = logging.getLogger("framewire.client")\n'
+        'encoder = importlib.import_module("framewire.service").LocalEncoder\n'
+        'point = "framewire.service._local:LocalEncoder"\n'
+        'child = [python, "-m", "framewire.service._cli"]\n'
+    )
+    known = {"framewire.client", "framewire.service", "framewire.service._local",
+             "framewire.service._cli", "framewire.core.a"}  # fmt: skip
+    path = tmp_path / "a.py"
+    assert imports_of("framewire.core.a", path, known) == {
+        "framewire.service", "framewire.service._local"
+    }  # fmt: skip
+    assert imports_of("framewire.core.a", path, known, children=True) == {
+        "framewire.service", "framewire.service._local", "framewire.service._cli"
+    }  # fmt: skip
+
+
+def test_the_local_encoder_seam_is_the_services_to_fill():
+    """The client's local fallback finds the service's encoder through the core's seam
+    (an entry point), so no module of the client or the core names the service."""
+    import tomllib
+
+    from framewire.core.local import GROUP, local_encoder
+    from framewire.service import LocalEncoder
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert declared[GROUP] == {"service": "framewire.service._local:LocalEncoder"}
+    assert isinstance(local_encoder(None), LocalEncoder)  # the installed metadata agrees
+    graph = import_graph(children=True)
+    named = {m: t for m, t in graph.items() if top(m) in ("framewire.core", "framewire.client")}
+    assert not {m for m, t in named.items() if any(top(n) == "framewire.service" for n in t)}
 
 
 def test_the_layer_checks_see_what_they_forbid():
@@ -439,3 +530,12 @@ def test_every_package_is_installed():
         for init in root.rglob("__init__.py")
     }
     assert found == listed
+
+
+def test_the_files_the_suite_starts_first_exist():
+    """tests/conftest.py starts the longest files first: a renamed one would silently
+    fall back to its place in collection order."""
+    from tests.conftest import LONGEST_FIRST
+
+    assert [p for p in LONGEST_FIRST if not (REPO / p).is_file()] == []
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)

@@ -67,9 +67,10 @@ class FdRegions(Closing):
 
     Safe to share between threads (one request at a time). The worker keeps an idle
     connection open, so its regions stay while a rank generates; when the connection
-    is gone (the worker restarted, or closed it), the next request connects again and
-    registers every held region again first. Closing it, or this process ending,
-    drops every region it registered.
+    is gone (the worker restarted, or closed it), :meth:`refresh` (a client looks
+    before each call) or a request that breaks on it connects again and registers
+    every held region again first. Closing it, or this process ending, drops every
+    region it registered.
     """
 
     def __init__(
@@ -117,6 +118,17 @@ class FdRegions(Closing):
             raise
         self.broken = False
 
+    def stale(self) -> bool:
+        """Whether :meth:`refresh` has work to do, seen without waiting (a poll): also
+        when a request of another thread holds the connection now, as refresh() then
+        waits its turn and looks again."""
+        if not self._lock.acquire(blocking=False):
+            return True
+        try:
+            return self.broken or self._conn.stale()
+        finally:
+            self._lock.release()
+
     def refresh(self) -> None:
         """Connect again now if the worker closed the connection (raises Unavailable
         when no worker answers there any more)."""
@@ -125,8 +137,10 @@ class FdRegions(Closing):
                 self._reconnect()
 
     def _call(self, message: dict[str, Any], fd: int | None = None) -> Any:
+        # The connection is looked at once per call of the client (refresh); a request on
+        # one the worker closed since breaks, and goes again on a new one, below.
         with self._lock:
-            if self.broken or self._conn.stale():
+            if self.broken:
                 self._reconnect()
             try:
                 return self._checked(self._conn, message, fd)

@@ -9,8 +9,10 @@ spell these commands out.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
+from typing import Protocol
 
 MACRO_BLOCK = 16
 
@@ -216,7 +218,7 @@ def live_output(output: str, fd: int, *, mapped: bool) -> list[str]:
 
 
 def pyav_argv(
-    python: str,
+    child: Sequence[str],
     *,
     width: int,
     height: int,
@@ -228,15 +230,14 @@ def pyav_argv(
     audio: tuple[int, int, int, int, int] | None = None,
 ) -> list[str]:
     """The child that encodes as vLLM-omni 0.30's PyAV writers do (``vllm-omni``
-    profile): rgb24 frames on stdin, ``output`` written by PyAV's mp4 muxer.
+    profile): rgb24 frames on stdin, ``output`` written by PyAV's mp4 muxer. ``child``:
+    the command that runs the writer (the service's, which the core does not name).
 
     ``threads=None`` is vLLM-omni's ``"0"``: x264's own count, in slices, so the
     bytes follow the machine's CPU count; pin it for the same bytes everywhere.
     ``audio``: (fd, data offset, samples, channels, sample_rate) of float32 samples.
     """
-    # -P: the working directory does not go first on sys.path, so no module planted
-    # there (an av.py in /tmp) runs as the caller of this argv.
-    argv = [python, "-P", "-m", "framewire.service._encode.pyav_writer"]
+    argv = list(child)
     argv += ["--size", f"{width}x{height}", "--rate", rate_arg("vllm-omni", fps)]
     argv += ["--crf", str(crf_for("vllm-omni", quality))]
     if preset is not None:
@@ -248,31 +249,42 @@ def pyav_argv(
     return argv
 
 
+class Decode(Protocol):
+    """What a reference decode asks: a ``core.wire.DecodeRequest``, by the fields read
+    here (the wire models import this module, not the other way round)."""
+
+    path: str
+    fps: float
+    width: int
+    height: int
+    start: float
+    max_frames: int | None
+
+
 def decode_argv(
     ffmpeg: str,
+    decode: Decode,
     *,
-    path: str | os.PathLike[str],
-    fps: float,
-    width: int,
-    height: int,
-    start: float = 0.0,
-    max_frames: int | None = None,
+    path: str | os.PathLike[str] | None = None,
     out_fd: int = 1,
     guard: bool = True,
 ) -> list[str]:
     """The reference-decode command of docs/byte-exactness.md, writing rgb24 to ``pipe:{out_fd}``.
 
-    ``guard`` adds the input's protocol and demuxer whitelist (the worker and the
-    local fallback always do: the same command either way).
+    ``path``: where ffmpeg opens the file, when not at ``decode.path`` (a descriptor's
+    /proc path). ``guard`` adds the input's protocol and demuxer whitelist (the worker
+    and the local fallback always do: the same command either way).
     """
     argv = [ffmpeg, "-v", "error"]
-    if start > 0:
-        argv += ["-ss", f"{start:.9g}"]
+    if decode.start > 0:
+        argv += ["-ss", f"{decode.start:.9g}"]
     if guard:
         argv += VIDEO_FILE_GUARD
-    argv += ["-i", os.fspath(Path(path)), "-map", "0:v:0", "-an"]
-    argv += ["-vf", f"fps={fps:g},scale={width}:{height}:flags=lanczos,setsar=1"]
-    if max_frames is not None:
-        argv += ["-frames:v", str(max_frames)]
+    source = decode.path if path is None else path
+    argv += ["-i", os.fspath(Path(source)), "-map", "0:v:0", "-an"]
+    scale = f"scale={decode.width}:{decode.height}:flags=lanczos,setsar=1"
+    argv += ["-vf", f"fps={decode.fps:g},{scale}"]
+    if decode.max_frames is not None:
+        argv += ["-frames:v", str(decode.max_frames)]
     argv += ["-f", "rawvideo", "-pix_fmt", "rgb24", f"pipe:{out_fd}"]
     return argv

@@ -2,130 +2,40 @@
 
 The worker validates requests with these models and the client builds them, so
 the two sides cannot drift. This is the whole set, with the helpers both sides
-validate with; ``framewire.client.wire`` is the part a user sees. Nothing here
-imports torch. The formats themselves are described in docs/api.md.
+validate with; ``framewire.client.wire`` is the part a user sees
+(:mod:`framewire.core.wire.public`). Nothing here imports torch. The formats
+themselves are described in docs/api.md.
 """
 
-from framewire.core.wire._audio import (
-    MAX_CHANNELS,
-    MAX_SAMPLE_RATE,
-    MIN_SAMPLE_RATE,
-    AudioDType,
-    AudioSource,
-    RegionAudio,
-    ShmAudio,
-)
-from framewire.core.wire._fdsocket import (
-    REGION_NAME,
-    DecodeRequest,
-    FdRegister,
-    FdReply,
-    FdTake,
-    FdUnregister,
-)
-from framewire.core.wire._messages import (
-    AudioInfo,
-    EncodeOptions,
-    EncodeRequest,
-    EncodeResponse,
-    ErrorInfo,
-    MediaInfo,
-    OutputResult,
-    OutputSpec,
-    ProbeRequest,
-    ProbeResponse,
-    Profile,
-    RawHandle,
-    RegisterCudaRegion,
-    RegisterSystemRegion,
-    Timings,
-    error_code,
-    profile_misfit,
-    refusal,
-)
+from framewire.core.wire._fdsocket import REGION_NAME, FdTake
+from framewire.core.wire._messages import error_code, profile_misfit, refusal
 from framewire.core.wire._sources import (
     IPC_HANDLE_BYTES,
-    MAX_FPS,
-    MAX_FRAMES,
     MAX_HANDLE_BYTES,
-    MAX_SIDE,
-    MIN_FPS,
-    CudaIpcSource,
-    DType,
     Flag,
     Int,
-    Layout,
     Number,
-    RegionSource,
-    ShmSource,
-    Source,
     WireModel,
     contiguous_strides,
     normalize_uuid,
 )
-from framewire.core.wire._streams import (
-    StreamChunk,
-    StreamChunkAck,
-    StreamOpen,
-    StreamOpened,
-    StreamState,
-    StreamStateName,
-)
+from framewire.core.wire._streams import StreamStateName
+from framewire.core.wire.public import *  # noqa: F403
+from framewire.core.wire.public import __all__ as __all__
 
-__all__ = [
+__all__ += (
     "IPC_HANDLE_BYTES",
-    "MAX_CHANNELS",
-    "MAX_FPS",
-    "MAX_FRAMES",
     "MAX_HANDLE_BYTES",
-    "MAX_SAMPLE_RATE",
-    "MAX_SIDE",
-    "MIN_FPS",
-    "MIN_SAMPLE_RATE",
     "REGION_NAME",
-    "AudioDType",
-    "AudioInfo",
-    "AudioSource",
-    "CudaIpcSource",
-    "DType",
-    "DecodeRequest",
-    "EncodeOptions",
-    "EncodeRequest",
-    "EncodeResponse",
-    "ErrorInfo",
-    "FdRegister",
-    "FdReply",
     "FdTake",
-    "FdUnregister",
     "Flag",
     "Int",
-    "Layout",
-    "MediaInfo",
     "Number",
-    "OutputResult",
-    "OutputSpec",
-    "ProbeRequest",
-    "ProbeResponse",
-    "Profile",
-    "RawHandle",
-    "RegionAudio",
-    "RegionSource",
-    "RegisterCudaRegion",
-    "RegisterSystemRegion",
-    "ShmAudio",
-    "ShmSource",
-    "Source",
-    "StreamChunk",
-    "StreamChunkAck",
-    "StreamOpen",
-    "StreamOpened",
-    "StreamState",
     "StreamStateName",
-    "Timings",
     "WireModel",
     "contiguous_strides",
     "error_code",
     "normalize_uuid",
     "profile_misfit",
     "refusal",
-]
+)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from framewire.core.wire._sources import Int, RegionName, ShmKey, WireModel, _kind_required
+from framewire.core.wire._sources import InRegion, InShm, Int, WireModel, _kind_required
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -78,18 +78,12 @@ class _AudioFields(WireModel):
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-class ShmAudio(_AudioFields):
+class ShmAudio(InShm, _AudioFields):
     """Samples in a POSIX shared-memory segment."""
 
-    kind: Literal["shm"] = "shm"
-    key: ShmKey
 
-
-class RegionAudio(_AudioFields):
+class RegionAudio(InRegion, _AudioFields):
     """Samples in a registered region (one registered over the fd socket too)."""
-
-    kind: Literal["region"] = "region"
-    region: RegionName
 
 
 AudioSource = Annotated[ShmAudio | RegionAudio, Field(discriminator="kind")]

@@ -77,6 +77,22 @@ def _kind_required(schema: dict[str, Any]) -> None:
         required.insert(0, "kind")
 
 
+# Where a source's bytes are, for frames and audio alike. First among a source's bases, so
+# that these fields come after the others, as the wire has them.
+class InShm(WireModel):
+    """Bytes in a POSIX shared-memory segment, named by its key."""
+
+    kind: Literal["shm"] = "shm"
+    key: ShmKey
+
+
+class InRegion(WireModel):
+    """Bytes in a region of the shared-memory registry, by its name."""
+
+    kind: Literal["region"] = "region"
+    region: RegionName
+
+
 class _TensorFields(WireModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra=_kind_required)
 
@@ -133,18 +149,12 @@ class _HostBytes(_TensorFields):
         return self
 
 
-class ShmSource(_HostBytes):
+class ShmSource(InShm, _HostBytes):
     """A POSIX shared-memory segment, opened read-only by the worker."""
 
-    kind: Literal["shm"] = "shm"
-    key: ShmKey
 
-
-class RegionSource(_HostBytes):
+class RegionSource(InRegion, _HostBytes):
     """Bytes inside a region registered with /v2/systemsharedmemory."""
-
-    kind: Literal["region"] = "region"
-    region: RegionName
 
 
 IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t

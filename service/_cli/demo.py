@@ -40,17 +40,19 @@ RANK_WAIT_S = 120.0
 
 @dataclass(frozen=True)
 class DemoOptions:
+    """What ``framewire demo`` was asked for: its flags, whose defaults are the parser's."""
+
     url: str
-    token: str | None = None
-    fd_socket: str | None = None
-    inputs: Path | None = None
-    frames: int = 48
-    width: int = 256
-    height: int = 256
-    ranks: int = 4
+    token: str | None
+    fd_socket: str | None  # None: the worker's, from /v1/info
+    inputs: Path | None  # None: the worker's first input root
+    frames: int
+    width: int
+    height: int
+    ranks: int
+    chunk: int  # frames per streamed chunk
+    wait: float | None  # seconds to wait for the worker at url; None: start one
     fps: float = 24.0
-    chunk: int = 8  # frames per streamed chunk
-    wait: float | None = None  # seconds to wait for the worker at url; None: start one
 
 
 @dataclass(frozen=True)

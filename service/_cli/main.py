@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -70,20 +71,10 @@ def _size(text: str) -> tuple[int, int]:
 def cmd_demo(args: argparse.Namespace) -> int:
     from framewire.service._cli.demo import DemoOptions, run_demo
 
+    # The flags are named as the options are, but for --size (WxH).
+    flags = {f.name: getattr(args, f.name) for f in fields(DemoOptions) if hasattr(args, f.name)}
     width, height = args.size
-    options = DemoOptions(
-        url=args.url,
-        token=args.token,
-        fd_socket=args.fd_socket,
-        inputs=args.inputs,
-        frames=args.frames,
-        width=width,
-        height=height,
-        ranks=args.ranks,
-        chunk=args.chunk,
-        wait=args.wait,
-    )
-    return run_demo(options)
+    return run_demo(DemoOptions(**flags, width=width, height=height))
 
 
 def build_parser() -> argparse.ArgumentParser:

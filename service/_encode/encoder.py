@@ -52,6 +52,9 @@ if TYPE_CHECKING:
     from framewire.service._settings import Settings
 
 Route = Literal["stream", "fallback", "local"]  # local: in the client's process, no worker
+# The vllm-omni profile's encoder. -P: the working directory does not go first on
+# sys.path, so no module planted there (an av.py in /tmp) runs as this child.
+PYAV_CHILD = (sys.executable, "-P", "-m", "framewire.service._encode.pyav_writer")
 
 
 @dataclass
@@ -93,13 +96,8 @@ class Encoder:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Encoder:
-        return cls(
-            settings.ffmpeg,
-            chunk_bytes=settings.chunk_bytes,
-            fallback=settings.fallback,
-            stall_s=settings.stall_timeout_s,
-            encoders=settings.encoders,
-        )
+        named = settings.model_dump(include={"chunk_bytes", "fallback", "encoders"})
+        return cls(settings.ffmpeg, stall_s=settings.stall_timeout_s, **named)
 
     def threads_for(self, height: int, params: EncodeParams) -> int:
         return params.threads or x264_auto_threads(height)
@@ -247,7 +245,7 @@ class Encoder:
             # (x264's own slice-thread count). The frame-thread count the other routes
             # pass (x264_auto_threads, for the scheduler too) would give other bytes.
             return pyav_argv(
-                sys.executable,
+                PYAV_CHILD,
                 **common,  # type: ignore[arg-type]
                 threads=params.threads,
                 audio=audio.pyav_spec() if isinstance(audio, MemoryAudio) else None,
@@ -297,8 +295,8 @@ class Encoder:
         source: FrameSource,
         temp: TempOutput,
         params: EncodeParams,
-        check: Callable[[], None] = lambda: None,
-        progress: Progress | None = None,
+        check: Callable[[], None],
+        progress: Progress | None,
     ) -> None:
         """The in-process path: the whole clip as uint8, piped into imageio-ffmpeg's argv.
 

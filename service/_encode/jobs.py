@@ -19,15 +19,8 @@ from collections.abc import Awaitable, Callable
 
 from framewire.core.errors import BadRequest, Cancelled, FramewireError, Unavailable
 from framewire.core.media.process import FULL, kill_running
-from framewire.core.wire import (
-    EncodeRequest,
-    ErrorInfo,
-    OutputResult,
-)
-from framewire.service._access.paths import (
-    keep_made,
-    remove_made,
-)
+from framewire.core.wire import EncodeRequest, ErrorInfo, OutputResult
+from framewire.service._access.paths import keep_made, remove_made
 from framewire.service._access.peers import TRUSTED, Access
 from framewire.service._encode.prepare import Prepared
 from framewire.service._encode.resources import EncodeResources
@@ -51,10 +44,6 @@ class EncodeJobs:
     def __init__(self, settings: Settings, resources: EncodeResources, metrics: Metrics):
         self.settings = settings
         self.resources = resources
-        self.encoder = resources.encoder
-        self.scheduler = resources.scheduler
-        self.prepare = resources.prepare
-        self.uploads = resources.uploads
         self.metrics = metrics
         self.draining = False  # a shutdown began: no new encodes
         self._cancels: set[threading.Event] = set()  # one per request in flight
@@ -64,7 +53,7 @@ class EncodeJobs:
         started = time.time()
         g = job.source.geometry
         check = check_for(g.frames, g, job.params, validate)
-        encoded = self.encoder.encode(
+        encoded = self.resources.encoder.encode(
             job.source,
             job.path,
             job.params,
@@ -116,15 +105,18 @@ class EncodeJobs:
             async with contextlib.AsyncExitStack() as stack:
                 # Every output is judged before any directory is made: a refused
                 # request leaves nothing behind.
-                jobs = [await self.prepare.judge(spec, access, stack) for spec in request.outputs]
+                prepare = self.resources.prepare
+                jobs = [await prepare.judge(spec, access, stack) for spec in request.outputs]
                 if len({j.path for j in jobs}) != len(jobs):
                     raise BadRequest("two outputs resolve to the same file", code="duplicate_path")
                 small = sum(self._small(job) for job in jobs)
                 # Counted as waiting from here on, its directories' wait included.
-                admission = self.scheduler.admit(len(jobs) - small, small, access.share_key)
+                admission = self.resources.scheduler.admit(
+                    len(jobs) - small, small, access.share_key
+                )
                 stack.callback(admission.close)
                 for job in jobs:
-                    await self.prepare.place(job, access, stack)
+                    await prepare.place(job, access, stack)
                 _, outcomes = await self._encode_all(
                     request, jobs, is_disconnected, cancel, me, admission
                 )
@@ -182,7 +174,7 @@ class EncodeJobs:
             # The CPU slots are free again: the upload waits on the network.
             try:
                 presign_s = job.spec.presign_s
-                result = await self.uploads.deliver(
+                result = await self.resources.uploads.deliver(
                     result, job.directory, job.path.name, job.url, presign_s, cancel
                 )
             except Cancelled:
@@ -213,15 +205,16 @@ class EncodeJobs:
         self, job: Prepared, validate: bool, cancel: threading.Event, admission: Admission
     ) -> tuple[int, OutputResult]:
         """The output encoded while it holds its CPU slots (and GPU bytes)."""
-        threads = self.encoder.threads_for(job.source.geometry.height, job.params)
-        gpu = self.encoder.gpu_bytes(job.source)  # conversion temporaries on its GPU
+        encoder = self.resources.encoder
+        threads = encoder.threads_for(job.source.geometry.height, job.params)
+        gpu = encoder.gpu_bytes(job.source)  # conversion temporaries on its GPU
         self.metrics.queue_waiting.inc()
         queued = True
         try:
             small = self._small(job)
             if small:  # a few ms of x264: it goes first, as the event loop does
                 job.params = dataclasses.replace(job.params, priority=FULL)
-            async with self.scheduler.hold(
+            async with self.resources.scheduler.hold(
                 threads, gpu, job.source.gpu_index, small=small, admission=admission
             ) as waited:
                 self.metrics.queue_waiting.dec()

@@ -96,25 +96,20 @@ class OutputClaims:
         stack.callback(self._held.discard, key)
 
 
+@dataclass(eq=False)
 class Preparer:
     """Turns an output spec into a :class:`Prepared` job: judged, opened, placed."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        regions: RegionRegistry,
-        uploads: Uploads,
-        encoders: Encoders,
-        cuda: CudaRuntime | None = None,
-    ):
-        self.settings = settings
-        self.encoders = encoders  # which binary a request's encoder identity names
-        self.regions = regions
-        self.uploads = uploads
-        self.cuda = cuda  # None: no usable GPU, cuda_ipc sources are refused
-        self.claims = OutputClaims()
-        budget = settings.audio_budget_bytes
-        self.audio = AudioStore(budget, settings.per_user(budget))
+    settings: Settings
+    regions: RegionRegistry
+    uploads: Uploads
+    encoders: Encoders  # which binary a request's encoder identity names
+    cuda: CudaRuntime | None = None  # None: no usable GPU, cuda_ipc sources are refused
+    claims: OutputClaims = field(default_factory=OutputClaims, init=False)
+
+    def __post_init__(self) -> None:
+        budget = self.settings.audio_budget_bytes
+        self.audio = AudioStore(budget, self.settings.per_user(budget))
 
     async def judge(
         self, spec: OutputSpec, access: Access, stack: contextlib.AsyncExitStack

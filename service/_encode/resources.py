@@ -7,41 +7,33 @@ import asyncio
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, TypeVar
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from framewire.core.errors import Unavailable
 from framewire.service._encode.encoder import Encoder
 from framewire.service._encode.prepare import Preparer
 from framewire.service._encode.scheduler import Scheduler
 from framewire.service._ops.threads import in_thread
-from framewire.service._settings import Settings
-from framewire.service._sources.regions import RegionRegistry
 from framewire.service._store.uploads import Uploads
-
-if TYPE_CHECKING:
-    from framewire.service._sources.cuda_ipc import CudaRuntime
 
 T = TypeVar("T")
 
 
+@dataclass(eq=False)
 class EncodeResources:
-    def __init__(
-        self,
-        settings: Settings,
-        encoder: Encoder,
-        regions: RegionRegistry,
-        scheduler: Scheduler,
-        cuda: CudaRuntime | None = None,
-    ):
-        self.encoder = encoder
-        self.scheduler = scheduler
-        self.uploads = Uploads(settings)
-        self.prepare = Preparer(settings, regions, self.uploads, encoder.encoders, cuda)
+    encoder: Encoder
+    scheduler: Scheduler
+    uploads: Uploads
+    prepare: Preparer
+    # The grace period is over: nothing new runs.
+    stopping: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
         # Every admitted encode has its thread; the scheduler, not the pool, limits them.
         self.pool = ThreadPoolExecutor(
-            max(4, settings.cpu_slots + 2), thread_name_prefix="framewire-encode"
+            max(4, self.scheduler.cpu_slots + 2), thread_name_prefix="framewire-encode"
         )
-        self.stopping = False  # the grace period is over: nothing new runs
 
     async def in_pool(self, cancel: threading.Event, fn: Callable[..., T], *args: object) -> T:
         """Run ``fn(*args)`` on the encode pool. If this task is cancelled, ``cancel`` is set

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,23 +82,18 @@ class _Connection:
         self.regions: dict[str, FdRegion] = {}
 
 
+@dataclass(eq=False)
 class FdServer:
-    def __init__(
-        self,
-        settings: Settings,
-        decoder: ReferenceDecoder,
-        regions: RegionRegistry,
-        metrics: Metrics,
-        instance: str,
-        handoffs: Handoffs | None = None,
-    ):
-        self.settings = settings
-        self.handoffs = handoffs or Handoffs()  # memory:// outputs waiting to be taken
-        self.decoder = decoder
-        self.regions = regions
-        self.metrics = metrics
-        self.instance = instance
-        self.path = Path(settings.fd_socket)
+    settings: Settings
+    decoder: ReferenceDecoder
+    regions: RegionRegistry
+    metrics: Metrics
+    instance: str
+    # memory:// outputs waiting to be taken.
+    handoffs: Handoffs = field(default_factory=Handoffs)
+
+    def __post_init__(self) -> None:
+        self.path = Path(self.settings.fd_socket)
         self._listener: UnixListener | None = None
         self._owns_listener = False
         self._accepting: asyncio.Task[None] | None = None

@@ -10,8 +10,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from framewire.core.errors import FramewireError, host_error
 from framewire.core.wire import refusal
+from framewire.service._ops.asgi import HttpMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 log = logging.getLogger("framewire.http")
 
@@ -52,20 +53,14 @@ def unexpected_response(path: str, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body("internal", f"internal error: {type(exc).__name__}"), 500)
 
 
-class Unexpected:
+class Unexpected(HttpMiddleware):
     """Answers an unexpected error and keeps the connection: Starlette's outermost handler
     (``exception_handler(Exception)``) answers too, but then raises the error on to the
     server, and uvicorn closes a connection whose application raised: the client's next
     request on that keep-alive connection failed. Raised again only when the response
     had begun: half an answer can only be ended by closing the connection."""
 
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def watched(message: Message) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from fastapi.responses import JSONResponse
 from framewire.service._http.errors import error_body
+from framewire.service._ops.asgi import HttpMiddleware
 from framewire.service._ops.metrics import Metrics
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -23,17 +24,14 @@ INSTANCE_HEADER = "framewire-instance"
 OPEN_ROUTES = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 
 
-class RequestCounter:
+class RequestCounter(HttpMiddleware):
     """Counts requests by route template and status."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics):
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         status = 500
 
         async def send_wrapper(message: Message) -> None:
@@ -49,20 +47,16 @@ class RequestCounter:
             self.metrics.requests.labels(route, str(status)).inc()
 
 
-class InstanceHeader:
+class InstanceHeader(HttpMiddleware):
     """Names the worker process on every answer (``framewire-instance``, as ``/v1/info``
     does): a long-lived client tells a restarted worker from the one it opened a stream
     session with by the first answer it gets, without asking."""
 
     def __init__(self, app: ASGIApp, instance: str):
-        self.app = app
+        super().__init__(app)
         self.header = (INSTANCE_HEADER.encode(), instance.encode())
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_named(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), self.header]
@@ -71,7 +65,7 @@ class InstanceHeader:
         await self.app(scope, receive, send_named)
 
 
-class BodyGuard:
+class BodyGuard(HttpMiddleware):
     """Request bodies: at most ``limit`` bytes, all of them within ``idle_s``.
 
     Over the limit is 413 ``body_too_large`` as JSON (framework limiters answer in
@@ -85,15 +79,12 @@ class BodyGuard:
     """
 
     def __init__(self, app: ASGIApp, limit: int, idle_s: float):
-        self.app = app
+        super().__init__(app)
         self.limit = limit
         self.idle_s = idle_s
         self.message = f"the request body is over {limit} bytes (FRAMEWIRE_MAX_BODY_BYTES)"
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > self.limit:
             response = JSONResponse(error_body("body_too_large", self.message), 413)
@@ -127,7 +118,7 @@ class BodyGuard:
         await self.app(scope, guarded, send)
 
 
-class BearerAuth:
+class BearerAuth(HttpMiddleware):
     """Every endpoint but ``OPEN_ROUTES`` needs ``Authorization: Bearer <token>`` when a token
     is set: the API, ``/metrics``, and the docs and schema (``/docs``, ``/openapi.json``).
     ``signed(path, query)`` lets a live view's endpoints go with a signed URL instead."""
@@ -135,12 +126,12 @@ class BearerAuth:
     def __init__(
         self, app: ASGIApp, token: str | None, signed: Callable[[str, str], bool] | None = None
     ):
-        self.app = app
+        super().__init__(app)
         self.expected = None if token is None else f"Bearer {token}".encode()
         self.signed = signed
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self.expected is None or scope["path"] in OPEN_ROUTES:
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.expected is None or scope["path"] in OPEN_ROUTES:
             await self.app(scope, receive, send)
             return
         given = Headers(scope=scope).get("authorization", "").encode("latin-1", "replace")

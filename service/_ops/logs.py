@@ -15,7 +15,8 @@ import secrets
 from contextvars import ContextVar
 from datetime import UTC, datetime
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from framewire.service._ops.asgi import HttpMiddleware
+from starlette.types import Message, Receive, Scope, Send
 
 HEADER = "x-request-id"
 request_id: ContextVar[str | None] = ContextVar("framewire_request_id", default=None)
@@ -110,16 +111,10 @@ def configure_logging(fmt: str, level: int) -> None:
     logging.captureWarnings(True)  # library warnings in the same format, not raw on stderr
 
 
-class RequestIds:
+class RequestIds(HttpMiddleware):
     """Plain ASGI: picks the request's id, exposes it to logging, echoes it in the response."""
 
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = next(
             (v.decode("latin-1") for k, v in scope["headers"] if k == HEADER.encode()), None
         )

@@ -35,6 +35,7 @@ import logging
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -59,11 +60,6 @@ def _b64(digest: bytes) -> str:
     return base64.b64encode(digest).decode()
 
 
-def _check(cancel: threading.Event, url: ObjectUrl) -> None:
-    if cancel.is_set():
-        raise Cancelled(f"the upload to {url} was stopped")
-
-
 def _changed() -> StoreError:
     return StoreError(
         "the spooled file is not what was encoded; nothing was stored", code="upload_failed"
@@ -79,6 +75,26 @@ def _field(answer: dict[str, Any], name: str, op: str) -> str:
             f"the object store answered {op} without its {name}", code="store_bad_answer"
         )
     return value
+
+
+@dataclass(frozen=True)
+class _Upload:
+    """One upload: the ``size`` bytes of ``fd``, which must hash to ``sha256`` (hex), to
+    ``url`` through ``client``; ``cancel`` set stops it."""
+
+    client: Any
+    fd: int
+    size: int
+    sha256: str
+    url: OwnedUrl
+    cancel: threading.Event
+
+    def check(self) -> None:
+        if self.cancel.is_set():
+            raise Cancelled(f"the upload to {self.url} was stopped")
+
+    def content_type(self) -> dict[str, str]:
+        return {"ContentType": CONTENT_TYPES.get(self.url.suffix, "application/octet-stream")}
 
 
 @dataclass(frozen=True)
@@ -172,86 +188,59 @@ class S3Store:
         ``cancel`` set stops it (``Cancelled``), also in the middle of a request: nothing
         is left stored (the abort and delete that ensure it are not stopped, only
         bounded)."""
-        client = self.client()
-        kind = {"ContentType": CONTENT_TYPES.get(url.suffix, "application/octet-stream")}
-        if size < self.part_bytes:
-            return self._put(client, fd, size, sha256, url, kind, cancel)
-        return self._multipart(client, fd, size, sha256, url, kind, cancel)
+        up = _Upload(self.client(), fd, size, sha256, url, cancel)
+        return self._put(up) if size < self.part_bytes else self._multipart(up)
 
     def _failed(self, exc: Exception, op: str) -> FramewireError:
         """What a failed request of this thread is answered with."""
         return store_error(exc, op, late=self._deadlines.timed_out())
 
-    def _put(
-        self,
-        client: Any,
-        fd: int,
-        size: int,
-        sha256: str,
-        url: OwnedUrl,
-        kind: dict[str, str],
-        cancel: threading.Event,
-    ) -> Uploaded:
-        _check(cancel, url)
-        body = os.pread(fd, size, 0)  # below the part size: bounded
-        if len(body) != size or hashlib.sha256(body).hexdigest() != sha256:
-            raise _changed()
-        want = _b64(bytes.fromhex(sha256))
+    def _request(self, up: _Upload, op: str, call: Callable[..., Any], **params: Any) -> Any:
+        """``call``, the client's method for ``op``, on ``up``'s object: bounded by the
+        deadlines and cut when ``up`` is stopped; a failure is answered as ``op``'s."""
         try:
-            with self._deadlines.stopped_by(cancel):
-                answer = client.put_object(
-                    Bucket=url.bucket,
-                    Key=url.key,
-                    Body=body,
-                    ChecksumSHA256=want,
-                    Metadata={OWNER_META: url.owner},
-                    **_over(url),
-                    **kind,
-                )
+            with self._deadlines.stopped_by(up.cancel):
+                return call(Bucket=up.url.bucket, Key=up.url.key, **params)
         except Exception as exc:
-            raise self._failed(exc, "PutObject") from None
-        self._verify(client, url, answer, want, hashlib.md5(body).hexdigest())
+            raise self._failed(exc, op) from None
+
+    def _put(self, up: _Upload) -> Uploaded:
+        up.check()
+        body = os.pread(up.fd, up.size, 0)  # below the part size: bounded
+        if len(body) != up.size or hashlib.sha256(body).hexdigest() != up.sha256:
+            raise _changed()
+        want = _b64(bytes.fromhex(up.sha256))
+        answer = self._request(
+            up,
+            "PutObject",
+            up.client.put_object,
+            Body=body,
+            ChecksumSHA256=want,
+            Metadata={OWNER_META: up.url.owner},
+            **_over(up.url),
+            **up.content_type(),
+        )
+        self._verify(up.client, up.url, answer, want, hashlib.md5(body).hexdigest())
         return Uploaded(0, want)
 
-    def _multipart(
-        self,
-        client: Any,
-        fd: int,
-        size: int,
-        sha256: str,
-        url: OwnedUrl,
-        kind: dict[str, str],
-        cancel: threading.Event,
-    ) -> Uploaded:
-        _check(cancel, url)
-        try:
-            with self._deadlines.stopped_by(cancel):
-                started = client.create_multipart_upload(
-                    Bucket=url.bucket,
-                    Key=url.key,
-                    ChecksumAlgorithm="SHA256",
-                    Metadata={OWNER_META: url.owner},
-                    **kind,
-                )
-        except Exception as exc:
-            raise self._failed(exc, "CreateMultipartUpload") from None
+    def _multipart(self, up: _Upload) -> Uploaded:
+        up.check()
+        started = self._request(
+            up,
+            "CreateMultipartUpload",
+            up.client.create_multipart_upload,
+            ChecksumAlgorithm="SHA256",
+            Metadata={OWNER_META: up.url.owner},
+            **up.content_type(),
+        )
         upload_id = _field(started, "UploadId", "CreateMultipartUpload")
         try:
-            return self._parts_of(client, fd, size, sha256, url, upload_id, cancel)
+            return self._parts_of(up, upload_id)
         except BaseException:
-            self._abort(client, url, upload_id)
+            self._abort(up.client, up.url, upload_id)
             raise
 
-    def _parts_of(
-        self,
-        client: Any,
-        fd: int,
-        size: int,
-        sha256: str,
-        url: OwnedUrl,
-        upload_id: str,
-        cancel: threading.Event,
-    ) -> Uploaded:
+    def _parts_of(self, up: _Upload, upload_id: str) -> Uploaded:
         Part = tuple[dict[str, Any], bytes, bytes]  # (what Complete lists, sha256, md5)
         parts: list[Part] = []
         pending: deque[Future[Part]] = deque()
@@ -260,28 +249,25 @@ class S3Store:
         def send(number: int, body: bytes) -> Part:
             # Hashed on the part's own thread: hashlib lets go of the GIL, parts hash at once.
             sha, md5 = hashlib.sha256(body).digest(), hashlib.md5(body).digest()
-            try:
-                with self._deadlines.stopped_by(cancel):  # on this part's own thread
-                    answer = client.upload_part(
-                        Bucket=url.bucket,
-                        Key=url.key,
-                        UploadId=upload_id,
-                        PartNumber=number,
-                        Body=body,
-                        ChecksumSHA256=_b64(sha),
-                    )
-            except Exception as exc:
-                raise self._failed(exc, "UploadPart") from None
+            answer = self._request(  # its deadline kept on this part's own thread
+                up,
+                "UploadPart",
+                up.client.upload_part,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=body,
+                ChecksumSHA256=_b64(sha),
+            )
             etag = _field(answer, "ETag", "UploadPart")
             entry = {"PartNumber": number, "ETag": etag, "ChecksumSHA256": _b64(sha)}
             return entry, sha, md5
 
         try:
-            for number, at in enumerate(range(0, size, self.part_bytes), start=1):
-                _check(cancel, url)
+            for number, at in enumerate(range(0, up.size, self.part_bytes), start=1):
+                up.check()
                 while len(pending) >= PARTS_IN_FLIGHT:
                     parts.append(pending.popleft().result())
-                body = os.pread(fd, min(self.part_bytes, size - at), at)
+                body = os.pread(up.fd, min(self.part_bytes, up.size - at), at)
                 if not body:
                     raise _changed()
                 whole.update(body)
@@ -295,24 +281,21 @@ class S3Store:
             for future in pending:
                 if not future.cancelled():
                     future.exception()  # wait: no part may land after the abort
-        _check(cancel, url)
-        if whole.hexdigest() != sha256:
+        up.check()
+        if whole.hexdigest() != up.sha256:
             raise _changed()  # the caller aborts: no object
-        try:
-            with self._deadlines.stopped_by(cancel):
-                answer = client.complete_multipart_upload(
-                    Bucket=url.bucket,
-                    Key=url.key,
-                    UploadId=upload_id,
-                    MultipartUpload={"Parts": [entry for entry, _, _ in parts]},
-                    **_over(url),
-                )
-        except Exception as exc:
-            raise self._failed(exc, "CompleteMultipartUpload") from None
+        answer = self._request(
+            up,
+            "CompleteMultipartUpload",
+            up.client.complete_multipart_upload,
+            UploadId=upload_id,
+            MultipartUpload={"Parts": [entry for entry, _, _ in parts]},
+            **_over(up.url),
+        )
         n = len(parts)
         want = f"{_b64(hashlib.sha256(b''.join(sha for _, sha, _ in parts)).digest())}-{n}"
         etag = f"{hashlib.md5(b''.join(md5 for _, _, md5 in parts)).hexdigest()}-{n}"
-        self._verify(client, url, answer, want, etag)
+        self._verify(up.client, up.url, answer, want, etag)
         return Uploaded(n, want)
 
     def _verify(

@@ -33,6 +33,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import InitVar, dataclass
 from fractions import Fraction
 
 from framewire.core.errors import BadRequest, Conflict, Overloaded
@@ -136,23 +137,19 @@ class ViewerSlots:
         self.taken -= 1
 
 
+@dataclass(eq=False)
 class LiveFeed:
     """One session's live view: the pipe from ffmpeg, what it said so far, its viewers."""
 
-    def __init__(
-        self,
-        stream_id: str,
-        metrics: Metrics,
-        slots: ViewerSlots,
-        grace_s: float,
-        rate: Fraction,
-        history_bytes: int | None = None,
-    ):
-        self.stream_id = stream_id
+    stream_id: str
+    metrics: Metrics
+    slots: ViewerSlots
+    grace_s: float  # for viewers to take the rest once the session has ended
+    rate: InitVar[Fraction]  # the encode's frame rate
+    history_bytes: InitVar[int | None] = None
+
+    def __post_init__(self, rate: Fraction, history_bytes: int | None) -> None:
         self.timing = Timing(rate)
-        self.metrics = metrics
-        self._slots = slots
-        self._grace_s = grace_s  # for viewers to take the rest once the session has ended
         self._loop = asyncio.get_running_loop()
         self.viewers: set[Viewer] = set()
         self.hls_requests = 0  # being answered now
@@ -265,7 +262,7 @@ class LiveFeed:
                 code="too_many_viewers",
                 retry_after=5,
             )
-        self._slots.take()
+        self.slots.take()
         self.hls_requests += 1
         self.metrics.hls_in_flight.inc()
         try:
@@ -273,7 +270,7 @@ class LiveFeed:
         finally:
             self.hls_requests -= 1
             self.metrics.hls_in_flight.dec()
-            self._slots.give()
+            self.slots.give()
 
     @property
     def ended(self) -> bool:
@@ -293,7 +290,7 @@ class LiveFeed:
                 code="too_many_viewers",
                 retry_after=5,
             )
-        self._slots.take()
+        self.slots.take()
         viewer = Viewer(self.history.replay())
         self.viewers.add(viewer)
         self.metrics.live_viewers.inc()
@@ -312,7 +309,7 @@ class LiveFeed:
         """The viewer's response is over (ended, dropped, or the viewer went away)."""
         if viewer in self.viewers:
             self.viewers.discard(viewer)
-            self._slots.give()
+            self.slots.give()
             self.metrics.live_viewers.dec()
             if viewer.reason is None:
                 self.metrics.live_drops.labels("gone").inc()
@@ -338,7 +335,7 @@ class LiveFeed:
         self._changed.set()  # blocked HLS requests get the final playlist
         for viewer in self.viewers:
             viewer.end(reason)
-        self._loop.call_later(self._grace_s, self._cut_late)
+        self._loop.call_later(self.grace_s, self._cut_late)
 
     def _cut_late(self) -> None:
         """The grace after the end is over: the history is released, and what viewers

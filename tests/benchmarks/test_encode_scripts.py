@@ -5,21 +5,16 @@ See tests/support/benchruns.py for what is asserted and what is not."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.support.benchruns import assert_figures, bench
+from tests.support.benchruns import bench, bench_json
 
 
 def test_encode_benchmark(tmp_path: Path) -> None:
-    out, figures = tmp_path / "rows.json", tmp_path / "figures"
-    r = bench("encode.py", "--frames", "4", "--width", "64", "--height", "48",
-              "--json", str(out), "--figures", str(figures))  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert_figures(figures, "encode-memory.png", "encode-wall.png")
-    rows = json.loads(out.read_text())
+    r, rows = bench_json(tmp_path, "encode.py", "--frames", "4", "--width", "64", "--height", "48",
+                         figures=("encode-memory.png", "encode-wall.png"))  # fmt: skip
     assert {row["variant"] for row in rows} == {"bare ffmpeg", "imageio", "framewire"}
     assert all(row["same_bytes"] for row in rows), rows
     assert "framewire" in r.stdout

@@ -3,22 +3,18 @@ for CI; what is asserted is that it runs and every byte agrees, never its timing
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.support.benchruns import bench
+from tests.support.benchruns import bench_json
 
 pytestmark = pytest.mark.registry
 
 
 def test_engines_benchmark(tmp_path: Path) -> None:
-    out = tmp_path / "engines.json"
-    r = bench("engines.py", "--frames", "8", "--width", "96", "--height", "64", "--repeat", "1",
-              "--json", str(out), timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    results = json.loads(out.read_text())
+    r, results = bench_json(tmp_path, "engines.py", "--frames", "8", "--width", "96",
+                            "--height", "64", "--repeat", "1", timeout=600)  # fmt: skip
     assert [row["engine"] for row in results["rows"]] == ["sglang", "vllm-omni", "diffusers"]
     assert all(row["same_bytes"] for row in results["rows"])
     assert len(results["runs"]) == 6  # off and on, one run each

@@ -4,19 +4,14 @@ See tests/support/benchruns.py for what is asserted and what is not."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from tests.support.benchruns import assert_figures, bench
+from tests.support.benchruns import bench_json
 
 
 def test_node_benchmark(tmp_path: Path) -> None:
-    out, figures = tmp_path / "node.json", tmp_path / "figures"
-    r = bench("node.py", "--ranks", "2", "--frames", "8", "--width", "96", "--height", "64",
-              "--repeat", "1", "--json", str(out), "--figures", str(figures))  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert_figures(figures, "node.png")
-    results = json.loads(out.read_text())
+    r, results = bench_json(tmp_path, "node.py", "--ranks", "2", "--frames", "8", "--width", "96",
+                            "--height", "64", "--repeat", "1", figures=("node.png",))  # fmt: skip
     rows, runs = results["rows"], results["runs"]
     assert [row["path"] for row in rows] == [
         "(a) bare ffmpeg", "(b) imageio", "(c) in-process pipe", "framewire save",

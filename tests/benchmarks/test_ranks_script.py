@@ -3,19 +3,15 @@ lane, whose encodes never yield). See tests/support/benchruns.py for what is ass
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from tests.support.benchruns import bench
+from tests.support.benchruns import bench_json
 
 
 def test_ranks_benchmark(tmp_path: Path) -> None:
-    out = tmp_path / "ranks.json"
-    r = bench("ranks.py", "--encodes", "1", "--frames", "8", "--width", "160", "--height", "96",
-              "--step-ms", "5", "--repeat", "1", "--alone-s", "1",
-              "--settings", "yield", "no yield", "--json", str(out))  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    results = json.loads(out.read_text())
+    r, results = bench_json(tmp_path, "ranks.py", "--encodes", "1", "--frames", "8",
+                            "--width", "160", "--height", "96", "--step-ms", "5", "--repeat", "1",
+                            "--alone-s", "1", "--settings", "yield", "no yield")  # fmt: skip
     rows = {row["name"]: row for row in results["rows"]}
     # (the idle policy, the slowest to run beside busy ranks, only in the full run)
     assert list(rows) == ["alone", "yield", "no yield", "in-process"]

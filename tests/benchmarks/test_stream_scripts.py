@@ -4,21 +4,18 @@ See tests/support/benchruns.py for what is asserted and what is not."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.support.benchruns import assert_figures, bench
+from tests.support.benchruns import bench_json
 
 
 def test_stream_benchmark(tmp_path: Path) -> None:
-    out, figures = tmp_path / "stream.json", tmp_path / "figures"
-    r = bench("stream.py", "--frames", "8", "--chunk", "3", "--width", "64", "--height", "48",
-              "--repeat", "1", "--json", str(out), "--figures", str(figures))  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert_figures(figures, "stream-tail.png")
-    rows = json.loads(out.read_text())["runs"]
+    r, results = bench_json(tmp_path, "stream.py", "--frames", "8", "--chunk", "3", "--width", "64",
+                            "--height", "48", "--repeat", "1",
+                            figures=("stream-tail.png",))  # fmt: skip
+    rows = results["runs"]
     modes = sorted(row["mode"] for row in rows if row["rate"] > 0)
     assert modes == ["a", "a", "b", "b", "c", "c"]  # two rates, one run each
     assert len({row["sha256"] for row in rows}) == 1
@@ -34,12 +31,9 @@ def test_live_benchmark(tmp_path: Path) -> None:
     missing = browser_missing() or hlsjs_missing()
     if missing is not None:
         pytest.skip(f"no browser or no hls.js can be installed here: {missing}")
-    out = tmp_path / "live.json"
-    r = bench("live.py", "--frames", "40", "--sizes", "64x48", "--wall-size", "64x48",
-              "--wall-frames", "40", "--wall-runs", "1", "--wall-viewers", "2",
-              "--json", str(out))  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    results = json.loads(out.read_text())
+    r, results = bench_json(tmp_path, "live.py", "--frames", "40", "--sizes", "64x48",
+                            "--wall-size", "64x48", "--wall-frames", "40", "--wall-runs", "1",
+                            "--wall-viewers", "2")  # fmt: skip
     assert [row["player"] for row in results["rows"]] == ["floor", "mse", "hls", "hls-1.5x"]
     assert results["sha256_equal"]
     for row in results["rows"]:

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from framewire.client import AsyncClient, Client, Unavailable
+from framewire.client import AsyncClient, Client, Unavailable, VideoWriter
 from framewire.core.errors import FramewireError
 
 from tests.support.engines import diffusers_save, sglang_save
@@ -86,18 +86,33 @@ def test_one_client_lives_through_worker_restarts(workers, tmp_path, how):
     assert fd_regions(w) == []
 
 
+def half_written(fw: Client, clip: torch.Tensor, path: str) -> VideoWriter:
+    """A stream of ``clip`` opened on ``path`` with its first half written."""
+    writer = fw.open_video(path, fps=24)
+    writer.write(clip[:, : clip.shape[1] // 2])
+    return writer
+
+
+def rest_is_lost(writer: VideoWriter, clip: torch.Tensor) -> float:
+    """The second half of ``clip`` and the close fail as ``stream_lost``; the seconds that
+    took. The writer is aborted after (which must not raise)."""
+    started = time.monotonic()
+    with pytest.raises(Unavailable) as lost:
+        writer.write(clip[:, clip.shape[1] // 2 :])
+        writer.close()
+    took = time.monotonic() - started
+    assert lost.value.code == "stream_lost"
+    writer.abort()
+    return took
+
+
 def test_a_stream_whose_worker_restarted_is_lost_and_leaves_nothing(workers):
     w = workers.start(*ARGS)
     clip = make_clip(frames=8)
     with Client(w.uds_url, fd_socket=w.fd_socket) as fw:
-        writer = fw.open_video("lost/s.mp4", fps=24)
-        writer.write(clip[:, :4])
+        writer = half_written(fw, clip, "lost/s.mp4")
         w = restart(workers, w, signal.SIGKILL)
-        with pytest.raises(Unavailable) as lost:
-            writer.write(clip[:, 4:])
-            writer.close()
-        assert lost.value.code == "stream_lost"
-        writer.abort()
+        rest_is_lost(writer, clip)
         # The client still works with the new worker.
         assert fw.save_video(clip, "after.mp4", fps=24).route == "stream"
     assert not (w.outputs / "lost").exists() or list((w.outputs / "lost").iterdir()) == []
@@ -108,16 +123,10 @@ def test_a_stream_whose_worker_is_down_is_lost(workers):
     w = workers.start(*ARGS)
     clip = make_clip(frames=8)
     with Client(w.uds_url, fd_socket=w.fd_socket) as fw:
-        writer = fw.open_video("down.mp4", fps=24)
-        writer.write(clip[:, :4])
+        writer = half_written(fw, clip, "down.mp4")
         w.proc.send_signal(signal.SIGKILL)
         w.proc.wait(timeout=30)
-        started = time.monotonic()
-        with pytest.raises(Unavailable) as lost:
-            writer.write(clip[:, 4:])
-            writer.close()
-        assert lost.value.code == "stream_lost" and time.monotonic() - started < 10
-        writer.abort()
+        assert rest_is_lost(writer, clip) < 10
 
 
 # --- no worker: the local fallback --------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 
 from tests.support.media import make_clip
 from tests.support.processes import framewire_temps, gone, wait_gone
-from tests.support.requests import Request, encode_body, wait_for_ffmpeg
+from tests.support.requests import Request, encode_body, post_raw, wait_for_ffmpeg
 from tests.support.worker import Worker
 
 
@@ -33,16 +33,20 @@ def accepting(path: Path) -> bool:
     return True
 
 
+def encoding(
+    workers, segments, grace: str, frames: int, path: str, preset: str, **kw: Any
+) -> tuple[Worker, Request, set[int]]:
+    """A worker with this shutdown grace, one encode in flight on it, and that encode's
+    ffmpeg: an encode long enough (``frames``, ``preset``) to outlast what comes next."""
+    w = workers.start("--shutdown-grace", grace, "--log-format", "json", "--log-level", "info")
+    clip = make_clip(frames=frames, height=256, width=256)
+    body = encode_body(segments.source(clip), path, preset=preset)
+    request = Request(w, "POST", "/v1/videos:encode", json=body, **kw)
+    return w, request, wait_for_ffmpeg(w)
+
+
 def test_sigterm_lets_the_encode_in_flight_finish(workers, segments):
-    w = workers.start("--shutdown-grace", "30", "--log-format", "json", "--log-level", "info")
-    clip = make_clip(frames=96, height=256, width=256)
-    request = Request(
-        w,
-        "POST",
-        "/v1/videos:encode",
-        json=encode_body(segments.source(clip), "done.mp4", preset="slow"),
-    )
-    ffmpeg = wait_for_ffmpeg(w)
+    w, request, ffmpeg = encoding(workers, segments, "30", 96, "done.mp4", "slow")
     w.proc.send_signal(signal.SIGTERM)
     # New connections are refused while it drains (on both HTTP and the fd socket).
     deadline = time.monotonic() + 10
@@ -61,16 +65,10 @@ def test_sigterm_lets_the_encode_in_flight_finish(workers, segments):
 
 
 def test_sigterm_past_the_grace_period_stops_the_encode(workers, segments):
-    w = workers.start("--shutdown-grace", "0.5", "--log-format", "json", "--log-level", "info")
-    clip = make_clip(frames=240, height=256, width=256)
-    request = Request(
-        w,
-        "POST",
-        "/v1/videos:encode",
-        json=encode_body(segments.source(clip), "stopped.mp4", preset="veryslow"),
-        headers={"x-request-id": "grace-1"},
+    headers = {"x-request-id": "grace-1"}
+    w, request, ffmpeg = encoding(
+        workers, segments, "0.5", 240, "stopped.mp4", "veryslow", headers=headers
     )
-    ffmpeg = wait_for_ffmpeg(w)
     sent = time.monotonic()
     w.proc.send_signal(signal.SIGTERM)
     response = request.result()
@@ -110,14 +108,8 @@ def test_ffmpeg_failures_are_logged_with_the_request_id(workers, segments):
 def test_start_after_sigkill_removes_the_stale_temp_files(workers, segments):
     w = workers.start()
     clip = make_clip(frames=240, height=256, width=256)
-    body = json.dumps(encode_body(segments.source(clip), "killed.mp4", preset="veryslow")).encode()
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.connect(str(w.uds))
-        sock.sendall(
-            b"POST /v1/videos:encode HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            + f"content-length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+    body = encode_body(segments.source(clip), "killed.mp4", preset="veryslow")
+    with post_raw(w.uds, body):
         ffmpeg = wait_for_ffmpeg(w)
         deadline = time.monotonic() + 10
         while not (stale := framewire_temps(w.outputs)):

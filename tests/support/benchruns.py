@@ -9,10 +9,12 @@ side by side.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests.support import REPO
 
@@ -26,6 +28,20 @@ def bench(script: str, *args: str, timeout: float = 240) -> subprocess.Completed
         cwd=REPO,
         env=os.environ | {"PYTHONUNBUFFERED": "1"},
     )
+
+
+def bench_json(
+    tmp_path: Path, script: str, *args: str, figures: tuple[str, ...] = (), timeout: float = 240
+) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """Runs ``script`` with ``--json`` (and ``--figures`` where it draws ``figures``), checks
+    that it finished and drew exactly those; its output and the JSON it wrote."""
+    out = tmp_path / f"{Path(script).stem}.json"
+    drawn = ("--figures", str(tmp_path / "figures")) if figures else ()
+    r = bench(script, *args, "--json", str(out), *drawn, timeout=timeout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    if figures:
+        assert_figures(tmp_path / "figures", *figures)
+    return r, json.loads(out.read_text())
 
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -15,6 +15,7 @@ from tests.support.apt import apt_install
 
 CHROMIUM = "/usr/bin/chromium"
 INSTALL_TIMEOUT_S = 900
+TOLERANCE = 48  # yuv420p and limited range move a solid colour by a few levels
 
 
 def _install_chromium() -> str | None:
@@ -50,3 +51,8 @@ def chromium_page() -> Iterator[Any]:
             yield browser.new_page()
         finally:
             browser.close()
+
+
+def shows(pixel: Sequence[int], colour: tuple[int, int, int]) -> bool:
+    """Whether a pixel read off a page is the solid ``colour`` a clip was made of."""
+    return all(abs(x - y) <= TOLERANCE for x, y in zip(pixel, colour, strict=True))

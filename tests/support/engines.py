@@ -14,11 +14,14 @@ versions verified (docs/engines.md). diffusers installs light, so its real
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import subprocess
 import tempfile
+from collections.abc import Iterable
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
@@ -133,22 +136,22 @@ def vllm_omni_save(
         layout = "stereo" if samples.shape[0] >= 2 else "mono"
         a_stream = container.add_stream("aac", rate=sample_rate)
         a_stream.layout = layout
-    for frame_data in frames:
-        frame = av.VideoFrame.from_ndarray(frame_data, format="rgb24")
-        for packet in v_stream.encode(frame):
-            container.mux(packet)
-    for packet in v_stream.encode():
-        container.mux(packet)
+    _mux_all(container, v_stream, (av.VideoFrame.from_ndarray(f, format="rgb24") for f in frames))
     if a_stream is not None:
         frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout=layout)
         frame.sample_rate, frame.pts, frame.time_base = sample_rate, 0, Fraction(1, sample_rate)
-        for packet in a_stream.encode(frame):
-            container.mux(packet)
-        for packet in a_stream.encode():
-            container.mux(packet)
+        _mux_all(container, a_stream, [frame])
     container.close()
     path.write_bytes(buf.getvalue())
     return sha256(path)
+
+
+def _mux_all(container: Any, stream: Any, frames: Iterable[Any]) -> None:
+    """Every packet of each frame as it is encoded, then those the flush at the end gives
+    (``encode(None)``), in the order the engine muxes them."""
+    for frame in itertools.chain(frames, [None]):
+        for packet in stream.encode(frame):
+            container.mux(packet)
 
 
 def diffusers_save(frames: np.ndarray | list[np.ndarray], path: Path, *, fps: int) -> str:

@@ -18,24 +18,6 @@ PART_FLOOR = 0.85  # a part other than an independent or a segment's last: >= 85
 PART_WINDOW = 3  # parts older than 3 target durations from the end SHOULD be gone
 EPSILON = 0.001  # durations are written in ms at best: 1 ms of rounding per value
 
-ALLOWED_TAGS = frozenset(
-    {
-        "EXTM3U",
-        "EXT-X-VERSION",
-        "EXT-X-TARGETDURATION",
-        "EXT-X-MEDIA-SEQUENCE",
-        "EXT-X-PLAYLIST-TYPE",
-        "EXT-X-INDEPENDENT-SEGMENTS",
-        "EXT-X-MAP",
-        "EXT-X-PROGRAM-DATE-TIME",
-        "EXTINF",
-        "EXT-X-ENDLIST",
-        "EXT-X-PART-INF",
-        "EXT-X-SERVER-CONTROL",
-        "EXT-X-PART",
-        "EXT-X-PRELOAD-HINT",
-    }
-)
 # RFC 8216 4.3.3 and 4.3.5 (and the LL-HLS tags of the same sections of 8216bis).
 ONCE_TAGS = frozenset(
     {
@@ -50,6 +32,14 @@ ONCE_TAGS = frozenset(
         "EXT-X-SERVER-CONTROL",
     }
 )
+# All the live view may write: those, and the tags of its segments and parts.
+ALLOWED_TAGS = ONCE_TAGS | {
+    "EXT-X-MAP",
+    "EXT-X-PROGRAM-DATE-TIME",
+    "EXTINF",
+    "EXT-X-PART",
+    "EXT-X-PRELOAD-HINT",
+}
 
 # RFC 8216 4.2: AttributeName=AttributeValue, the value a quoted string (no quote, CR or
 # LF inside) or an unquoted run (integer, hex, decimal, enumerated string, resolution).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
 from pathlib import Path
 
 import imageio.v2 as imageio
@@ -17,6 +18,16 @@ FFMPEG = imageio_ffmpeg.get_ffmpeg_exe()
 
 def sha256(path: str | os.PathLike[str]) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def decoded_frames(path: str | os.PathLike[str]) -> bytes:
+    """The video's frames as ffmpeg decodes them, rgb24, one for each frame the file holds
+    (none dropped or repeated): two files that show the same pictures give the same bytes."""
+    return subprocess.run(
+        [FFMPEG, "-v", "error", "-i", str(path), "-map", "0:v:0", "-fps_mode", "passthrough",
+         "-f", "rawvideo", "-pix_fmt", "rgb24", "-"],
+        check=True, capture_output=True,
+    ).stdout  # fmt: skip
 
 
 def make_clip(

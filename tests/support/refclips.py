@@ -18,6 +18,7 @@ from typing import Any
 
 import imageio_ffmpeg
 from framewire.core.media.argv import decode_argv
+from framewire.core.wire import DecodeRequest
 
 FFMPEG = imageio_ffmpeg.get_ffmpeg_exe()
 
@@ -62,7 +63,7 @@ def params(case: dict[str, Any]) -> dict[str, Any]:
 
 def oracle(path: Path, **kw: Any) -> bytes:
     """The decode as a plain ffmpeg run with rgb24 on stdout: what ranks did before."""
-    argv = decode_argv(FFMPEG, path=path, out_fd=1, **kw)
+    argv = decode_argv(FFMPEG, DecodeRequest(path=os.fspath(path), **kw), out_fd=1)
     return subprocess.run(argv, capture_output=True, check=True, timeout=60).stdout
 
 

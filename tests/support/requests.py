@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -57,6 +58,15 @@ def raw_http(method: str, path: str, body: Any = None) -> bytes:
     if body is not None:
         head += f"content-type: application/json\r\ncontent-length: {len(data)}\r\n"
     return (head + "\r\n").encode() + data
+
+
+def post_raw(uds: Path, body: dict[str, Any]) -> socket.socket:
+    """An encode sent on a Unix socket of its own, left for the test to read or to close
+    (a close is the client going away mid-request)."""
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(str(uds))
+    sock.sendall(raw_http("POST", "/v1/videos:encode", body))
+    return sock
 
 
 def wait_for_ffmpeg(worker: Worker, timeout: float = 20) -> set[int]:

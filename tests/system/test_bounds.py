@@ -32,6 +32,7 @@ from tests.support.requests import (
     Baseline,
     Request,
     encode_body,
+    post_raw,
     settle,
     still_serving,
     wait_for_ffmpeg,
@@ -109,14 +110,7 @@ def test_a_cancel_reaches_a_pump_blocked_on_a_stopped_ffmpeg(workers, segments):
     w = workers.start("--stall-timeout-s", "120")  # only the disconnect can stop it
     baseline = Baseline.of(w)
     _, src = long_clip(segments)
-    body = json.dumps(encode_body(src, "cancelled.mp4", preset="veryslow")).encode()
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.connect(str(w.uds))
-        sock.sendall(
-            b"POST /v1/videos:encode HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
-            + f"\r\ncontent-length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+    with post_raw(w.uds, encode_body(src, "cancelled.mp4", preset="veryslow")):
         [ffmpeg] = wait_for_ffmpeg(w)
         os.kill(ffmpeg, signal.SIGSTOP)
         wait_until_writes_stop(w.pid)  # the pump is blocked on the full pipe

@@ -22,6 +22,7 @@ from framewire.core.media.argv import (
     unguarded,
     x264_auto_threads,
 )
+from framewire.core.wire import DecodeRequest
 
 
 class _Captured(Exception):
@@ -58,31 +59,19 @@ def test_reference_argv_is_write_frames_argv(monkeypatch, size, fps, quality, pr
     if audio:
         kw |= {"audio_path": audio, "audio_codec": "aac"}
     expected = imageio_argv(monkeypatch, "/out/x.mp4", size, **kw)
-    ours = encode_argv(
-        expected[0],
-        width=size[0],
-        height=size[1],
-        fps=fps,
-        output="/out/x.mp4",
-        quality=quality,
-        preset=preset,
-        audio=audio,
-        stdin_name="-",
-        guard=False,
-    )
-    assert ours == expected
-    guarded = encode_argv(
-        expected[0],
-        width=size[0],
-        height=size[1],
-        fps=fps,
-        output="/out/x.mp4",
-        quality=quality,
-        preset=preset,
-        audio=audio,
-        stdin_name="-",
-    )
-    assert unguarded(guarded) == expected
+    args = {
+        "width": size[0],
+        "height": size[1],
+        "fps": fps,
+        "output": "/out/x.mp4",
+        "quality": quality,
+        "preset": preset,
+        "audio": audio,
+        "stdin_name": "-",
+    }
+    assert encode_argv(expected[0], **args, guard=False) == expected
+    # The guards are the only thing a guarded argv adds.
+    assert unguarded(encode_argv(expected[0], **args)) == expected
 
 
 def test_threads_sit_where_output_params_put_them(monkeypatch):
@@ -119,12 +108,11 @@ def test_guards_sit_before_each_input_and_add_nothing_else():
     assert [t for t in argv if t in GUARD_OPTIONS] == [
         "-protocol_whitelist", "-protocol_whitelist", "-format_whitelist"
     ]  # fmt: skip
-    decode = decode_argv("ffmpeg", path="/proc/self/fd/5", fps=24, width=64, height=48)
+    request = DecodeRequest(path="/proc/self/fd/5", fps=24, width=64, height=48)
+    decode = decode_argv("ffmpeg", request)
     at = decode.index("-i")
     assert decode[at - 4 : at] == list(VIDEO_FILE_GUARD)
-    assert unguarded(decode) == decode_argv(
-        "ffmpeg", path="/proc/self/fd/5", fps=24, width=64, height=48, guard=False
-    )
+    assert unguarded(decode) == decode_argv("ffmpeg", request, guard=False)
     for demuxers in (VIDEO_DEMUXERS, AUDIO_DEMUXERS):
         # None of the demuxers that open other files by what a file says.
         assert not {"hls", "dash", "concat", "image2", "ffmetadata", "imf"} & set(
@@ -162,7 +150,8 @@ def test_x264_auto_threads_formula():
 
 
 def test_decode_argv():
-    plain = decode_argv("ffmpeg", path="/in/v.mp4", fps=24, width=1344, height=768, guard=False)
+    request = DecodeRequest(path="/in/v.mp4", fps=24, width=1344, height=768)
+    plain = decode_argv("ffmpeg", request, guard=False)
     assert plain == [
         "ffmpeg",
         "-v",
@@ -180,10 +169,13 @@ def test_decode_argv():
         "rgb24",
         "pipe:1",
     ]
-    argv = decode_argv(
-        "ffmpeg", path="/in/v.mp4", fps=23.976, width=9, height=7, start=1.5, max_frames=4,
-        out_fd=3, guard=False,
-    )  # fmt: skip
+    request = DecodeRequest(
+        path="/in/v.mp4", fps=23.976, width=9, height=7, start=1.5, max_frames=4
+    )
+    argv = decode_argv("ffmpeg", request, out_fd=3, guard=False)
+    assert decode_argv("ffmpeg", request, path="/proc/self/fd/5", out_fd=3, guard=False) == [
+        *argv[:6], "/proc/self/fd/5", *argv[7:]
+    ]  # fmt: skip
     assert argv[3:5] == ["-ss", "1.5"]
     assert "fps=23.976,scale=9:7:flags=lanczos,setsar=1" in argv
     assert argv[-7:-5] == ["-frames:v", "4"]
@@ -201,6 +193,6 @@ def test_engine_profiles_spell_the_rate_and_preset_as_their_engines_do():
     diffusers = encode_argv("ffmpeg", profile="diffusers", quality=None, preset=None, **kw)
     assert "-preset" not in diffusers and diffusers[diffusers.index("-r") + 1] == "2997/125"
     assert diffusers[diffusers.index("-vf") + 1] == "scale=48:32"
-    child = pyav_argv("python", width=34, height=30, fps=23.976, output="o.mp4")
+    child = pyav_argv(["python", "-m", "writer"], width=34, height=30, fps=23.976, output="o.mp4")
     assert child[child.index("--rate") + 1] == "2997/125"
     assert child[child.index("--crf") + 1] == "18" and child[child.index("--threads") + 1] == "0"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from framewire.core.media.argv import AUDIO_FILE_GUARD, decode_argv
+from framewire.core.wire import DecodeRequest
 
 from tests.support.identity import NOBODY, as_nobody, open_worker, post_json
 from tests.support.media import FFMPEG, make_clip, reference_mp4, sha256
@@ -85,7 +86,8 @@ def test_files_that_name_other_files_are_not_followed(world):
     files = referring_files(w.inputs, outside)
     # What the hole looks like: ffmpeg unguarded decodes the secret through a playlist.
     for name in ("m3u8-absolute.m3u8", "m3u8-file-url.m3u8", "m3u8-dotdot.m3u8"):
-        argv = decode_argv(FFMPEG, path=files[name], fps=24, width=64, height=48, guard=False)
+        request = DecodeRequest(path=str(files[name]), fps=24, width=64, height=48)
+        argv = decode_argv(FFMPEG, request, guard=False)
         leaked = subprocess.run(argv, capture_output=True, timeout=60).stdout
         assert leaked == oracle(outside / "secret.mp4", fps=24, width=64, height=48), name
     for name, path in files.items():
@@ -120,10 +122,10 @@ def test_the_whitelists_refuse_what_ffmpeg_would_follow(world):
 
     w, outside = world["worker"], world["outside"]
     playlist = referring_files(w.inputs, outside)["m3u8-absolute.m3u8"]
-    kw = {"path": playlist, "fps": 24, "width": 64, "height": 48}
-    open_door = subprocess.run(decode_argv(FFMPEG, guard=False, **kw), capture_output=True)
+    request = DecodeRequest(path=str(playlist), fps=24, width=64, height=48)
+    open_door = subprocess.run(decode_argv(FFMPEG, request, guard=False), capture_output=True)
     assert open_door.returncode == 0 and open_door.stdout  # the hole, unguarded
-    guarded = subprocess.run(decode_argv(FFMPEG, **kw), capture_output=True, text=True)
+    guarded = subprocess.run(decode_argv(FFMPEG, request), capture_output=True, text=True)
     assert guarded.returncode != 0 and "not on whitelist" in guarded.stderr
     audio = subprocess.run(
         [FFMPEG, "-v", "error", *AUDIO_FILE_GUARD, "-i", str(playlist), "-f", "null", "-"],

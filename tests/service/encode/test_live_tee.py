@@ -11,14 +11,13 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 from framewire.core.media.argv import encode_argv
 from framewire.service._stream.fmp4 import boxes, starts_with_keyframe, video_samples
 
-from tests.support.media import FFMPEG, sha256
+from tests.support.media import FFMPEG, decoded_frames, sha256
 
 FRAMES = 40
 
@@ -59,14 +58,6 @@ def _run(argv: list[str], frames: bytes, live: int | None = None, slow: bool = F
     return bytes(got)
 
 
-def _decoded(path: Path) -> bytes:
-    return subprocess.run(
-        [FFMPEG, "-v", "error", "-i", str(path), "-map", "0:v:0", "-fps_mode", "passthrough",
-         "-f", "rawvideo", "-pix_fmt", "rgb24", "-"],
-        check=True, capture_output=True,
-    ).stdout  # fmt: skip
-
-
 @pytest.mark.parametrize(
     ("profile", "size", "name", "audio", "slow"),
     [
@@ -102,7 +93,7 @@ def test_tee_keeps_the_file_bytes(tmp_path, wav, profile, size, name, audio, slo
     fragmented = tmp_path / "live.mp4"
     fragmented.write_bytes(live)
     # The viewer's copy holds the same pictures (the pixels, not only the packets).
-    assert _decoded(fragmented) == _decoded(plain)
+    assert decoded_frames(fragmented) == decoded_frames(plain)
 
 
 def test_a_closed_viewer_pipe_leaves_the_file_alone(tmp_path):

@@ -10,7 +10,6 @@ import select
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from framewire.service._encode.scheduler import Scheduler
 
 from tests.support.identity import NOBODY, as_nobody
 from tests.support.media import make_clip, reference_mp4
-from tests.support.requests import RUNNING, WAITING, raw_http, wait_for
+from tests.support.requests import RUNNING, WAITING, post_raw, raw_http, wait_for
 
 # ----------------------------------------------------------------------------- unit
 
@@ -231,18 +230,6 @@ def test_with_slots_for_one_they_serialize(workers):
         a, b = results_of(c, [clip(1), clip(2)], ["s/a.mp4", "s/b.mp4"], preset="medium")
     assert overlap(a, b) <= 0
     assert max(a["timings"]["queue_ms"], b["timings"]["queue_ms"]) > 0
-
-
-def post_raw(uds: Path, body: dict) -> socket.socket:
-    data = json.dumps(body).encode()
-    sock = socket.socket(socket.AF_UNIX)
-    sock.connect(str(uds))
-    sock.sendall(
-        b"POST /v1/videos:encode HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        + f"content-length: {len(data)}\r\n\r\n".encode()
-        + data
-    )
-    return sock
 
 
 def shm_body(key: str, t: torch.Tensor, path: str) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from framewire.client import AsyncClient, BadRequest, Client, Forbidden, NotFoun
 from framewire.core.shm import shared
 
 from tests.support.media import make_clip, reference_mp4, sha256
-from tests.support.requests import Request, wait_for_ffmpeg
+from tests.support.requests import Request, post_raw, wait_for_ffmpeg
 from tests.support.segments import raw_bytes, shm_source
 from tests.support.worker import Worker
 
@@ -271,14 +270,7 @@ def test_torch_tensor_already_in_shared_memory_is_not_copied(worker, baseline, t
 def test_client_disconnect_kills_ffmpeg_and_removes_temp(worker, baseline, segments):
     clip = make_clip(frames=240, height=256, width=256)
     key = segments.write(raw_bytes(clip))
-    body = json.dumps(one(shm_source(key, clip), path="gone.mp4", preset="veryslow")).encode()
-    sock = socket.socket(socket.AF_UNIX)
-    sock.connect(str(worker.uds))
-    sock.sendall(
-        b"POST /v1/videos:encode HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        + f"content-length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
+    sock = post_raw(worker.uds, one(shm_source(key, clip), path="gone.mp4", preset="veryslow"))
     deadline = time.monotonic() + 10
     while not worker.children():
         assert time.monotonic() < deadline, "ffmpeg never started"

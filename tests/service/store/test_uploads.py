@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from tests.support.objstore import (
     store_env,
 )
 from tests.support.processes import SPOOL, framewire_temps
+from tests.support.requests import post_raw
 from tests.support.segments import Segments
 from tests.support.worker import Worker, Workers
 
@@ -576,12 +576,7 @@ def _wait_for_put(proxy: Proxy) -> None:
 
 def test_a_trickling_upload_stops_when_its_caller_leaves(workers, moto, proxy, segments):
     w, body = _trickled(workers, proxy, segments, "ok/left.mp4", "--store-timeout-s", "60")
-    payload = json.dumps(body).encode()
-    caller = socket.socket(socket.AF_UNIX)
-    caller.connect(str(w.uds))
-    caller.sendall(b"POST /v1/videos:encode HTTP/1.1\r\nhost: framewire\r\n"
-                   b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                   % (len(payload), payload))  # fmt: skip
+    caller = post_raw(w.uds, body)
     deadline = time.monotonic() + 60  # the encode first, however loaded the host
     while proxy.count("PUT", "ok/left.mp4") < 1:
         assert time.monotonic() < deadline, "the upload never started"

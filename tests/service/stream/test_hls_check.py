@@ -82,6 +82,19 @@ def _edit(text: str, old: str, new: str) -> str:
     return text.replace(old, new, 1)
 
 
+def _without(text: str, old: str) -> str:
+    return _edit(text, old, "")
+
+
+def _moved(text: str, line: str, after: str) -> str:
+    """``text`` with ``line`` taken out and put back after ``after``."""
+    return _edit(_without(text, line), after, after + line)
+
+
+def _twice(text: str, line: str) -> str:
+    return _edit(text, line, line * 2)
+
+
 def _rules(text: str, **kw: bool) -> set[str]:
     with pytest.raises(PlaylistError) as caught:
         check_media_playlist(text, **kw)
@@ -148,10 +161,10 @@ SEG7_PARTS = "".join(
 SC = "#EXT-X-SERVER-CONTROL:CAN-BLOCK-RELOAD=YES,PART-HOLD-BACK=0.75,HOLD-BACK=3"
 
 BAD: dict[str, tuple[str, set[str]]] = {
-    "no EXTM3U first": (_edit(LIVE, "#EXTM3U\n", ""), {"extm3u-first"}),
+    "no EXTM3U first": (_without(LIVE, "#EXTM3U\n"), {"extm3u-first"}),
     "version 6": (_edit(LIVE, "VERSION:7", "VERSION:6"), {"version"}),
-    "no version": (_edit(LIVE, "#EXT-X-VERSION:7\n", ""), {"version"}),
-    "no target duration": (_edit(VOD, "#EXT-X-TARGETDURATION:1\n", ""), {"target-duration"}),
+    "no version": (_without(LIVE, "#EXT-X-VERSION:7\n"), {"version"}),
+    "no target duration": (_without(VOD, "#EXT-X-TARGETDURATION:1\n"), {"target-duration"}),
     "decimal target duration": (_edit(LIVE, "TARGETDURATION:1", "TARGETDURATION:1.5"),
                                 {"target-duration"}),
     "EXTINF rounds above the target": (_edit(LIVE, "#EXTINF:1.00000,", "#EXTINF:1.5,"),
@@ -159,34 +172,23 @@ BAD: dict[str, tuple[str, set[str]]] = {
     "EXTINF without its comma": (_edit(VOD, "#EXTINF:1.000000,", "#EXTINF:1.000000"),
                                  {"extinf"}),
     "zero EXTINF": (_edit(VOD, "#EXTINF:1.000000,", "#EXTINF:0,"), {"positive-duration"}),
-    "media sequence after a segment": (
-        _edit(_edit(VOD, "#EXT-X-MEDIA-SEQUENCE:0\n", ""), "out0.m4s\n",
-              "out0.m4s\n#EXT-X-MEDIA-SEQUENCE:0\n"),
-        {"media-sequence"},
-    ),
-    "no independent segments": (_edit(LIVE, "#EXT-X-INDEPENDENT-SEGMENTS\n", ""),
+    "media sequence after a segment": (_moved(VOD, "#EXT-X-MEDIA-SEQUENCE:0\n", "out0.m4s\n"),
+                                       {"media-sequence"}),
+    "no independent segments": (_without(LIVE, "#EXT-X-INDEPENDENT-SEGMENTS\n"),
                                 {"independent-segments"}),
-    "no map": (_edit(VOD, '#EXT-X-MAP:URI="init.mp4"\n', ""), {"map-first"}),
-    "map after a segment": (
-        _edit(_edit(VOD, '#EXT-X-MAP:URI="init.mp4"\n', ""), "out0.m4s\n",
-              'out0.m4s\n#EXT-X-MAP:URI="init.mp4"\n'),
-        {"map-first"},
-    ),
+    "no map": (_without(VOD, '#EXT-X-MAP:URI="init.mp4"\n'), {"map-first"}),
+    "map after a segment": (_moved(VOD, '#EXT-X-MAP:URI="init.mp4"\n', "out0.m4s\n"),
+                            {"map-first"}),
     "map URI unquoted": (_edit(VOD, 'URI="init.mp4"', "URI=init.mp4"), {"map-first"}),
-    "EXTINF without URI": (_edit(LIVE, f"live/5.m4s{Q}\n", ""), {"extinf-uri"}),
-    "last EXTINF without URI": (_edit(VOD, "out1.m4s\n", ""), {"extinf-uri"}),
-    "URI without EXTINF": (_edit(LIVE, "#EXTINF:1.00000,\nlive/5", "live/5"), {"uri-extinf"}),
-    "ENDLIST not last": (_edit(_edit(VOD, "#EXT-X-ENDLIST\n", ""), "#EXTINF:0.5",
-                               "#EXT-X-ENDLIST\n#EXTINF:0.5"), {"endlist-last"}),
+    "EXTINF without URI": (_without(LIVE, f"live/5.m4s{Q}\n"), {"extinf-uri"}),
+    "last EXTINF without URI": (_without(VOD, "out1.m4s\n"), {"extinf-uri"}),
+    "URI without EXTINF": (_without(LIVE, "#EXTINF:1.00000,\n"), {"uri-extinf"}),
+    "ENDLIST not last": (_moved(VOD, "#EXT-X-ENDLIST\n", "out0.m4s\n"), {"endlist-last"}),
     "ENDLIST with pending parts": (_edit(LIVE, f'#EXT-X-PRELOAD-HINT:TYPE=PART,URI="live/9.2.m4s'
                                          f'{Q}"\n', "#EXT-X-ENDLIST\n"), {"endlist-last"}),
     "ENDLIST after a hint": (LIVE + "#EXT-X-ENDLIST\n", {"endlist-last", "preload-hint"}),
-    "target duration twice": (_edit(LIVE, "#EXT-X-TARGETDURATION:1\n",
-                                    "#EXT-X-TARGETDURATION:1\n#EXT-X-TARGETDURATION:1\n"),
-                              {"tag-once"}),
-    "independent segments twice": (VOD.replace("#EXT-X-INDEPENDENT-SEGMENTS\n",
-                                               "#EXT-X-INDEPENDENT-SEGMENTS\n" * 2),
-                                   {"tag-once"}),
+    "target duration twice": (_twice(LIVE, "#EXT-X-TARGETDURATION:1\n"), {"tag-once"}),
+    "independent segments twice": (_twice(VOD, "#EXT-X-INDEPENDENT-SEGMENTS\n"), {"tag-once"}),
     "unknown tag": (_edit(VOD, "out1.m4s\n", "out1.m4s\n#EXT-X-DISCONTINUITY\n"), {"known-tags"}),
     "bad playlist type": (_edit(VOD, "TYPE:VOD", "TYPE:LIVE"), {"playlist-type"}),
     "unterminated quote": (_edit(VOD, 'URI="init.mp4"', 'URI="init.mp4'), {"attribute-list"}),
@@ -194,9 +196,9 @@ BAD: dict[str, tuple[str, set[str]]] = {
                                    {"attribute-list"}),
     "an attribute twice": (_edit(VOD, 'URI="init.mp4"', 'URI="init.mp4",URI="init.mp4"'),
                            {"attribute-list"}),
-    "parts without PART-INF": (_edit(LIVE, "#EXT-X-PART-INF:PART-TARGET=0.25\n", ""),
+    "parts without PART-INF": (_without(LIVE, "#EXT-X-PART-INF:PART-TARGET=0.25\n"),
                                {"part-inf"}),
-    "no server control": (_edit(LIVE, SC + "\n", ""), {"server-control", "part-hold-back"}),
+    "no server control": (_without(LIVE, SC + "\n"), {"server-control", "part-hold-back"}),
     "no blocking reload": (_edit(LIVE, "CAN-BLOCK-RELOAD=YES", "CAN-BLOCK-RELOAD=NO"),
                            {"server-control"}),
     "part hold back under 2 parts": (_edit(LIVE, "PART-HOLD-BACK=0.75", "PART-HOLD-BACK=0.4"),
@@ -235,7 +237,7 @@ BAD: dict[str, tuple[str, set[str]]] = {
               f'URI="live/9.1.m4s{Q}"\n'),
         {"preload-hint"},
     ),
-    "a hint of no type": (_edit(LIVE, "TYPE=PART,", ""), {"preload-hint"}),
+    "a hint of no type": (_without(LIVE, "TYPE=PART,"), {"preload-hint"}),
 }  # fmt: skip
 
 

@@ -9,10 +9,8 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import threading
 import time
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -22,7 +20,7 @@ import torch
 
 from tests.support.identity import NOBODY, as_user
 from tests.support.live import open_stream, send
-from tests.support.media import FFMPEG, make_clip, sha256
+from tests.support.media import decoded_frames, make_clip, sha256
 from tests.support.processes import wait_gone
 from tests.support.requests import wait_for_ffmpeg
 from tests.support.segments import Segments
@@ -61,14 +59,6 @@ class Watcher(threading.Thread):
 def _end_reason(data: bytes) -> str:
     at = data.rindex(END)
     return json.loads(data[at:])["reason"]
-
-
-def _decoded(path: Path) -> bytes:
-    return subprocess.run(
-        [FFMPEG, "-v", "error", "-i", str(path), "-map", "0:v:0", "-fps_mode", "passthrough",
-         "-f", "rawvideo", "-pix_fmt", "rgb24", "-"],
-        check=True, capture_output=True,
-    ).stdout  # fmt: skip
 
 
 def _stream(worker: Worker, segments: Segments, clip: torch.Tensor, path: str,
@@ -121,7 +111,7 @@ def test_the_file_keeps_its_bytes_with_and_without_viewers(
     assert _end_reason(early) == "finished"
     fmp4 = tmp_path / "live.mp4"
     fmp4.write_bytes(early)
-    assert _decoded(fmp4) == _decoded(worker.outputs / f"{profile}-plain.mp4")
+    assert decoded_frames(fmp4) == decoded_frames(worker.outputs / f"{profile}-plain.mp4")
 
 
 def test_what_a_live_view_refuses(worker, segments):
