@@ -20,43 +20,6 @@ from tests.support.worker import Worker, Workers
 collect_ignore = [] if os.environ.get("FRAMEWIRE_IMAGE_TESTS") == "1" else ["image"]
 
 
-# The files that take longest, longest first (on 2 cores, from the suite's --durations):
-# pytest-xdist hands files out in collection order, so these start first and the end of
-# the run is not one process finishing a long file while the others sit idle.
-LONGEST_FIRST = [
-    "tests/scripts/test_gpu_check.py",
-    "tests/benchmarks/test_engines_script.py",
-    "tests/service/encode/test_small_lane.py",
-    "tests/benchmarks/test_transport_scripts.py",
-    "tests/service/http/test_watch_browser.py",
-    "tests/integrations/test_vllm_omni.py",
-    "tests/benchmarks/test_encode_scripts.py",
-    "tests/benchmarks/test_stream_scripts.py",
-    "tests/service/cli/test_demo.py",
-    "tests/integrations/test_sglang.py",
-    "tests/service/cli/test_cli.py",
-    "tests/service/http/test_fuzz_api.py",
-    "tests/benchmarks/test_ranks_script.py",
-    "tests/benchmarks/test_node_script.py",
-    "tests/service/store/test_uploads.py",
-    "tests/service/cli/test_progress.py",
-    "tests/client/test_long_lived.py",
-    "tests/system/test_reliability.py",
-    "tests/service/stream/test_hls.py",
-    "tests/deploy/test_observability.py",
-]
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    root = Path(__file__).parent.parent
-
-    def key(item: pytest.Item) -> int:
-        return rank.get(item.path.relative_to(root).as_posix(), len(rank))
-
-    items.sort(key=key)  # stable: the rest keep their order, and each file its own
-
-
 @pytest.fixture(scope="session")
 def wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One second of a 440 Hz tone, mono, 22050 Hz."""

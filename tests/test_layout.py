@@ -530,12 +530,3 @@ def test_every_package_is_installed():
         for init in root.rglob("__init__.py")
     }
     assert found == listed
-
-
-def test_the_files_the_suite_starts_first_exist():
-    """tests/conftest.py starts the longest files first: a renamed one would silently
-    fall back to its place in collection order."""
-    from tests.conftest import LONGEST_FIRST
-
-    assert [p for p in LONGEST_FIRST if not (REPO / p).is_file()] == []
-    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
