@@ -49,9 +49,6 @@ class Client(BaseClient[httpx.Client], Closing):
     def _run(self, plan: Plan[T]) -> T:
         return run(plan, self._send)
 
-    def _update_handover(self) -> None:
-        self._run(self._handover_plan())
-
     def info(self) -> dict[str, Any]:
         """The worker's versions, devices, limits, sockets and roots (``GET /v1/info``)."""
         return self._send(info_call())
@@ -168,9 +165,6 @@ class AsyncClient(BaseClient[httpx.AsyncClient]):
 
     async def _run(self, plan: Plan[T]) -> T:
         return await run_async(plan, self._send)
-
-    async def _update_handover(self) -> None:
-        await self._run(self._handover_plan())
 
     @twin(Client.info)
     async def info(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Protocol
+from typing import Any
 
 from framewire.client._calls import Call, stream_lost
 from framewire.client._local import LocalFallback, worker_gone
@@ -21,6 +21,7 @@ from framewire.client._sharing.fd import NO_ROOM, FdRegions, RegisteredMemfd
 from framewire.core.errors import FramewireError, Unavailable
 from framewire.core.fdsocket import take_output
 from framewire.core.frames import Frames, describe
+from framewire.core.local import LocalStream
 from framewire.core.shm import Segment
 from framewire.core.wire import (
     Layout,
@@ -34,14 +35,6 @@ from framewire.core.wire import (
 from pydantic import ValidationError
 
 ChunkBuffer = Segment | RegisteredMemfd
-
-
-class LocalStream(Protocol):
-    """A stream written in this process (``framewire.service.LocalEncoder.open``)."""
-
-    def write(self, frames: Frames) -> None: ...
-    def finish(self) -> OutputResult: ...
-    def abort(self) -> None: ...
 
 
 def _nothing(body: Any) -> None:

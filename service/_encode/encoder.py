@@ -13,7 +13,6 @@ import functools
 import os
 import signal
 import stat
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -42,7 +41,7 @@ from framewire.service._convert.convert import chunk_frames, convert_into
 from framewire.service._convert.staging import ChunkWriter, slot_frames
 from framewire.service._encode.encoders import Encoders
 from framewire.service._encode.params import EncodeParams, check_geometry, check_params
-from framewire.service._encode.profiles import profile_writer
+from framewire.service._encode.profiles import PYAV_CHILD, profile_writer
 from framewire.service._encode.pump import Progress, Pump, chunk_spans, send_in_pieces
 from framewire.service._outputs import TempOutput, atomic_output, open_directory, sha256_of
 from framewire.service._sources.audio import MemoryAudio
@@ -52,9 +51,6 @@ if TYPE_CHECKING:
     from framewire.service._settings import Settings
 
 Route = Literal["stream", "fallback", "local"]  # local: in the client's process, no worker
-# The vllm-omni profile's encoder. -P: the working directory does not go first on
-# sys.path, so no module planted there (an av.py in /tmp) runs as this child.
-PYAV_CHILD = (sys.executable, "-P", "-m", "framewire.service._encode.pyav_writer")
 
 
 @dataclass
@@ -96,8 +92,13 @@ class Encoder:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Encoder:
-        named = settings.model_dump(include={"chunk_bytes", "fallback", "encoders"})
-        return cls(settings.ffmpeg, stall_s=settings.stall_timeout_s, **named)
+        return cls(
+            settings.ffmpeg,
+            chunk_bytes=settings.chunk_bytes,
+            fallback=settings.fallback,
+            stall_s=settings.stall_timeout_s,
+            encoders=settings.encoders,
+        )
 
     def threads_for(self, height: int, params: EncodeParams) -> int:
         return params.threads or x264_auto_threads(height)

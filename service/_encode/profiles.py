@@ -20,6 +20,7 @@ first), where the standard conversion may use the GPU or the compiled kernel.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -32,6 +33,9 @@ from framewire.service._sources.frames import FrameSource
 
 Convert = Callable[[torch.Tensor, Layout, torch.Tensor], None]
 DEFAULT_VALUE_RANGE = (-1.0, 1.0)  # vLLM-omni's Wan VAEs, and its serving path's guess
+# The vllm-omni profile's encoder, a PyAV child. -P: the working directory does not go
+# first on sys.path, so no module planted there (an av.py in /tmp) runs as this child.
+PYAV_CHILD = (sys.executable, "-P", "-m", "framewire.service._encode.pyav_writer")
 
 
 def diffusers_convert(chunk: torch.Tensor, layout: Layout, out: torch.Tensor) -> None:

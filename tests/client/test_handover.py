@@ -126,7 +126,7 @@ def test_a_named_socket_is_tried_until_a_worker_answers_there(workers, tmp_path)
     with Client(f"unix://{root}/api.sock", fd_socket=root / "fd.sock") as c:
         assert not c._handover.settled()
         with pytest.raises(Unavailable):  # nobody there yet: the call says so
-            c._update_handover()
+            c._run(c._handover_plan())
         assert c.host_route == "shm" and not c._handover.settled()  # and tries again
         w = workers.start(root=root)
         result = c.save_video(clip, "late.mp4", fps=24)
