@@ -11,7 +11,9 @@ and moves imageio-ffmpeg's ffmpeg out of its wheel into ``ffmpeg.xz`` (the binar
 alone is most of what travels: x86 branch conversion then LZMA2 preset 2, in one xz
 stream per part compressed on every core; ``lzma.decompress`` reads them as one).
 PyAV is left out (35 MB): the worker runs without it there, unvalidated.
-``manifest.json`` lists every file with its sha256.
+``manifest.json`` lists every file with its sha256. The compressed ffmpeg is kept in
+``~/.cache/framewire/gpu-pack`` (``$XDG_CACHE_HOME``), keyed by the binary's sha256 and
+the filters: a later pack of the same binary reuses it after checking it.
 
 What travels to the host is the git tree plus carried folders, 64 MiB in all: the
 total is printed with the tree's size and the pack fails above it.
@@ -132,13 +134,41 @@ def compress(raw: bytes) -> bytes:
     """``raw`` as concatenated xz streams, one per core. The x86 filter makes call
     targets position-independent. On ffmpeg 9.0.2 (164.7 MiB), over 2 cores: preset 2
     gives 52.1 MiB for 14 s of CPU, preset 6 46.7 MiB for 57 s, preset 9 without the
-    filter 46.2 MiB for 90 s. The pack fits 64 MiB either way; the time is paid on
-    every pack (and every test run), the 5 MiB once per copy to the host."""
+    filter 46.2 MiB for 90 s. The pack fits 64 MiB either way; the time is paid once
+    per binary (``compressed`` keeps the result), the 5 MiB on every copy to the host."""
     parts = max(1, min(os.cpu_count() or 1, 8))
     step = -(-len(raw) // parts)
     pieces = [raw[i : i + step] for i in range(0, len(raw), step)]
     with ThreadPoolExecutor(len(pieces)) as pool:  # lzma lets go of the GIL while it works
         return b"".join(pool.map(lambda piece: lzma.compress(piece, filters=XZ_FILTERS), pieces))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "framewire"
+
+
+def compressed(raw: bytes, digest: str) -> tuple[bytes, bool]:
+    """``compress(raw)``, from the cache when an earlier pack compressed the same binary
+    with the same filters: (the xz bytes, whether they came from the cache). A cached
+    file is used only if it decompresses to ``raw`` (a second of CPU, against most of
+    a minute to compress); the cache is written whole or not at all."""
+    filters = hashlib.sha256(repr(XZ_FILTERS).encode()).hexdigest()[:12]
+    cached = cache_dir() / "gpu-pack" / f"ffmpeg-{digest}-{filters}.xz"
+    try:
+        xz = cached.read_bytes()
+        if hashlib.sha256(lzma.decompress(xz)).hexdigest() == digest:
+            return xz, True
+    except (OSError, lzma.LZMAError):
+        pass  # none yet, or unusable: compressed afresh and written over
+    xz = compress(raw)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cached.parent, delete=False) as tmp:
+            tmp.write(xz)
+        os.replace(tmp.name, cached)
+    except OSError as exc:
+        print(f"gpu-pack: the cache is not written ({exc})", file=sys.stderr)
+    return xz, False
 
 
 def split_ffmpeg(wheel: Path, dest: Path) -> dict[str, str | int]:
@@ -158,14 +188,17 @@ def split_ffmpeg(wheel: Path, dest: Path) -> dict[str, str | int]:
                     data = ("\n".join(kept) + "\n").encode()
                 out.writestr(item, data)
     stripped.replace(wheel)
+    digest = hashlib.sha256(raw).hexdigest()
+    data, cached = compressed(raw, digest)
     xz = dest / "ffmpeg.xz"
-    xz.write_bytes(compress(raw))
+    xz.write_bytes(data)
     return {
         "file": xz.name,
         "name": Path(binary).name,  # unpacked where the wheel had it
         "bytes": len(raw),
-        "sha256": hashlib.sha256(raw).hexdigest(),
+        "sha256": digest,
         "xz_bytes": xz.stat().st_size,
+        "from_cache": cached,
     }
 
 
@@ -213,7 +246,8 @@ def main() -> int:
     for w in wheels:
         print(f"gpu-pack: {w['file']:<72} {int(w['bytes']) / MIB:7.2f} MiB")
     xz, raw = int(ffmpeg["xz_bytes"]), int(ffmpeg["bytes"])
-    print(f"gpu-pack: ffmpeg.xz ({ffmpeg['name']}, {raw / MIB:.2f} MiB) {xz / MIB:.2f} MiB")
+    reused = ", from the cache" if ffmpeg["from_cache"] else ""
+    print(f"gpu-pack: ffmpeg.xz ({ffmpeg['name']}, {raw / MIB:.2f} MiB{reused}) {xz / MIB:.2f} MiB")
     print(f"gpu-pack: {dest}: {total / MIB:.2f} MiB packed + {tree / MIB:.2f} MiB tree = "
           f"{(total + tree) / MIB:.2f} MiB of {CAP / MIB:.0f} MiB")  # fmt: skip
     if total + tree > CAP:

@@ -130,3 +130,29 @@ def test_the_pack_fits_and_installs_offline_on_python312(tmp_path):
     steps = [(s["step"], s["rc"]) for s in summary["steps"]]
     assert steps == [("install", 0), ("unpack", 0), ("imports", 2)]
     assert summary["environment"]["python"].startswith("3.12")
+
+
+def test_the_packs_ffmpeg_is_compressed_once_per_binary(tmp_path, monkeypatch):
+    """The xz of a binary is kept in the cache and reused while it decompresses to that
+    binary; a damaged one is compressed afresh and written over."""
+    import hashlib
+    import importlib.util
+    import lzma
+
+    spec = importlib.util.spec_from_file_location("gpu_pack", REPO / "scripts" / "gpu_pack.py")
+    assert spec and spec.loader
+    pack = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pack)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    raw = os.urandom(1 << 16) * 4
+    digest = hashlib.sha256(raw).hexdigest()
+    first, cached = pack.compressed(raw, digest)
+    assert not cached and lzma.decompress(first) == raw
+    [kept] = (tmp_path / "framewire" / "gpu-pack").iterdir()
+    assert digest in kept.name and kept.read_bytes() == first
+    again, cached = pack.compressed(raw, digest)
+    assert cached and again == first
+    kept.write_bytes(first[: len(first) // 2])  # cut short, as by a full disk
+    third, cached = pack.compressed(raw, digest)
+    assert not cached and lzma.decompress(third) == raw and kept.read_bytes() == third
+    assert [p.name for p in kept.parent.iterdir()] == [kept.name]  # no temp file left

@@ -97,11 +97,18 @@ class Zygote:
         return all(wanted.get(k) == self.env.get(k) for k in keys)
 
     def start(
-        self, args: list[str], log: Path, env: dict[str, str] | None, cwd: Path | None
+        self,
+        args: list[str],
+        log: Path,
+        env: dict[str, str] | None,
+        cwd: Path | None,
+        stdio: tuple[str, str, str] | None = None,
     ) -> Forked:
+        """Fork ``framewire ARGS``: stdout and stderr to ``log``, stdin /dev/null, unless
+        ``stdio`` names the paths its descriptors 0, 1 and 2 open (a terminal's, say)."""
         request = {
             "argv": args,
-            "log": str(log),
+            "stdio": list(stdio or (os.devnull, str(log), str(log))),
             "env": dict(os.environ if env is None else env),
             "cwd": str(cwd or os.getcwd()),
         }
@@ -183,19 +190,30 @@ def _preload() -> None:
 
 def _child(request: dict[str, object]) -> None:
     """In the fork: become ``framewire serve`` with the request's argv, env and directory.
-    Its descriptors are those of ``python -m framewire.service`` started by Popen: 0 is
-    /dev/null, 1 and 2 the log, nothing else (the zygote's pipes and pidfds close)."""
+    Its descriptors are those of ``python -m framewire.service`` started by Popen: 0, 1
+    and 2 the request's paths, nothing else (the zygote's pipes and pidfds close)."""
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        log = os.open(str(request["log"]), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
+        paths = [str(path) for path in request["stdio"]]  # type: ignore[attr-defined]
+        opened: dict[str, int] = {}  # a path named twice is one open file (a log, a terminal)
+        for target, path in enumerate(paths):
+            if path not in opened:
+                read, write = path == paths[0], path in paths[1:]
+                if read:
+                    flags = os.O_RDWR if write else os.O_RDONLY
+                else:
+                    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                opened[path] = os.open(path, flags | os.O_NOCTTY, 0o644)
+            os.dup2(opened[path], target)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        # Python's streams as a fresh interpreter makes them on these descriptors: stdout
+        # line-buffered on a terminal only, stderr always.
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115
+        sys.stdout = open(1, "w", buffering=1 if os.isatty(1) else -1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
         os.chdir(str(request["cwd"]))
         env = request["env"]
         assert isinstance(env, dict)

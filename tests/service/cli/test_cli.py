@@ -6,7 +6,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,18 +15,13 @@ import pytest
 import torch
 from framewire.client.wire import Layout
 
+from tests.support.cli import CLI, run_cli
 from tests.support.identity import NOBODY
 from tests.support.media import make_clip, reference_mp4, sha256
 
-CLI = [sys.executable, "-m", "framewire.service"]
-
-
-def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, env=env)
-
 
 def test_version_names_ffmpeg():
-    out = run("--version")
+    out = run_cli("--version")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("framewire 0.1.0")
     assert "ffmpeg version" in out.stdout
@@ -35,7 +29,7 @@ def test_version_names_ffmpeg():
 
 def test_info_reports_settings_from_env(tmp_path):
     env = os.environ | {"FRAMEWIRE_CHUNK_BYTES": "12345", "FRAMEWIRE_OUTPUT_ROOTS": "/a,/b"}
-    out = run("info", "--cpu-slots", "3", env=env)
+    out = run_cli("info", "--cpu-slots", "3", env=env)
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert info["settings"]["chunk_bytes"] == 12345
@@ -130,7 +124,9 @@ def test_encode_local_is_byte_exact(tmp_path, dtype, layout, extra):
     clip = make_clip(frames=6, height=75, width=100, dtype=dtype, layout=layout)
     np.save(tmp_path / "clip.npy", clip.numpy())
     out = tmp_path / "out.mp4"
-    proc = run("encode", str(tmp_path / "clip.npy"), str(out), "--fps", "23.976", "--local", *extra)
+    proc = run_cli(
+        "encode", str(tmp_path / "clip.npy"), str(out), "--fps", "23.976", "--local", *extra
+    )
     assert proc.returncode == 0, proc.stderr
     kw = {}
     if "--quality" in extra:
@@ -144,7 +140,7 @@ def test_encode_local_with_audio(tmp_path, wav):
     np.save(tmp_path / "clip.npy", clip.numpy())
     out = tmp_path / "out.mp4"
     npy = str(tmp_path / "clip.npy")
-    proc = run("encode", npy, str(out), "--fps", "24", "--audio", str(wav), "--local")
+    proc = run_cli("encode", npy, str(out), "--fps", "24", "--audio", str(wav), "--local")
     assert proc.returncode == 0, proc.stderr
     assert sha256(out) == reference_mp4(clip, tmp_path / "ref.mp4", audio=wav)
 
@@ -157,7 +153,7 @@ def test_encode_takes_a_fractional_quality_and_a_profile(tmp_path, local, worker
     np.save(tmp_path / "clip.npy", clip.numpy())
     out = tmp_path / "out.mp4" if local else worker.outputs / "cli-sglang.mp4"
     where = ["--local"] if local else ["--url", worker.uds_url]
-    proc = run("encode", str(tmp_path / "clip.npy"), str(out), "--fps", "23.976",
+    proc = run_cli("encode", str(tmp_path / "clip.npy"), str(out), "--fps", "23.976",
                "--quality", "5.5", "--profile", "sglang", *where)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     want = sglang_save(clip, tmp_path / "ref.mp4", fps=23.976, output_compression=55)
@@ -167,7 +163,7 @@ def test_encode_takes_a_fractional_quality_and_a_profile(tmp_path, local, worker
 def test_encode_local_errors_are_one_line_and_exit_1(tmp_path):
     np.save(tmp_path / "clip.npy", make_clip(frames=2).numpy())
     out = str(tmp_path / "no" / "o.mp4")
-    proc = run("encode", str(tmp_path / "clip.npy"), out, "--fps", "24", "--local")
+    proc = run_cli("encode", str(tmp_path / "clip.npy"), out, "--fps", "24", "--local")
     assert proc.returncode == 1
     assert "[output_dir_missing]" in proc.stderr
 
@@ -175,7 +171,7 @@ def test_encode_local_errors_are_one_line_and_exit_1(tmp_path):
 @pytest.mark.parametrize("where", [["--local"], ["--url", "unix:///nonexistent/api.sock"]])
 def test_encode_refuses_a_clip_without_frames_in_one_line(tmp_path, where):
     np.save(tmp_path / "empty.npy", np.zeros((3, 0, 16, 16), np.float32))
-    proc = run(
+    proc = run_cli(
         "encode", str(tmp_path / "empty.npy"), str(tmp_path / "o.mp4"), "--fps", "24", *where
     )
     assert proc.returncode == 1 and proc.stdout == ""

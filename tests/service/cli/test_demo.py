@@ -5,15 +5,16 @@ from __future__ import annotations
 import os
 import select
 import subprocess
-import sys
 import time
 
-DEMO = [sys.executable, "-m", "framewire.service", "demo"]
+from tests.support.cli import CLI, run_cli
+
+DEMO = [*CLI, "demo"]
 
 
 def test_demo_against_a_running_worker(workers):
     w = workers.start()
-    run = subprocess.run([*DEMO, "--url", w.uds_url], capture_output=True, text=True, timeout=180)
+    run = run_cli("demo", "--url", w.uds_url, timeout=180)
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
     assert "every process got the same bytes" in out
@@ -33,12 +34,8 @@ def test_demo_against_a_running_worker(workers):
 
 
 def test_demo_starts_its_own_worker_when_none_answers(tmp_path):
-    run = subprocess.run(
-        [*DEMO, "--url", f"unix://{tmp_path}/nobody.sock", "--frames", "12", "--ranks", "2"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    run = run_cli("demo", "--url", f"unix://{tmp_path}/nobody.sock", "--frames", "12",
+                  "--ranks", "2", timeout=180)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     assert "started one" in run.stdout
     # Its own worker listens on a port the system picked: the URL names that port.
@@ -52,13 +49,8 @@ def test_demo_with_another_workers_fd_socket_in_its_environment(workers, tmp_pat
     at its URL yet: it starts its own, and never registers frames with the other."""
     other = workers.start()
     env = os.environ | {"FRAMEWIRE_FD_SOCKET": str(other.fd_socket)}
-    run = subprocess.run(
-        [*DEMO, "--url", f"unix://{tmp_path}/nobody.sock", "--frames", "12", "--ranks", "2"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
+    run = run_cli("demo", "--url", f"unix://{tmp_path}/nobody.sock", "--frames", "12",
+                  "--ranks", "2", env=env, timeout=180)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     assert "started one" in run.stdout
     assert "another worker's" in run.stderr  # the inherited socket, passed over and said so
@@ -100,12 +92,7 @@ def test_demo_waits_for_its_worker_without_starting_one(workers, tmp_path):
 
 def test_demo_that_waits_in_vain_says_so(tmp_path):
     t0 = time.monotonic()
-    run = subprocess.run(
-        [*DEMO, "--url", f"unix://{tmp_path}/nobody.sock", "--wait", "1.5"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = run_cli("demo", "--url", f"unix://{tmp_path}/nobody.sock", "--wait", "1.5", timeout=60)
     assert run.returncode == 1
     assert f"no framewire worker answered at unix://{tmp_path}/nobody.sock within 1.5 s" in (
         run.stderr

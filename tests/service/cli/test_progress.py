@@ -9,10 +9,10 @@ import json
 import os
 import pty
 import re
+import select
 import shutil
 import struct
 import subprocess
-import sys
 import termios
 import time
 from pathlib import Path
@@ -22,11 +22,11 @@ import pytest
 import torch
 from framewire.client.wire import Layout
 
+from tests.support.cli import run_cli, start_cli
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.refclips import make_video
 from tests.support.worker import Worker
 
-CLI = [sys.executable, "-m", "framewire.service"]
 ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 NO_WORKER = ["--fd-socket", "/nonexistent/fd.sock"]  # decode: the local fallback
 # Well past what ffmpeg and x264 read ahead of the encode (the pipe, x264's lookahead: ~40
@@ -37,35 +37,37 @@ DECODE, DECODED_FRAMES = ["--fps", "30", "--size", "320x180"], 90  # 3 s of the 
 
 
 def on_terminal(*args: str, timeout: float = 120) -> tuple[int, str]:
-    """Run the command with a pseudo-terminal as stdin, stdout and stderr; all it wrote."""
+    """Run the command with a pseudo-terminal as stdin, stdout and stderr; all it wrote.
+    The terminal is the command's by path (a fork of the zygote opens it itself), so
+    this end stays open until the command has exited and its last words are read."""
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
     env = os.environ | {"TERM": "xterm-256color"}
-    proc = subprocess.Popen(
-        [*CLI, *args], stdin=follower, stdout=follower, stderr=follower, env=env
-    )
-    os.close(follower)
+    terminal = os.ttyname(follower)
+    proc = start_cli(*args, stdio=(terminal, terminal, terminal), env=env)
     output = bytearray()
     deadline = time.monotonic() + timeout
     try:
+        exited = False
         while time.monotonic() < deadline:
-            try:
-                data = os.read(leader, 65536)
-            except OSError:  # EIO: every copy of the follower is closed
-                break
-            if not data:
-                break
-            output += data
+            ready, _, _ = select.select([leader], [], [], 0.25 if exited else 0.05)
+            if ready:
+                output += os.read(leader, 65536)
+            elif exited:
+                break  # gone, and nothing more came
+            else:
+                exited = proc.poll() is not None
         return proc.wait(timeout=max(1.0, deadline - time.monotonic())), output.decode()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        os.close(follower)
         os.close(leader)
 
 
 def piped(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+    return run_cli(*args)
 
 
 def screens(output: str) -> list[str]:

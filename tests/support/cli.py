@@ -1,0 +1,55 @@
+"""The ``framewire`` command as its tests run it: ``python -m framewire.service ARGS``.
+
+Where the zygote can start it (tests/support/zygote.py: the same interpreter, the
+same variables read at start), the command is a fork of the zygote, which has
+imported it already: its argv parsing, settings, output and exit status are those
+of a fresh interpreter, without its second of imports (and torch's two more, for
+an encode). Otherwise, or with FRAMEWIRE_TEST_FORK=0, it is a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.support.worker import FORK
+from tests.support.zygote import Forked, zygote
+
+CLI = [sys.executable, "-m", "framewire.service"]
+
+
+def start_cli(
+    *args: str, stdio: tuple[str, str, str], env: dict[str, str] | None = None
+) -> Forked | subprocess.Popen[bytes]:
+    """The command running, its descriptors 0, 1 and 2 opened from the paths ``stdio``
+    names (a terminal's, a file's)."""
+    forks = zygote() if FORK else None
+    if forks is not None and forks.can_start(env):
+        return forks.start(list(args), Path(os.devnull), env, None, stdio=stdio)
+    fds = [os.open(stdio[0], os.O_RDWR if stdio[0] in stdio[1:] else os.O_RDONLY)]
+    fds += [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for p in stdio[1:]]
+    try:
+        return subprocess.Popen([*CLI, *args], stdin=fds[0], stdout=fds[1], stderr=fds[2], env=env)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """The command run to its end, as ``subprocess.run(..., capture_output=True,
+    text=True)`` would: its exit status and what it wrote to stdout and stderr."""
+    with tempfile.TemporaryDirectory(prefix="framewire-cli-") as scratch:
+        out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
+        proc = start_cli(*args, stdio=(os.devnull, str(out), str(err)), env=env)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        return subprocess.CompletedProcess([*CLI, *args], code, out.read_text(), err.read_text())
