@@ -10,24 +10,18 @@ side by side.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from tests.support import REPO
+from tests.support.cli import run_cli
 
 
 def bench(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-        env=os.environ | {"PYTHONUNBUFFERED": "1"},
-    )
+    """``python benchmarks/SCRIPT ARGS`` in the checkout (a fork of the zygote where one
+    can start: tests/support/cli.py)."""
+    return run_cli(*args, script=REPO / "benchmarks" / script, timeout=timeout, cwd=REPO)
 
 
 def bench_json(

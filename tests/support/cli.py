@@ -1,6 +1,7 @@
-"""The ``framewire`` command as its tests run it: ``python -m framewire.service ARGS``.
+"""The ``framewire`` command as its tests run it, ``python -m framewire.service ARGS``,
+and the benchmark scripts, ``python SCRIPT ARGS``.
 
-Where the zygote can start it (tests/support/zygote.py: the same interpreter, the
+Where the zygote can start one (tests/support/zygote.py: the same interpreter, the
 same variables read at start), the command is a fork of the zygote, which has
 imported it already: its argv parsing, settings, output and exit status are those
 of a fresh interpreter, without its second of imports (and torch's two more, for
@@ -22,34 +23,45 @@ CLI = [sys.executable, "-m", "framewire.service"]
 
 
 def start_cli(
-    *args: str, stdio: tuple[str, str, str], env: dict[str, str] | None = None
+    *args: str,
+    stdio: tuple[str, str, str],
+    env: dict[str, str] | None = None,
+    script: Path | None = None,
+    cwd: Path | None = None,
 ) -> Forked | subprocess.Popen[bytes]:
-    """The command running, its descriptors 0, 1 and 2 opened from the paths ``stdio``
-    names (a terminal's, a file's)."""
+    """The command (or ``script``) running, its descriptors 0, 1 and 2 opened from the
+    paths ``stdio`` names (a terminal's, a file's)."""
     forks = zygote() if FORK else None
     if forks is not None and forks.can_start(env):
-        return forks.start(list(args), Path(os.devnull), env, None, stdio=stdio)
+        return forks.start(list(args), Path(os.devnull), env, cwd, stdio=stdio, script=script)
     fds = [os.open(stdio[0], os.O_RDWR if stdio[0] in stdio[1:] else os.O_RDONLY)]
     fds += [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for p in stdio[1:]]
+    argv = [*CLI, *args] if script is None else [sys.executable, str(script), *args]
     try:
-        return subprocess.Popen([*CLI, *args], stdin=fds[0], stdout=fds[1], stderr=fds[2], env=env)
+        return subprocess.Popen(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2], env=env, cwd=cwd)
     finally:
         for fd in fds:
             os.close(fd)
 
 
 def run_cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+    script: Path | None = None,
+    cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """The command run to its end, as ``subprocess.run(..., capture_output=True,
-    text=True)`` would: its exit status and what it wrote to stdout and stderr."""
+    """The command (or ``script``) run to its end, as ``subprocess.run(...,
+    capture_output=True, text=True)`` would: its exit status and what it wrote."""
+    argv = [*CLI, *args] if script is None else [sys.executable, str(script), *args]
     with tempfile.TemporaryDirectory(prefix="framewire-cli-") as scratch:
         out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
-        proc = start_cli(*args, stdio=(os.devnull, str(out), str(err)), env=env)
+        stdio = (os.devnull, str(out), str(err))
+        proc = start_cli(*args, stdio=stdio, env=env, script=script, cwd=cwd)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
             raise
-        return subprocess.CompletedProcess([*CLI, *args], code, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())

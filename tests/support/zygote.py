@@ -103,11 +103,14 @@ class Zygote:
         env: dict[str, str] | None,
         cwd: Path | None,
         stdio: tuple[str, str, str] | None = None,
+        script: Path | None = None,
     ) -> Forked:
-        """Fork ``framewire ARGS``: stdout and stderr to ``log``, stdin /dev/null, unless
-        ``stdio`` names the paths its descriptors 0, 1 and 2 open (a terminal's, say)."""
+        """Fork ``framewire ARGS`` (or ``python SCRIPT ARGS``): stdout and stderr to
+        ``log``, stdin /dev/null, unless ``stdio`` names the paths its descriptors 0, 1
+        and 2 open (a terminal's, say)."""
         request = {
             "argv": args,
+            "script": None if script is None else str(script),
             "stdio": list(stdio or (os.devnull, str(log), str(log))),
             "env": dict(os.environ if env is None else env),
             "cwd": str(cwd or os.getcwd()),
@@ -189,7 +192,8 @@ def _preload() -> None:
 
 
 def _child(request: dict[str, object]) -> None:
-    """In the fork: become ``framewire serve`` with the request's argv, env and directory.
+    """In the fork: become ``framewire ARGV`` (``serve``, say) or ``python SCRIPT ARGV``
+    with the request's env and directory.
     Its descriptors are those of ``python -m framewire.service`` started by Popen: 0, 1
     and 2 the request's paths, nothing else (the zygote's pipes and pidfds close)."""
     code = 1
@@ -220,10 +224,19 @@ def _child(request: dict[str, object]) -> None:
         os.environ.clear()
         os.environ.update(env)
         argv = [str(a) for a in request["argv"]]  # type: ignore[attr-defined]
-        sys.argv = ["framewire", *argv]
-        from framewire.service._cli.main import main
+        if request["script"] is None:
+            sys.argv = ["framewire", *argv]
+            from framewire.service._cli.main import main
 
-        code = main(argv)
+            code = main(argv)
+        else:  # as ``python SCRIPT``: its folder first on the path
+            import runpy
+
+            script = str(request["script"])
+            sys.argv = [script, *argv]
+            sys.path.insert(0, os.path.dirname(script))
+            runpy.run_path(script, run_name="__main__")
+            code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:

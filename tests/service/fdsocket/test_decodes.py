@@ -20,6 +20,7 @@ from framewire.client.wire import DecodeRequest
 from framewire.core.decode import SEALS
 
 from tests.support import REPO
+from tests.support.cli import run_cli
 from tests.support.refclips import (
     DECODE_CASES,
     RawConnection,
@@ -251,12 +252,9 @@ def test_async_client_and_many_requests_per_connection(worker, fd_sock):
 def test_cli_decode_through_the_worker(worker, fd_sock, tmp_path):
     out = tmp_path / "frames.npy"
     video = worker.inputs / "c30.mp4"
-    run = subprocess.run(
-        [sys.executable, "-m", "framewire.service", "decode", str(video), "--fps", "15",
-         "--size", "21x13", "--start", "0.2", "--max-frames", "9", "-o", str(out),
-         "--fd-socket", str(fd_sock), "--no-fallback"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    run = run_cli("decode", str(video), "--fps", "15", "--size", "21x13", "--start", "0.2",
+                  "--max-frames", "9", "-o", str(out), "--fd-socket", str(fd_sock),
+                  "--no-fallback", timeout=60)  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert "from worker" in run.stdout and "9 frames of 21x13" in run.stdout
     frames = np.load(out)

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from framewire.client import AsyncClient, BadRequest, Client, Forbidden, NotFound
 from framewire.core.shm import shared
 
+from tests.support.cli import run_cli
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.requests import Request, post_raw, wait_for_ffmpeg
 from tests.support.segments import raw_bytes, shm_source
@@ -290,30 +290,11 @@ def test_cli_encode_and_probe_through_worker(worker, baseline, tmp_path):
     np.save(tmp_path / "clip.npy", clip.numpy())
     out = worker.outputs / "cli" / "c.mp4"
     out.parent.mkdir(exist_ok=True)
-    cli = [sys.executable, "-m", "framewire.service"]
-    run = subprocess.run(
-        [
-            *cli,
-            "encode",
-            str(tmp_path / "clip.npy"),
-            str(out),
-            "--fps",
-            "24",
-            "--url",
-            worker.uds_url,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = run_cli("encode", str(tmp_path / "clip.npy"), str(out), "--fps", "24",
+                  "--url", worker.uds_url)  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert sha256(out) == reference_mp4(clip, tmp_path / "ref.mp4")
-    run = subprocess.run(
-        [*cli, "probe", str(out), "--url", worker.tcp_url],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = run_cli("probe", str(out), "--url", worker.tcp_url, timeout=60)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["frames"] == 6
 

@@ -15,7 +15,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -27,6 +26,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.support.cli import run_cli
 from tests.support.identity import NOBODY, as_nobody, as_user, open_worker
 from tests.support.media import make_clip, reference_mp4
 from tests.support.objstore import (
@@ -241,9 +241,8 @@ def test_the_cli_encodes_to_a_url(sworker, moto, tmp_path):
     clip = make_clip(*SMALL)
     np.save(tmp_path / "clip.npy", clip.numpy())
     url = f"s3://{BUCKET}/ok/cli.mp4"
-    cmd = [sys.executable, "-m", "framewire.service", "encode", str(tmp_path / "clip.npy"),
-           url, "--fps", "24", "--url", sworker.uds_url, "--json"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = run_cli("encode", str(tmp_path / "clip.npy"), url, "--fps", "24",
+                   "--url", sworker.uds_url, "--json")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["path"] == url
     assert object_sha(moto, "ok/cli.mp4") == reference_sha(clip, tmp_path)
