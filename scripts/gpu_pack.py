@@ -134,7 +134,8 @@ def compress(raw: bytes) -> bytes:
     """``raw`` as concatenated xz streams, one per core. The x86 filter makes call
     targets position-independent. On ffmpeg 9.0.2 (164.7 MiB), over 2 cores: preset 2
     gives 52.1 MiB for 14 s of CPU, preset 6 46.7 MiB for 57 s, preset 9 without the
-    filter 46.2 MiB for 90 s. The pack fits 64 MiB either way; the time is paid once
+    filter 46.2 MiB for 90 s (one run; preset 2 took 31 s in another: the machine's
+    speed varies). The pack fits 64 MiB either way; the time is paid once
     per binary (``compressed`` keeps the result), the 5 MiB on every copy to the host."""
     parts = max(1, min(os.cpu_count() or 1, 8))
     step = -(-len(raw) // parts)
