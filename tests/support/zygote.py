@@ -237,8 +237,12 @@ def _child(request: dict[str, object]) -> None:
             sys.path.insert(0, os.path.dirname(script))
             runpy.run_path(script, run_name="__main__")
             code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+    except SystemExit as exc:  # as the interpreter ends on one: None is 0, text is said
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
     except BaseException:
         import traceback
 
