@@ -9,14 +9,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support import REPO
-from tests.support.engine_site import engine_env, engine_ffmpeg, engine_site, run_engine
+from tests.support.engine_site import engine_ffmpeg, engine_site, run_engine, start_engine
 from tests.support.media import FFMPEG
 from tests.support.worker import Worker, free_port, metric
 
@@ -131,20 +129,14 @@ def h3(site: Path, reference: tuple[Path, Path], out: Path, video: Path, **env: 
     env = {"PATH": f"{path_dir}:{os.environ['PATH']}", **env}
     port = free_port()
     out.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "tests.support.engine_sglang", "h3"]
     procs = [
-        subprocess.Popen(
-            [*argv, str(rank), "2", str(port), str(video), str(out / f"rank{rank}.json")],
-            env=engine_env(site, **env),
-            cwd=REPO,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        start_engine(site, "engine_sglang", "h3", str(rank), "2", str(port), str(video),
+                     str(out / f"rank{rank}.json"),
+                     stdio=(os.devnull, os.devnull, str(out / f"rank{rank}.log")), **env)
         for rank in range(2)
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err
+    ]  # fmt: skip
+    for rank, p in enumerate(procs):
+        assert p.wait(timeout=300) == 0, (out / f"rank{rank}.log").read_text()
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

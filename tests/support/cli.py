@@ -14,10 +14,11 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.support.worker import FORK
-from tests.support.zygote import Forked, zygote
+from tests.support.zygote import Forked, Zygote, zygote
 
 CLI = [sys.executable, "-m", "framewire.service"]
 
@@ -31,12 +32,29 @@ def start_cli(
 ) -> Forked | subprocess.Popen[bytes]:
     """The command (or ``script``) running, its descriptors 0, 1 and 2 opened from the
     paths ``stdio`` names (a terminal's, a file's)."""
+    argv = [*CLI, *args] if script is None else [sys.executable, str(script), *args]
     forks = zygote() if FORK else None
+    return start_process(argv, forks, list(args), stdio=stdio, env=env, cwd=cwd, script=script)
+
+
+def start_process(
+    argv: list[str],
+    forks: Zygote | None,
+    forked_args: list[str],
+    *,
+    stdio: tuple[str, str, str],
+    env: dict[str, str] | None,
+    cwd: Path | None,
+    script: Path | None = None,
+    module: str | None = None,
+) -> Forked | subprocess.Popen[bytes]:
+    """``argv`` running, or where ``forks`` can start it, its fork (``forked_args`` for
+    the command, ``script`` or ``module``): descriptors 0, 1 and 2 opened from ``stdio``."""
     if forks is not None and forks.can_start(env):
-        return forks.start(list(args), Path(os.devnull), env, cwd, stdio=stdio, script=script)
+        return forks.start(forked_args, Path(os.devnull), env, cwd, stdio=stdio, script=script,
+                           module=module)  # fmt: skip
     fds = [os.open(stdio[0], os.O_RDWR if stdio[0] in stdio[1:] else os.O_RDONLY)]
     fds += [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for p in stdio[1:]]
-    argv = [*CLI, *args] if script is None else [sys.executable, str(script), *args]
     try:
         return subprocess.Popen(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2], env=env, cwd=cwd)
     finally:
@@ -54,10 +72,20 @@ def run_cli(
     """The command (or ``script``) run to its end, as ``subprocess.run(...,
     capture_output=True, text=True)`` would: its exit status and what it wrote."""
     argv = [*CLI, *args] if script is None else [sys.executable, str(script), *args]
+    return run_to_end(argv, lambda stdio: start_cli(*args, stdio=stdio, env=env, script=script,
+                                                    cwd=cwd), timeout)  # fmt: skip
+
+
+def run_to_end(
+    argv: list[str],
+    start: Callable[[tuple[str, str, str]], Forked | subprocess.Popen[bytes]],
+    timeout: float,
+) -> subprocess.CompletedProcess[str]:
+    """What ``start(stdio)`` started, run to its end with stdout and stderr captured, as
+    ``subprocess.run(argv, capture_output=True, text=True, timeout=...)`` answers."""
     with tempfile.TemporaryDirectory(prefix="framewire-cli-") as scratch:
         out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
-        stdio = (os.devnull, str(out), str(err))
-        proc = start_cli(*args, stdio=stdio, env=env, script=script, cwd=cwd)
+        proc = start((os.devnull, str(out), str(err)))
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -69,13 +69,31 @@ def engine_env(site: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def start_engine(
+    site: Path, driver: str, *args: str, stdio: tuple[str, str, str], **env: str
+) -> Any:
+    """``python -m tests.support.<driver> ARGS`` running in the engine's environment (a fork
+    of a zygote there that has imported torch alone, as tests/support/zygote.py can), its
+    descriptors 0, 1 and 2 opened from ``stdio``."""
+    from tests.support.cli import start_process  # not in the drivers: they import this
+    from tests.support.worker import FORK
+    from tests.support.zygote import torch_zygote
+
+    module = f"tests.support.{driver}"
+    full = engine_env(site, **env)
+    forks = torch_zygote(full) if FORK else None
+    return start_process([sys.executable, "-m", module, *args], forks, list(args), stdio=stdio,
+                         env=full, cwd=REPO, module=module)  # fmt: skip
+
+
 def run_engine(site: Path, driver: str, *args: str, **env: str) -> dict[str, Any]:
-    """``python -m tests.support.<driver> ARGS`` in the engine's environment: the JSON
-    report its last line prints, with its stderr (the engine's log) as ``log``."""
-    done = subprocess.run(
-        [sys.executable, "-m", f"tests.support.{driver}", *args],
-        env=engine_env(site, **env), cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    """``start_engine`` to its end: the JSON report its last line prints, with its stderr
+    (the engine's log) as ``log``."""
+    from tests.support.cli import run_to_end
+
+    argv = [sys.executable, "-m", f"tests.support.{driver}", *args]
+    done = run_to_end(argv, lambda stdio: start_engine(site, driver, *args, stdio=stdio, **env),
+                      timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     report: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
     report["log"] = done.stderr

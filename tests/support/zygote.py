@@ -7,7 +7,8 @@ zygote pays them once per test process; each worker is then a fork of it that ru
 parsing, settings, sockets, signals and exit status), in the test's environment and
 directory. A test that needs what only a fresh interpreter gives (another PYTHONPATH,
 other libraries) gets ``python -m framewire.service`` as before: ``start_worker``
-chooses.
+chooses. The engines' drivers (tests/support/engine_site.py), which run in their own
+sites, fork from a zygote of theirs that has imported torch alone (``torch_zygote``).
 
 The zygote is the test process's child and each worker the zygote's: the zygote reaps
 them and reports their exit status on its stdout, so ``Forked`` answers what a
@@ -72,12 +73,14 @@ class Forked:
 
 
 class Zygote:
-    """The test process's zygote: started once, lives as long as the test process."""
+    """A zygote of the test process: started once, lives as long as the test process.
+    ``preload`` is what it imports first: ``"worker"`` (the worker's modules and kernels)
+    or ``"torch"``; ``env`` the environment it starts in (the test process's)."""
 
-    def __init__(self) -> None:
-        self.env = dict(os.environ)
+    def __init__(self, preload: str = "worker", env: dict[str, str] | None = None) -> None:
+        self.env = dict(os.environ if env is None else env)
         self._proc = subprocess.Popen(
-            [sys.executable, "-P", __file__],
+            [sys.executable, "-P", __file__, preload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=self.env,
@@ -104,13 +107,15 @@ class Zygote:
         cwd: Path | None,
         stdio: tuple[str, str, str] | None = None,
         script: Path | None = None,
+        module: str | None = None,
     ) -> Forked:
-        """Fork ``framewire ARGS`` (or ``python SCRIPT ARGS``): stdout and stderr to
-        ``log``, stdin /dev/null, unless ``stdio`` names the paths its descriptors 0, 1
-        and 2 open (a terminal's, say)."""
+        """Fork ``framewire ARGS`` (or ``python SCRIPT ARGS``, ``python -m MODULE ARGS``):
+        stdout and stderr to ``log``, stdin /dev/null, unless ``stdio`` names the paths
+        its descriptors 0, 1 and 2 open (a terminal's, say)."""
         request = {
             "argv": args,
             "script": None if script is None else str(script),
+            "module": module,
             "stdio": list(stdio or (os.devnull, str(log), str(log))),
             "env": dict(os.environ if env is None else env),
             "cwd": str(cwd or os.getcwd()),
@@ -157,6 +162,7 @@ class Zygote:
 _zygote: Zygote | None = None
 _failed: str | None = None  # why the zygote could not start: workers are started afresh
 _zygote_lock = threading.Lock()
+_torch_zygotes: dict[tuple[tuple[str, str], ...], Zygote | None] = {}  # by AT_START values
 
 
 def zygote() -> Zygote | None:
@@ -173,17 +179,37 @@ def zygote() -> Zygote | None:
         return _zygote
 
 
+def torch_zygote(env: dict[str, str]) -> Zygote | None:
+    """This test process's zygote for processes of ``env`` that import torch and not
+    framewire first (an engine's driver in its site): it has imported torch alone. Started
+    on first use for each value of the variables read at start; None if it cannot start."""
+    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(AT_START)))
+    with _zygote_lock:
+        forks = _torch_zygotes.get(key)
+        if key not in _torch_zygotes or (forks is not None and forks._proc.poll() is not None):
+            try:
+                forks = Zygote("torch", env)
+            except RuntimeError as exc:
+                forks = None
+                warnings.warn(f"engines start without their zygote: {exc}", stacklevel=2)
+            _torch_zygotes[key] = forks
+        return forks
+
+
 # --- the zygote itself ------------------------------------------------------------------------
 
 
-def _preload() -> None:
-    """What every worker imports and loads as it starts: done once, here."""
-    import framewire.service._cli.main
-    import framewire.service._worker  # noqa: F401
-    from framewire.service._convert import kernels
+def _preload(what: str) -> None:
+    """What every process it forks imports and loads as it starts: done once, here."""
+    if what == "torch":
+        import torch  # noqa: F401
+    else:
+        import framewire.service._cli.main
+        import framewire.service._worker  # noqa: F401
+        from framewire.service._convert import kernels
 
-    kernels.use("auto")
-    kernels.warm()  # numba's compiled kernels, loaded from its cache: forks inherit them
+        kernels.use("auto")
+        kernels.warm()  # numba's compiled kernels, loaded from its cache: forks inherit them
     # No Python thread may run when it forks (a fork copies only the forking thread, and
     # any lock another holds stays held). The native ones here are idle pools that
     # expect forks: OpenBLAS's (numpy) and one numba starts as it loads a kernel.
@@ -192,8 +218,8 @@ def _preload() -> None:
 
 
 def _child(request: dict[str, object]) -> None:
-    """In the fork: become ``framewire ARGV`` (``serve``, say) or ``python SCRIPT ARGV``
-    with the request's env and directory.
+    """In the fork: become ``framewire ARGV`` (``serve``, say), ``python SCRIPT ARGV`` or
+    ``python -m MODULE ARGV`` with the request's env and directory.
     Its descriptors are those of ``python -m framewire.service`` started by Popen: 0, 1
     and 2 the request's paths, nothing else (the zygote's pipes and pidfds close)."""
     code = 1
@@ -224,7 +250,14 @@ def _child(request: dict[str, object]) -> None:
         os.environ.clear()
         os.environ.update(env)
         argv = [str(a) for a in request["argv"]]  # type: ignore[attr-defined]
-        if request["script"] is None:
+        if request.get("module") is not None:  # as ``python -m MODULE``: the directory first
+            import runpy
+
+            sys.argv = ["-m", *argv]  # runpy puts the module's file first
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(str(request["module"]), run_name="__main__", alter_sys=True)
+            code = 0
+        elif request["script"] is None:
             sys.argv = ["framewire", *argv]
             from framewire.service._cli.main import main
 
@@ -259,9 +292,9 @@ def _child(request: dict[str, object]) -> None:
         os._exit(code)
 
 
-def _serve() -> None:
+def _serve(preload: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the test process's to handle
-    _preload()
+    _preload(preload)
     requests, answers = 0, os.dup(1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing stray reaches the control pipe
 
@@ -295,4 +328,4 @@ def _serve() -> None:
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(sys.argv[1] if len(sys.argv) > 1 else "worker")

@@ -1,16 +1,18 @@
 """A command run as a fork of the zygote (tests/support/cli.py) answers what a fresh
-interpreter answers: exit status, stdout and stderr, for the CLI and for scripts."""
+interpreter answers: exit status, stdout and stderr, for the CLI, for scripts and for
+modules forked from the torch zygote (the engines' drivers)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.cli import CLI, run_cli
-from tests.support.zygote import zygote
+from tests.support.cli import CLI, run_cli, run_to_end, start_process
+from tests.support.zygote import torch_zygote, zygote
 
 ENDINGS = {
     "returns": "print('out', end='\\r'); print('done')",
@@ -49,3 +51,38 @@ def test_the_forked_cli_answers_as_a_fresh_one(args: list[str]) -> None:
     assert (forked.returncode, forked.stdout, forked.stderr) == (
         alone.returncode, alone.stdout, alone.stderr
     )  # fmt: skip
+
+
+MODULE_REPORT = """import json, os, sys
+print(json.dumps([sys.argv[1:], os.path.basename(sys.argv[0]), sys.path[0] == os.getcwd(),
+                  sys.path.index(os.environ["PYTHONPATH"]), __name__, os.environ["CASE"],
+                  sorted(m for m in sys.modules if m.partition(".")[0] in ("framewire", "mods"))]))
+"""
+
+
+@pytest.mark.parametrize(
+    "body", [*ENDINGS.values(), MODULE_REPORT], ids=[*ENDINGS.keys(), "reports_its_start"]
+)
+def test_a_module_forked_from_the_torch_zygote_answers_as_a_fresh_one(
+    tmp_path: Path, body: str
+) -> None:
+    """What the engines' drivers are (tests/support/engine_site.py): ``python -m MODULE``
+    in a site on PYTHONPATH, with variables of its own."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "__init__.py").write_text("")
+    (tmp_path / "mods" / "m.py").write_text(body + "\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "CASE": "mine"}
+    forks = torch_zygote(env)
+    assert forks is not None and forks.can_start(env)
+    argv = [sys.executable, "-m", "mods.m", "a", "b"]
+    forked = run_to_end(argv, lambda stdio: start_process(
+        argv, forks, ["a", "b"], stdio=stdio, env=env, cwd=tmp_path, module="mods.m"
+    ), timeout=60)  # fmt: skip
+    alone = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    assert forked.returncode == alone.returncode
+    assert forked.stdout == alone.stdout
+    if body.startswith("raise"):
+        assert forked.stderr.splitlines()[-1] == alone.stderr.splitlines()[-1]
+    else:
+        assert forked.stderr == alone.stderr
