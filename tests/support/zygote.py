@@ -8,7 +8,9 @@ parsing, settings, sockets, signals and exit status), in the test's environment 
 directory. A test that needs what only a fresh interpreter gives (another PYTHONPATH,
 other libraries) gets ``python -m framewire.service`` as before: ``start_worker``
 chooses. The engines' drivers (tests/support/engine_site.py), which run in their own
-sites, fork from a zygote of theirs that has imported torch alone (``torch_zygote``).
+sites, fork from a zygote of theirs that has imported torch alone (``torch_zygote``). A
+script forked to run (a benchmark) is handed a zygote of its own, forked from it just
+before the script starts, so that the workers it starts are forks as well.
 
 The zygote is the test process's child and each worker the zygote's: the zygote reaps
 them and reports their exit status on its stdout, so ``Forked`` answers what a
@@ -30,6 +32,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 # Environment variables an interpreter reads as it starts or imports: a worker that is
@@ -77,14 +80,27 @@ class Zygote:
     ``preload`` is what it imports first: ``"worker"`` (the worker's modules and kernels)
     or ``"torch"``; ``env`` the environment it starts in (the test process's)."""
 
-    def __init__(self, preload: str = "worker", env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        preload: str = "worker",
+        env: dict[str, str] | None = None,
+        handed: tuple[int, int, int] | None = None,
+    ) -> None:
         self.env = dict(os.environ if env is None else env)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-P", __file__, preload],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=self.env,
-        )
+        if handed is None:
+            proc = subprocess.Popen(
+                [sys.executable, "-P", __file__, preload],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=self.env,
+            )
+            assert proc.stdin is not None and proc.stdout is not None
+            self._requests, self._answers = proc.stdin, proc.stdout
+            self.alive: Callable[[], bool] = lambda: proc.poll() is None
+        else:  # the one this script's fork was handed (_hand_over): its pid and pipes
+            pid, requests, answers = handed
+            self._requests, self._answers = open(requests, "wb"), open(answers, "rb")  # noqa: SIM115
+            self.alive = lambda: _running(pid)
         self._lock = threading.Lock()  # one request at a time
         self._changed = threading.Condition()
         self._started: list[int | str] = []
@@ -93,7 +109,7 @@ class Zygote:
         self._wait_started(timeout=120)  # "ready": its imports are done
 
     def can_start(self, env: dict[str, str] | None) -> bool:
-        if self._proc.poll() is not None:
+        if not self.alive():
             return False
         wanted = os.environ if env is None else env
         keys = {k for k in {*wanted, *self.env} if k.startswith(AT_START)}
@@ -121,9 +137,8 @@ class Zygote:
             "cwd": str(cwd or os.getcwd()),
         }
         with self._lock:
-            assert self._proc.stdin is not None
-            self._proc.stdin.write(json.dumps(request).encode() + b"\n")
-            self._proc.stdin.flush()
+            self._requests.write(json.dumps(request).encode() + b"\n")
+            self._requests.flush()
             pid = self._wait_started(timeout=30)
         return Forked(self, pid, args)
 
@@ -145,8 +160,7 @@ class Zygote:
         return answer
 
     def _read(self) -> None:
-        assert self._proc.stdout is not None
-        for line in self._proc.stdout:
+        for line in self._answers:
             event = json.loads(line)
             with self._changed:
                 if "exited" in event:
@@ -159,20 +173,35 @@ class Zygote:
             self._changed.notify_all()
 
 
+def _running(child: int) -> bool:
+    try:
+        return os.waitpid(child, os.WNOHANG)[0] == 0
+    except ChildProcessError:  # reaped already
+        return False
+
+
 _zygote: Zygote | None = None
 _failed: str | None = None  # why the zygote could not start: workers are started afresh
 _zygote_lock = threading.Lock()
+# "PID REQUESTS ANSWERS": the zygote a script forked by one was handed (_hand_over), taken
+# as this module loads so that the script's own children do not see it.
+HANDED = "FRAMEWIRE_TEST_ZYGOTE"
+_handed = os.environ.pop(HANDED, "").split()
 _torch_zygotes: dict[tuple[tuple[str, str], ...], Zygote | None] = {}  # by AT_START values
 
 
 def zygote() -> Zygote | None:
     """This test process's zygote, started on first use; None if it cannot start (each
     worker then gets its own interpreter, and the first start warns why)."""
-    global _zygote, _failed
+    global _zygote, _failed, _handed
     with _zygote_lock:
-        if _failed is None and (_zygote is None or _zygote._proc.poll() is not None):
+        if _failed is None and (_zygote is None or not _zygote.alive()):
             try:
-                _zygote = Zygote()
+                if _handed and int(_handed[0]) == os.getpid():
+                    _zygote = Zygote(handed=(int(_handed[1]), int(_handed[2]), int(_handed[3])))
+                else:
+                    _zygote = Zygote()
+                _handed = []
             except RuntimeError as exc:
                 _failed, _zygote = str(exc), None
                 warnings.warn(f"workers start without the zygote: {exc}", stacklevel=2)
@@ -186,7 +215,7 @@ def torch_zygote(env: dict[str, str]) -> Zygote | None:
     key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(AT_START)))
     with _zygote_lock:
         forks = _torch_zygotes.get(key)
-        if key not in _torch_zygotes or (forks is not None and forks._proc.poll() is not None):
+        if key not in _torch_zygotes or (forks is not None and not forks.alive()):
             try:
                 forks = Zygote("torch", env)
             except RuntimeError as exc:
@@ -266,6 +295,7 @@ def _child(request: dict[str, object]) -> None:
             import runpy
 
             script = str(request["script"])
+            _hand_over()
             sys.argv = [script, *argv]
             sys.path.insert(0, os.path.dirname(script))
             runpy.run_path(script, run_name="__main__")
@@ -292,11 +322,41 @@ def _child(request: dict[str, object]) -> None:
         os._exit(code)
 
 
+def _hand_over() -> None:
+    """In a fork that is to run a script: fork a zygote for it first, this process as the
+    zygote made it (one thread, the imports done), so that the workers the script starts
+    (a benchmark's) are forks too rather than the children of a zygote of its own."""
+    requests, to_zygote = os.pipe()
+    from_zygote, answers = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(to_zygote)
+        os.close(from_zygote)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        null = os.open(os.devnull, os.O_RDWR)  # the script's stdin and stdout are its own
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        os.close(null)
+        try:
+            _serve_requests(requests, answers)
+        finally:
+            os._exit(0)
+    os.close(requests)
+    os.close(answers)
+    os.environ[HANDED] = f"{os.getpid()} {pid} {to_zygote} {from_zygote}"
+
+
 def _serve(preload: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the test process's to handle
     _preload(preload)
-    requests, answers = 0, os.dup(1)
+    answers = os.dup(1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing stray reaches the control pipe
+    _serve_requests(0, answers)
+
+
+def _serve_requests(requests: int, answers: int) -> None:
+    """Forks a child for each request line read from ``requests``; says on ``answers``
+    that it is ready, each child's pid, and each child's exit status."""
 
     def say(event: dict[str, object]) -> None:
         os.write(answers, json.dumps(event).encode() + b"\n")
@@ -315,7 +375,7 @@ def _serve(preload: str) -> None:
                 continue
             data = os.read(requests, 1 << 16)
             if not data:
-                return  # the test process is gone: its workers are on their own
+                return  # who asked is gone: its workers are on their own
             pending += data
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)

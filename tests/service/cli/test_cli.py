@@ -15,7 +15,7 @@ import pytest
 import torch
 from framewire.client.wire import Layout
 
-from tests.support.cli import CLI, run_cli
+from tests.support.cli import CLI, run_cli, start_cli
 from tests.support.identity import NOBODY
 from tests.support.media import make_clip, reference_mp4, sha256
 
@@ -222,17 +222,17 @@ def serve_refused(tmp_path: Path, *args: str, env: dict[str, str] | None = None)
     """``framewire serve`` that must refuse to start: its stderr (a worker that serves
     instead is stopped, and fails the test)."""
     roots = ["--output-roots", str(tmp_path), "--input-roots", str(tmp_path)]
-    proc = subprocess.Popen(
-        [*CLI, "serve", "--port", "0", "--log-level", "warning", *roots, *args],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+    err = tmp_path / "serve.stderr"
+    proc = start_cli("serve", "--port", "0", "--log-level", "warning", *roots, *args,
+                     stdio=(os.devnull, os.devnull, str(err)), env=env)  # fmt: skip
     try:
-        _, stderr = proc.communicate(timeout=60)
+        code = proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.terminate()
-        _, stderr = proc.communicate(timeout=30)
-        pytest.fail(f"the worker started (and was stopped): {stderr}")
-    assert proc.returncode == 1, stderr
+        proc.wait(timeout=30)
+        pytest.fail(f"the worker started (and was stopped): {err.read_text()}")
+    stderr = err.read_text()
+    assert code == 1, stderr
     assert "not starting" in stderr, stderr
     return stderr
 
