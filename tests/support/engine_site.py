@@ -19,9 +19,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tests.support import REPO
+
+if TYPE_CHECKING:  # the drivers import this module: nothing of the suite's at run time
+    from tests.support.zygote import Forked
 
 # sglang[diffusion] 0.5.23 pins imageio-ffmpeg 0.5.1 (ffmpeg 4.2.2) and imageio 2.36.0;
 # its platform module needs psutil.
@@ -71,7 +74,7 @@ def engine_env(site: Path, **extra: str) -> dict[str, str]:
 
 def start_engine(
     site: Path, driver: str, *args: str, stdio: tuple[str, str, str], **env: str
-) -> Any:
+) -> Forked | subprocess.Popen[bytes]:
     """``python -m tests.support.<driver> ARGS`` running in the engine's environment (a fork
     of a zygote there that has imported torch alone, as tests/support/zygote.py can), its
     descriptors 0, 1 and 2 opened from ``stdio``."""

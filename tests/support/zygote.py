@@ -184,9 +184,11 @@ _zygote: Zygote | None = None
 _failed: str | None = None  # why the zygote could not start: workers are started afresh
 _zygote_lock = threading.Lock()
 # "PID REQUESTS ANSWERS": the zygote a script forked by one was handed (_hand_over), taken
-# as this module loads so that the script's own children do not see it.
+# as this module loads so that the script's own children do not see it, with the
+# environment the script started in (the handed zygote's).
 HANDED = "FRAMEWIRE_TEST_ZYGOTE"
 _handed = os.environ.pop(HANDED, "").split()
+_handed_env = dict(os.environ)
 _torch_zygotes: dict[tuple[tuple[str, str], ...], Zygote | None] = {}  # by AT_START values
 
 
@@ -198,7 +200,8 @@ def zygote() -> Zygote | None:
         if _failed is None and (_zygote is None or not _zygote.alive()):
             try:
                 if _handed and int(_handed[0]) == os.getpid():
-                    _zygote = Zygote(handed=(int(_handed[1]), int(_handed[2]), int(_handed[3])))
+                    pipes = (int(_handed[1]), int(_handed[2]), int(_handed[3]))
+                    _zygote = Zygote(env=_handed_env, handed=pipes)
                 else:
                     _zygote = Zygote()
                 _handed = []
