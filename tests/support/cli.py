@@ -32,9 +32,14 @@ def start_cli(
 ) -> Forked | subprocess.Popen[bytes]:
     """The command (or ``script``) running, its descriptors 0, 1 and 2 opened from the
     paths ``stdio`` names (a terminal's, a file's)."""
-    argv = [*CLI, *args] if script is None else [sys.executable, str(script), *args]
     forks = zygote() if FORK else None
-    return start_process(argv, forks, list(args), stdio=stdio, env=env, cwd=cwd, script=script)
+    return start_process(_argv(args, script), forks, list(args), stdio=stdio, env=env, cwd=cwd,
+                         script=script)  # fmt: skip
+
+
+def _argv(args: tuple[str, ...], script: Path | None) -> list[str]:
+    """The fresh interpreter's command line for the command's ``args`` (or ``script``'s)."""
+    return [*CLI, *args] if script is None else [sys.executable, str(script), *args]
 
 
 def start_process(
@@ -71,9 +76,9 @@ def run_cli(
 ) -> subprocess.CompletedProcess[str]:
     """The command (or ``script``) run to its end, as ``subprocess.run(...,
     capture_output=True, text=True)`` would: its exit status and what it wrote."""
-    argv = [*CLI, *args] if script is None else [sys.executable, str(script), *args]
-    return run_to_end(argv, lambda stdio: start_cli(*args, stdio=stdio, env=env, script=script,
-                                                    cwd=cwd), timeout)  # fmt: skip
+    return run_to_end(_argv(args, script), lambda stdio: start_cli(
+        *args, stdio=stdio, env=env, script=script, cwd=cwd
+    ), timeout)  # fmt: skip
 
 
 def run_to_end(

@@ -82,11 +82,15 @@ def start_engine(
     from tests.support.worker import FORK
     from tests.support.zygote import torch_zygote
 
-    module = f"tests.support.{driver}"
     full = engine_env(site, **env)
     forks = torch_zygote(full) if FORK else None
-    return start_process([sys.executable, "-m", module, *args], forks, list(args), stdio=stdio,
-                         env=full, cwd=REPO, module=module)  # fmt: skip
+    return start_process(_argv(driver, args), forks, list(args), stdio=stdio, env=full, cwd=REPO,
+                         module=f"tests.support.{driver}")  # fmt: skip
+
+
+def _argv(driver: str, args: tuple[str, ...]) -> list[str]:
+    """The fresh interpreter's command line for ``driver``."""
+    return [sys.executable, "-m", f"tests.support.{driver}", *args]
 
 
 def run_engine(site: Path, driver: str, *args: str, **env: str) -> dict[str, Any]:
@@ -94,9 +98,9 @@ def run_engine(site: Path, driver: str, *args: str, **env: str) -> dict[str, Any
     (the engine's log) as ``log``."""
     from tests.support.cli import run_to_end
 
-    argv = [sys.executable, "-m", f"tests.support.{driver}", *args]
-    done = run_to_end(argv, lambda stdio: start_engine(site, driver, *args, stdio=stdio, **env),
-                      timeout=300)  # fmt: skip
+    done = run_to_end(_argv(driver, args), lambda stdio: start_engine(
+        site, driver, *args, stdio=stdio, **env
+    ), timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     report: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
     report["log"] = done.stderr

@@ -187,7 +187,17 @@ _zygote_lock = threading.Lock()
 # as this module loads so that the script's own children do not see it, with the
 # environment the script started in (the handed zygote's).
 HANDED = "FRAMEWIRE_TEST_ZYGOTE"
-_handed = os.environ.pop(HANDED, "").split()
+
+
+def _take_handed() -> tuple[int, int, int] | None:
+    """The handed zygote's pid and pipes, if this process is the script they were for."""
+    words = os.environ.pop(HANDED, "").split()
+    if len(words) == 4 and int(words[0]) == os.getpid():
+        return int(words[1]), int(words[2]), int(words[3])
+    return None
+
+
+_handed = _take_handed()
 _handed_env = dict(os.environ)
 _torch_zygotes: dict[tuple[tuple[str, str], ...], Zygote | None] = {}  # by AT_START values
 
@@ -199,12 +209,11 @@ def zygote() -> Zygote | None:
     with _zygote_lock:
         if _failed is None and (_zygote is None or not _zygote.alive()):
             try:
-                if _handed and int(_handed[0]) == os.getpid():
-                    pipes = (int(_handed[1]), int(_handed[2]), int(_handed[3]))
-                    _zygote = Zygote(env=_handed_env, handed=pipes)
+                if _handed is not None:
+                    _zygote = Zygote(env=_handed_env, handed=_handed)
                 else:
                     _zygote = Zygote()
-                _handed = []
+                _handed = None
             except RuntimeError as exc:
                 _failed, _zygote = str(exc), None
                 warnings.warn(f"workers start without the zygote: {exc}", stacklevel=2)
@@ -282,7 +291,7 @@ def _child(request: dict[str, object]) -> None:
         os.environ.clear()
         os.environ.update(env)
         argv = [str(a) for a in request["argv"]]  # type: ignore[attr-defined]
-        if request.get("module") is not None:  # as ``python -m MODULE``: the directory first
+        if request["module"] is not None:  # as ``python -m MODULE``: the directory first
             import runpy
 
             sys.argv = ["-m", *argv]  # runpy puts the module's file first
