@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import REPO
 from tests.support.cli import CLI, run_cli, run_to_end, start_process
 from tests.support.zygote import torch_zygote, zygote
 
@@ -86,3 +87,23 @@ def test_a_module_forked_from_the_torch_zygote_answers_as_a_fresh_one(
         assert forked.stderr.splitlines()[-1] == alone.stderr.splitlines()[-1]
     else:
         assert forked.stderr == alone.stderr
+
+
+HANDED_REPORT = """import os, subprocess, sys
+sys.path.insert(0, os.getcwd())
+from tests.support import zygote
+seen = "import os; print(os.environ.get('FRAMEWIRE_TEST_ZYGOTE'))"
+child = subprocess.run([sys.executable, "-c", seen], capture_output=True, text=True).stdout.strip()
+handed = zygote._handed is not None
+forks = zygote.zygote()
+print(handed, forks is not None and forks.can_start(None), child, zygote._handed)
+"""
+
+
+def test_a_forked_script_forks_its_workers_from_the_zygote_it_was_handed(tmp_path: Path) -> None:
+    """A benchmark's workers are forks of the zygote its fork was handed, not of a second
+    zygote it would start (3 s of CPU); its own children do not see the handover."""
+    script = tmp_path / "s.py"
+    script.write_text(HANDED_REPORT)
+    forked = run_cli(script=script, cwd=REPO, timeout=60)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (0, "True True None None\n", "")
