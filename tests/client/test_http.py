@@ -76,3 +76,20 @@ def test_the_twins_build_the_same_requests(monkeypatch):
     for body in (b1, b2):  # the shm key differs (a new segment each time); the rest does not
         body["outputs"][0]["source"].pop("key")
     assert b1 == b2
+
+
+def test_every_client_verifies_with_one_tls_context_made_once():
+    """httpx would load the CA bundle for each transport (20-40 ms of CPU): the twins share
+    one context per process, which still verifies certificates and host names."""
+    import ssl
+
+    async def async_context() -> ssl.SSLContext:
+        async with AsyncClient("https://127.0.0.1:9", fd_socket=NO_FD) as c:
+            return c._http._transport._pool._ssl_context
+
+    with Client("unix:///nowhere.sock", fd_socket=NO_FD) as a, Client("http://127.0.0.1:9") as b:
+        contexts = [c._http._transport._pool._ssl_context for c in (a, b)]
+    contexts.append(asyncio.run(async_context()))
+    assert contexts[0] is contexts[1] is contexts[2]
+    assert contexts[0].verify_mode == ssl.CERT_REQUIRED and contexts[0].check_hostname
+    assert contexts[0].cert_store_stats()["x509_ca"] > 0  # the bundle is loaded

@@ -20,6 +20,7 @@ from framewire.service import Settings
 from kubernetes_validate import utils as kube
 
 from tests.support import REPO
+from tests.support.http import http_client
 from tests.support.image import Dockerfile, dockerfile, entrypoint, moved, user_ids
 from tests.support.media import make_clip
 from tests.support.worker import free_port
@@ -284,7 +285,7 @@ def test_the_daemonset_command_serves_outside_a_container(tmp_path):
     env |= {"FRAMEWIRE_HOST": "127.0.0.1", "FRAMEWIRE_PORT": str(free_port())}
     base = f"http://127.0.0.1:{env['FRAMEWIRE_PORT']}"
     with entrypoint(argv(c, image), env, tmp_path / "worker.log") as proc, \
-            httpx.Client(base_url=base, timeout=15) as http:  # fmt: skip
+            http_client(base, timeout=15) as http:  # fmt: skip
         startup = c["startupProbe"]
         deadline = time.monotonic() + startup["failureThreshold"] * startup["periodSeconds"]
         while status(http, startup["httpGet"]["path"]) != 200:

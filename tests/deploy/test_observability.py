@@ -29,6 +29,7 @@ from framewire.client import Client, Conflict, StoreError
 
 from tests.support import REPO
 from tests.support.apt import apt_install
+from tests.support.http import http_client
 from tests.support.media import make_clip
 from tests.support.objstore import Moto, moto_server, store_env
 from tests.support.worker import Worker, free_port, metric
@@ -278,7 +279,7 @@ def prometheus(root: Path, target: Worker, token: str) -> Iterator[httpx.Client]
     with open(root / "prometheus.log", "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as api:
+        with http_client(f"http://127.0.0.1:{port}", timeout=10) as api:
             deadline = time.monotonic() + DEADLINE_S
             while True:
                 assert proc.poll() is None, (root / "prometheus.log").read_text()

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from framewire.client.wire import Layout
 
+from tests.support.http import http_client
 from tests.support.media import make_clip
 
 DTYPES = {
@@ -111,7 +112,6 @@ def describe(spec: dict[str, Any]) -> None:
 
 
 def region(spec: dict[str, Any]) -> dict[str, Any]:
-    import httpx
 
     tensor, layout = clip_for(spec["clips"][0], "cuda")
     storage = tensor.untyped_storage()
@@ -119,8 +119,7 @@ def region(spec: dict[str, Any]) -> dict[str, Any]:
     device, handle, _, offset, counter, counter_offset, _, _ = storage._share_cuda_()
     out: dict[str, Any] = {"storage_offset_bytes": offset}
     name = spec["name"]
-    transport = httpx.HTTPTransport(uds=spec["uds"])
-    with httpx.Client(base_url="http://framewire", transport=transport, timeout=120) as h:
+    with http_client("http://framewire", uds=spec["uds"], timeout=120) as h:
         base = f"/v2/cudasharedmemory/region/{name}"
         body = {
             "raw_handle": {"b64": base64.b64encode(handle).decode()},

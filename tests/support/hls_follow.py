@@ -15,6 +15,8 @@ from urllib.parse import urljoin
 
 import httpx
 
+from tests.support.http import http_client
+
 ATTRS = re.compile(r'([A-Z0-9-]+)=("[^"]*"|[^,]*)')
 
 
@@ -75,7 +77,7 @@ class Follower(threading.Thread):
 
     def run(self) -> None:
         try:
-            with httpx.Client(timeout=self.timeout_s) as http:
+            with http_client(timeout=self.timeout_s) as http:
                 self._follow(http)
         except BaseException as exc:
             self.error = exc

@@ -11,8 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
+from tests.support.http import http_client
 from tests.support.worker import Worker, Workers
 
 NOBODY = 65534
@@ -48,10 +47,9 @@ def as_user(uid: int, target, *args) -> object:
 
 def post_json(url: str, path: str, body: dict) -> tuple[int, str]:
     if url.startswith("unix://"):
-        transport = httpx.HTTPTransport(uds=url.removeprefix("unix://"))
-        client = httpx.Client(base_url="http://framewire", transport=transport, timeout=60)
+        client = http_client("http://framewire", uds=url.removeprefix("unix://"), timeout=60)
     else:
-        client = httpx.Client(base_url=url, timeout=60)
+        client = http_client(url, timeout=60)
     with client:
         r = client.post(path, json=body)
         return r.status_code, r.json().get("code", "")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.http import http_client
 from tests.support.processes import child_pids
 from tests.support.zygote import Forked, zygote
 
@@ -57,12 +58,7 @@ class Worker:
 
     def http(self, token: str | None = None) -> httpx.Client:
         headers = {"authorization": f"Bearer {token}"} if token else {}
-        return httpx.Client(
-            base_url="http://framewire",
-            transport=httpx.HTTPTransport(uds=str(self.uds)),
-            headers=headers,
-            timeout=120,
-        )
+        return http_client("http://framewire", uds=self.uds, headers=headers, timeout=120)
 
     def children(self) -> set[int]:
         return child_pids(self.pid)

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.http import http_client
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.processes import wait_gone, wait_until_writes_stop
 from tests.support.refclips import RawConnection, make_video
@@ -51,7 +52,7 @@ WORKER_ARGS = LIMITS  # the module's worker (tests/conftest.py)
 
 
 def healthz(worker: Worker, timeout: float = 5) -> int:
-    with httpx.Client(base_url=worker.tcp_url, timeout=timeout) as h:
+    with http_client(worker.tcp_url, timeout=timeout) as h:
         return h.get("/healthz").status_code
 
 
@@ -66,7 +67,7 @@ def test_a_fifo_named_like_a_segment_blocks_nothing(worker):
                "dtype": "uint8", "shape": [3, 2, 16, 16]}  # fmt: skip
         reg = {"key": key, "offset": 0, "byte_size": 64}
         started = time.monotonic()
-        with httpx.Client(base_url=worker.tcp_url, timeout=5) as h:
+        with http_client(worker.tcp_url, timeout=5) as h:
             r = h.post("/v1/videos:encode", json=encode_body(src, "fifo.mp4"))
             assert (r.status_code, r.json()["code"]) == (400, "bad_shm_key"), r.text
             # More registrations than the worker has pool threads: none may stay blocked.

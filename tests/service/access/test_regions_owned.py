@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-import httpx
 import pytest
 from framewire.client import Client
 from framewire.client._sharing.fd import FdRegions
 from framewire.core.errors import MediaError, Unavailable
 
 from tests.service.fdsocket.test_regions import memfd, region_source, register
+from tests.support.http import http_client
 from tests.support.identity import NOBODY, as_user
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.refclips import RawConnection
@@ -60,7 +60,7 @@ def refused_for_the_region(answer: tuple[int, Any], name: str) -> bool:
 
 
 def http_call(url: str, method: str, path: str, body: dict | None = None) -> tuple[int, Any]:
-    with httpx.Client(base_url=url, timeout=60) as client:
+    with http_client(url, timeout=60) as client:
         r = client.request(method, path, json=body)
         return r.status_code, r.json() if r.content else None
 

@@ -15,12 +15,12 @@ import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from framewire.core.errors import Forbidden
 from framewire.service._access.paths import open_output_dir, resolve_output
 from framewire.service._outputs import atomic_output
 
+from tests.support.http import http_client
 from tests.support.refclips import RawConnection
 from tests.support.segments import Segments
 from tests.support.worker import Worker
@@ -290,7 +290,7 @@ def test_missing_or_wrong_token_is_unauthorized(worker, segment):
     refused(worker, ok, 401, "unauthorized", token="wrong")
     refused(worker, ok, 401, "unauthorized", token=TOKEN + "x")
     refused(worker, ok, 401, "unauthorized", token=TOKEN[:-1])
-    with httpx.Client(base_url=worker.tcp_url, timeout=30) as h:
+    with http_client(worker.tcp_url, timeout=30) as h:
         for headers in ({}, {"authorization": TOKEN}, {"authorization": "Basic " + TOKEN}):
             r = h.post("/v1/videos:encode", json=ok, headers=headers)
             assert (r.status_code, r.json()["code"]) == (401, "unauthorized")

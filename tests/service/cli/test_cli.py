@@ -16,6 +16,7 @@ import torch
 from framewire.client.wire import Layout
 
 from tests.support.cli import CLI, run_cli, start_cli
+from tests.support.http import http_client, http_get
 from tests.support.identity import NOBODY
 from tests.support.media import make_clip, reference_mp4, sha256
 
@@ -200,13 +201,13 @@ def test_serve_answers_healthz_on_tcp_and_unix_socket(tmp_path):
             time.sleep(0.05)
         while True:  # the Unix socket is bound before the TCP listener is served
             try:
-                healthz = httpx.get(f"http://127.0.0.1:{port}/healthz")
+                healthz = http_get(f"http://127.0.0.1:{port}/healthz")
                 break
             except httpx.TransportError:
                 assert time.monotonic() < deadline, "TCP never answered"
                 time.sleep(0.05)
         assert healthz.json() == {"status": "ok"}
-        with httpx.Client(transport=httpx.HTTPTransport(uds=str(uds))) as c:
+        with http_client(uds=str(uds)) as c:
             assert c.get("http://framewire/healthz").status_code == 200
             assert "ffmpeg version" in c.get("http://framewire/v1/info").json()["ffmpeg_version"]
         assert oct(uds.stat().st_mode & 0o777) == "0o660"

@@ -9,7 +9,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -17,6 +16,7 @@ from framewire.client import AsyncClient, BadRequest, Client, Forbidden, NotFoun
 from framewire.core.shm import shared
 
 from tests.support.cli import run_cli
+from tests.support.http import http_client
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.requests import Request, post_raw, wait_for_ffmpeg
 from tests.support.segments import raw_bytes, shm_source
@@ -37,8 +37,9 @@ def baseline(worker: Worker) -> dict[str, object]:
 
 
 def ours_in_shm() -> set[str]:
-    """Segments made by this process's client or by these tests."""
-    mine = (f"framewire-{os.getpid()}-", "framewire-test-")
+    """Segments made by this process's client or by its tests (tests.support.segments), not
+    by the suite's other processes, whose tests run meanwhile."""
+    mine = (f"framewire-{os.getpid()}-", f"framewire-test-{os.getpid()}-")
     return {n for n in os.listdir("/dev/shm") if n.startswith(mine)}
 
 
@@ -366,7 +367,7 @@ def test_client_segments_are_private_and_swept_once_abandoned(tmp_path):
 def test_tcp_answers_are_not_held_by_delayed_acks(worker):
     """On a kept-alive TCP connection each answer must go out at once (TCP_NODELAY):
     without it, every request after the first waited ~40 ms for a delayed ACK."""
-    with httpx.Client(base_url=worker.tcp_url) as http:
+    with http_client(worker.tcp_url) as http:
         times = []
         for _ in range(21):
             t0 = time.perf_counter()

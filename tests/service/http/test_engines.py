@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -16,6 +15,7 @@ from framewire.client import BadRequest, Client
 
 from tests.service.encode.test_profiles import waveform
 from tests.support.engines import sglang_save, vllm_omni_quantize, vllm_omni_save
+from tests.support.http import http_client
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.worker import Worker
 
@@ -128,7 +128,7 @@ def test_profile_options_are_checked_by_client_and_worker(worker, segments, opti
         c.save_video(frames, "opts.mp4", fps=24, **options)  # type: ignore[arg-type]
     assert err.value.code == code
     body = {"outputs": [{"source": tiny_video(segments), "path": "opts.mp4", "fps": 24, **options}]}
-    with httpx.Client(base_url=worker.tcp_url) as h:
+    with http_client(worker.tcp_url) as h:
         r = h.post("/v1/videos:encode", json=body)
     assert (r.status_code, r.json()["code"]) == (400, code), r.text
 

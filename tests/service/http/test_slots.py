@@ -13,8 +13,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 
-import httpx
-
+from tests.support.http import http_client
 from tests.support.refclips import RawConnection
 from tests.support.worker import Worker
 
@@ -100,7 +99,7 @@ def test_tcp_callers_cannot_take_the_ranks_slots(workers):
         assert all(b"too_many_connections" in r for r in refused)
         with w.http() as h:  # the Unix socket, as this (allowed) uid
             assert h.get("/healthz").status_code == 200
-    with httpx.Client(base_url=w.tcp_url) as c:  # freed: TCP is served again
+    with http_client(w.tcp_url) as c:  # freed: TCP is served again
         assert c.get("/healthz").status_code == 200
 
 
@@ -143,5 +142,5 @@ def test_out_of_descriptors_the_listeners_back_off_quietly(workers):
     assert len(grown) < 4000, f"{len(grown)} bytes logged in 2 s"
     assert "backing off" in grown
     resource.prlimit(w.pid, resource.RLIMIT_NOFILE, (soft, hard))
-    with httpx.Client(base_url=w.tcp_url, timeout=10) as c:
+    with http_client(w.tcp_url, timeout=10) as c:
         assert c.get("/healthz").status_code == 200

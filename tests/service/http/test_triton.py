@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import pytest
 import torch
 import tritonclient.http
@@ -28,6 +27,7 @@ import tritonclient.utils.shared_memory as shm
 from framewire.client import __version__
 from tritonclient.utils import InferenceServerException
 
+from tests.support.http import http_client
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.requests import Request, encode_body, wait_for_ffmpeg
 from tests.support.segments import shm_source
@@ -302,7 +302,7 @@ def test_register_bodies_are_json_whatever_the_content_type(worker, regions, con
             cuda | {"byte_size": 64}, (400, "cuda_unavailable"), cuda | {"byte_size": 0}
         ),
     }  # fmt: skip
-    with httpx.Client(base_url=worker.tcp_url, timeout=30) as h:
+    with http_client(worker.tcp_url, timeout=30) as h:
         for route, (body, answer, bad_field) in routes.items():
             r = h.post(route, content=json.dumps(body), headers=headers)
             assert (r.status_code, r.json().get("code")) == answer, (route, r.text)

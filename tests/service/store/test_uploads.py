@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from tests.support.cli import run_cli
+from tests.support.http import http_client, http_get
 from tests.support.identity import NOBODY, as_nobody, as_user, open_worker
 from tests.support.media import make_clip, reference_mp4
 from tests.support.objstore import (
@@ -117,7 +118,7 @@ def test_one_put_is_the_local_file_byte_for_byte(sworker, moto, proxy, segments,
     assert out["timings"]["upload_ms"] > 0
     # The presigned URL needs no credentials: a plain GET gets the same bytes.
     assert "X-Amz-Signature=" in out["presigned_url"] and "X-Amz-Expires=60" in out["presigned_url"]
-    got = httpx.get(out["presigned_url"], timeout=30)
+    got = http_get(out["presigned_url"], timeout=30)
     assert got.status_code == 200 and hashlib.sha256(got.content).hexdigest() == out["sha256"]
     assert framewire_temps(sworker.outputs) == []
 
@@ -554,7 +555,7 @@ def test_a_store_that_trickles_its_answer_is_timed_out(workers, moto, proxy, seg
     # comes whole. Each attempt is bounded as a whole: 2 attempts of ~2 s, with backoff.
     w, body = _trickled(workers, proxy, segments, "ok/drip.mp4", "--store-timeout-s", "2")
     t0 = time.monotonic()
-    with httpx.Client(transport=httpx.HTTPTransport(uds=str(w.uds)), timeout=30) as h:
+    with http_client(uds=str(w.uds), timeout=30) as h:
         r = h.post("http://framewire/v1/videos:encode", json=body)
     assert r.status_code == 504, r.text
     assert r.json()["outputs"][0]["error"]["code"] == "store_timeout"
@@ -623,8 +624,7 @@ def encode_as(uid: int, w: Worker, body: dict[str, Any]) -> tuple[int, dict[str,
     """POST ``body`` to the worker's Unix socket from a child running as ``uid``."""
 
     def post() -> tuple[int, dict[str, Any]]:
-        transport = httpx.HTTPTransport(uds=str(w.uds))
-        with httpx.Client(base_url="http://framewire", transport=transport, timeout=60) as c:
+        with http_client("http://framewire", uds=w.uds, timeout=60) as c:
             r = c.post("/v1/videos:encode", json=body)
             return r.status_code, r.json()
 

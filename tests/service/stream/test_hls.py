@@ -18,6 +18,7 @@ import torch
 
 from tests.support.hls_check import check_media_playlist
 from tests.support.hls_follow import Follower, listed
+from tests.support.http import http_client, http_get
 from tests.support.identity import NOBODY, as_user
 from tests.support.live import open_stream, send
 from tests.support.media import FFMPEG, make_clip, sha256
@@ -42,7 +43,7 @@ def _frame_hashes(path: Path | str, *extra: str) -> list[str]:
 
 def _playlist(url: str, **params: int) -> httpx.Response:
     query = "".join(f"&_HLS_{k}={v}" for k, v in params.items())
-    return httpx.get(url + query, timeout=30)
+    return http_get(url + query, timeout=30)
 
 
 def _first_part(url: str) -> str:
@@ -145,8 +146,8 @@ def test_the_file_keeps_its_bytes_with_hls_players_attached(
     assert done.ended and not done.preload_hint
     base = opened["hls_url"].split("live.m3u8")[0]
     for segment in done.segments:
-        whole = httpx.get(base + segment.uri).content
-        pieces = [httpx.get(base + p.uri).content for p in segment.parts]
+        whole = http_get(base + segment.uri).content
+        pieces = [http_get(base + p.uri).content for p in segment.parts]
         assert not pieces or whole == b"".join(pieces)
 
 
@@ -163,7 +164,7 @@ def test_a_late_joiner_starts_at_the_oldest_kept_segment(workers, segments, tmp_
         _until(lambda: check_media_playlist(_playlist(url).text).media_sequence > 0,
                "the history never moved on")  # fmt: skip
         moved = check_media_playlist(_playlist(url).text)
-        gone = httpx.get(url.replace("live.m3u8", "live/0.m4s"))
+        gone = http_get(url.replace("live.m3u8", "live/0.m4s"))
         assert (gone.status_code, gone.json()["code"]) == (404, "segment_gone")
         assert gone.headers["cache-control"] == "no-store"
         late = Follower(url)
@@ -196,7 +197,7 @@ def test_blocking_reloads_wait_within_bounds_and_end_with_the_session(worker, se
         for params in ({"part": 1}, {"msn": 3}, {"msn": 0, "part": 99}):
             r = _playlist(url, **params)
             assert (r.status_code, r.json()["code"]) == (400, "bad_hls_request"), params
-        r = httpx.get(url + "&_HLS_msn=x")
+        r = http_get(url + "&_HLS_msn=x")
         assert (r.status_code, r.json()["code"]) == (400, "bad_hls_request")
         answers: dict[str, tuple[float, httpx.Response]] = {}
 
@@ -205,7 +206,7 @@ def test_blocking_reloads_wait_within_bounds_and_end_with_the_session(worker, se
             answers[name] = (time.monotonic(), r)
 
         def hinted() -> None:  # the part the playlist hints: it waits until written
-            r = httpx.get(url.split("live.m3u8")[0] + (now.preload_hint or ""), timeout=30)
+            r = http_get(url.split("live.m3u8")[0] + (now.preload_hint or ""), timeout=30)
             answers["hint"] = (time.monotonic(), r)
 
         waiting = [threading.Thread(target=ask, args=("beyond",), kwargs={"msn": 2}),
@@ -257,7 +258,7 @@ def test_hls_access_caching_and_its_end(workers, segments):
         playlist = check_media_playlist(r.text)
         query = urlsplit(url).query
         assert playlist.map_uri == f"live/init.mp4?{query}"
-        part = httpx.get(url.split("live.m3u8")[0] + playlist.pending_parts[0].uri
+        part = http_get(url.split("live.m3u8")[0] + playlist.pending_parts[0].uri
                          if playlist.pending_parts else
                          url.split("live.m3u8")[0] + playlist.segments[0].parts[0].uri)  # fmt: skip
         assert part.status_code == 200 and part.headers["content-type"] == "video/mp4"
@@ -273,7 +274,7 @@ def test_hls_access_caching_and_its_end(workers, segments):
         text = h.get(f"/v1/streams/{sid}/live.m3u8?_HLS_msn=0&_HLS_part=0").text
         assert 'live/init.mp4"' in text and "sig=" not in text
         other = open_stream(h, clip, "other.mp4", live=True)
-        assert httpx.get(url.replace(sid, other["id"])).status_code == 401  # not its own
+        assert http_get(url.replace(sid, other["id"])).status_code == 401  # not its own
         r = h.get(f"/v1/streams/{other['id']}/live.m3u8?{query}")
         assert (r.status_code, r.json()["code"]) == (403, "view_url_invalid")
         assert h.delete(f"/v1/streams/{other['id']}").status_code == 204
@@ -283,7 +284,7 @@ def test_hls_access_caching_and_its_end(workers, segments):
         assert h.post(f"/v1/streams/{sid}/finish").status_code == 200
         ended = check_media_playlist(_playlist(url).text)
         assert ended.ended
-        assert httpx.get(url.split("live.m3u8")[0] + ended.segments[-1].uri).status_code == 200
+        assert http_get(url.split("live.m3u8")[0] + ended.segments[-1].uri).status_code == 200
         _until(lambda: _playlist(url).status_code == 409, "the ended view was kept past its grace")
         assert _playlist(url).json()["code"] == "stream_closed"
         text = h.get("/metrics").text
@@ -306,7 +307,7 @@ def test_another_user_without_the_signature_finds_no_playlist(worker, segments):
 
         def peek() -> list[tuple[int, str]]:
             seen = []
-            with httpx.Client(base_url=worker.tcp_url, timeout=30) as theirs:
+            with http_client(worker.tcp_url, timeout=30) as theirs:
                 for route in ("live.m3u8", "live/init.mp4", "live/0.0.m4s"):
                     for query in ("", f"?{bad}"):
                         r = theirs.get(f"/v1/streams/{sid}/{route}{query}")

@@ -18,6 +18,7 @@ import httpx
 import pytest
 import torch
 
+from tests.support.http import http_client
 from tests.support.identity import NOBODY, as_user
 from tests.support.live import open_stream, send
 from tests.support.media import decoded_frames, make_clip, sha256
@@ -291,7 +292,7 @@ def _view_as(uid: int, url: str, path: str) -> tuple[int, str | None]:
     error's code (a viewer's 200 is read no further)."""
 
     def ask() -> tuple[int, str | None]:
-        with httpx.Client(base_url=url, timeout=60) as client, client.stream("GET", path) as r:
+        with http_client(url, timeout=60) as client, client.stream("GET", path) as r:
             if r.status_code == 200:
                 return 200, None
             return r.status_code, json.loads(r.read())["code"]

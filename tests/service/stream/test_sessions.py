@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 from framewire.client.wire import Layout
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.http import http_client
 from tests.support.identity import NOBODY, as_nobody
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.processes import framewire_temps, wait_until_writes_stop
@@ -277,7 +277,7 @@ def test_at_most_max_streams_are_open(worker, segments):
 
 def open_streams(url: str, bodies: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
     """POST each body to /v1/streams over ``url``: (status, answer) each."""
-    with httpx.Client(base_url=url, timeout=60) as c:
+    with http_client(url, timeout=60) as c:
         return [(r.status_code, r.json()) for r in (c.post("/v1/streams", json=b) for b in bodies)]
 
 
