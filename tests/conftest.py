@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.media import FFMPEG
 from tests.support.processes import child_pids, framewire_temps
@@ -18,6 +19,11 @@ from tests.support.worker import Worker, Workers
 # tests/image/ builds the container image and runs it under podman (minutes): scripts/test-image
 # runs it, beside scripts/test in .ci/run; a selection of scripts/test never does.
 collect_ignore = [] if os.environ.get("FRAMEWIRE_IMAGE_TESTS") == "1" else ["image"]
+
+# One intra-op thread for the tests' own tensors (clips, oracles), as the worker gives its
+# conversion (single_threaded_conversion): the suite's processes already fill every core,
+# and a pool of two spun on each small op (a 6-frame clip took 50 ms of CPU, not 1 ms).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """The ``vllm-omni`` profile's encoder: a child process that writes an MP4 as vLLM-omni does.
 
-    python -m framewire.service._encode.pyav_writer --size WxH --rate N/D --crf C
+    python -P .../framewire/service/_encode/pyav_writer.py --size WxH --rate N/D --crf C
         [--preset P] --threads T [--audio FD,OFFSET,SAMPLES,CHANNELS,RATE] OUTPUT
 
 vLLM-omni 0.30 encodes with PyAV, not the ffmpeg command line

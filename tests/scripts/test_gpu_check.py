@@ -11,11 +11,13 @@ part; the same check with this checkout's CPU torch stops at "no CUDA device".
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import pytest
 from tests.support import REPO
 
 CAP = 64 << 20
+CACHE = Path.home() / ".cache" / "framewire-tests"
 # The lent image's packages that the pack's part imports (its list in docs/deployment.md).
 IMAGE = [
     "numpy", "httpx", "prometheus-client", "imageio", "rich", "pytest", "anyio", "h11",
@@ -81,13 +84,37 @@ def test_without_a_gpu_the_check_stops_at_no_cuda_device(tmp_path):
     assert summary["cuda_tests"] is None and summary["benchmark"] is None
 
 
-def host_image(python: str, image: Path) -> None:
-    """A venv of ``python`` holding only what the lent host's image holds (torch aside)."""
-    subprocess.run([python, "-m", "venv", image], check=True, timeout=120)
-    subprocess.run(
-        [image / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-compile", *IMAGE],
-        check=True, timeout=600,
-    )  # fmt: skip
+def host_image(python: str) -> Path:
+    """A venv of ``python`` holding only what the lent host's image holds (torch aside).
+
+    It stands in for the host and is not what is tested, so it is made once for each
+    interpreter and package list and kept, like hls.js, under ~/.cache/framewire-tests
+    (a venv and a pip install: about 10 s of CPU). It is made beside its place and
+    renamed into it whole; the run never writes into it (gpu-check installs into --site).
+    """
+    version = subprocess.run([python, "--version"], capture_output=True, text=True, check=True)
+    key = hashlib.sha256("\n".join([version.stdout.strip(), *IMAGE]).encode()).hexdigest()[:16]
+    image = CACHE / f"gpu-host-image-{key}"
+    exe = image / "bin" / "python"
+    if exe.exists():
+        ran = subprocess.run([exe, "--version"], capture_output=True, text=True)
+        if ran.stdout == version.stdout:
+            return image
+        shutil.rmtree(image)  # its interpreter is gone or another: made again
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE, prefix=f".{image.name}-") as tmp:
+        made = Path(tmp) / "image"
+        subprocess.run([python, "-m", "venv", made], check=True, timeout=120)
+        subprocess.run(
+            [made / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-compile", *IMAGE],
+            check=True, timeout=600,
+        )  # fmt: skip
+        try:
+            os.rename(made, image)
+        except OSError:
+            if not (image / "bin" / "python").exists():  # not another run's image: a failure
+                raise
+    return image
 
 
 @pytest.mark.registry
@@ -95,13 +122,13 @@ def test_the_pack_fits_and_installs_offline_on_python312(tmp_path):
     py312 = python312()
     if py312 is None:
         pytest.skip("no Python 3.12 here (python3.12, or pyenv's): the host's interpreter")
-    pack, image = tmp_path / "pack", tmp_path / "image"
+    pack = tmp_path / "pack"
     with ThreadPoolExecutor(1) as pool:  # the host's stand-in is made while the pack is
-        made_image = pool.submit(host_image, py312, image)
+        made_image = pool.submit(host_image, py312)
         made = subprocess.run(
             [REPO / "scripts" / "gpu-pack", pack], capture_output=True, text=True, timeout=900
         )
-        made_image.result()
+        image = made_image.result()
     assert made.returncode == 0, made.stdout + made.stderr
     manifest = json.loads((pack / "manifest.json").read_text())
     packed = {w["name"] for w in manifest["wheels"]}
@@ -135,7 +162,6 @@ def test_the_pack_fits_and_installs_offline_on_python312(tmp_path):
 def test_the_packs_ffmpeg_is_compressed_once_per_binary(tmp_path, monkeypatch):
     """The xz of a binary is kept in the cache and reused while it decompresses to that
     binary; a damaged one is compressed afresh and written over."""
-    import hashlib
     import importlib.util
     import lzma
 

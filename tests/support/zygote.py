@@ -248,9 +248,14 @@ def _preload(what: str) -> None:
         import framewire.service._cli.main
         import framewire.service._worker  # noqa: F401
         from framewire.service._convert import kernels
+        from framewire.service._encode.encoders import Encoders
 
         kernels.use("auto")
         kernels.warm()  # numba's compiled kernels, loaded from its cache: forks inherit them
+        # What a worker works out once per process, as it starts or on its first /v1/info,
+        # kept in per-process caches: PyAV imported, the default ffmpeg's identity (the
+        # sha256 of its 170 MB, about 0.4 s of CPU), version and libx264 build, PyAV's.
+        Encoders().describe()
     # No Python thread may run when it forks (a fork copies only the forking thread, and
     # any lock another holds stays held). The native ones here are idle pools that
     # expect forks: OpenBLAS's (numpy) and one numba starts as it loads a kernel.

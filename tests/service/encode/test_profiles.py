@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from framewire.client.wire import AudioDType, Layout, ShmAudio
 from framewire.core.errors import BadRequest
 from framewire.core.media.argv import x264_auto_threads
 from framewire.service._encode.encoder import EncodeParams, Encoder
+from framewire.service._encode.profiles import PYAV_CHILD
 from framewire.service._sources.audio import MemoryAudio, samples_of, wav_header
 from framewire.service._sources.frames import TensorSource
 from PIL import Image
@@ -254,3 +256,18 @@ def test_rates_the_engine_cannot_write_are_refused_in_process_too(tmp_path):
                    profile="vllm-omni", audio=wav)  # fmt: skip
     assert err.value.code == "bad_sample_rate"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_pyav_child_starts_on_pyav_and_numpy_alone():
+    """The vllm-omni profile's child, run as the worker runs it, imports nothing of
+    framewire's: through the packages (``-m``) it imported the client and took three
+    times the CPU to start, paid on every encode."""
+    ran = subprocess.run(
+        [*PYAV_CHILD, "--help"],
+        env=os.environ | {"PYTHONPROFILEIMPORTTIME": "1"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert ran.returncode == 0 and "usage: pyav_writer" in ran.stdout, ran.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in ran.stderr.splitlines()]
+    assert {"av", "numpy"} <= set(imported)
+    assert [m for m in imported if m.startswith("framewire")] == []
