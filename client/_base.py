@@ -20,7 +20,7 @@ from framewire.client._calls import (
 )
 from framewire.client._handover import Handover
 from framewire.client._local import LocalFallback, worker_gone
-from framewire.client._peer import PeerCheck
+from framewire.client._peer import PeerCheck, tls_for
 from framewire.client._plan import Plan, blocking, sent
 from framewire.client._sharing import share
 from framewire.client._sharing.audio import shared_audio
@@ -75,7 +75,7 @@ class BaseClient(abc.ABC, Generic[H]):
         # or when the caller says it may (trust_remote, FRAMEWIRE_TRUST_REMOTE).
         remote_ok = url.startswith("https://") or not token or trust_remote or trust_remote_env()
         limits = httpx.Limits(keepalive_expiry=KEEPALIVE_S)
-        self._peer = PeerCheck(worker_uids(worker_uid), remote_ok, limits)
+        self._peer = PeerCheck(worker_uids(worker_uid), remote_ok, limits, tls_for(url))
         self._client_args: dict[str, Any] = {
             "base_url": self._base_url,
             "headers": {"authorization": f"Bearer {token}"} if token else {},

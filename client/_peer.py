@@ -24,10 +24,13 @@ class PeerCheck:
     """What a new connection must be: a worker of ``uids``; on another host, let through
     only when ``remote_ok`` (https, no token to give away, or the caller said so)."""
 
-    def __init__(self, uids: frozenset[int], remote_ok: bool, limits: httpx.Limits):
+    def __init__(
+        self, uids: frozenset[int], remote_ok: bool, limits: httpx.Limits, tls: ssl.SSLContext
+    ):
         self.uids = uids
         self.remote_ok = remote_ok
         self.limits = limits  # the pool's, as httpx would give its own transport
+        self.tls = tls  # tls_for(url)
 
     def before_unix(self, path: str) -> None:
         check_dir(Path(path).parent, self.uids)
@@ -41,25 +44,33 @@ class PeerCheck:
             check_tcp_peer(sock, self.uids, self.remote_ok)
 
     def transport(self, uds: str | None) -> httpx.HTTPTransport:
-        made = httpx.HTTPTransport(uds=uds, limits=self.limits, verify=tls())
+        made = httpx.HTTPTransport(uds=uds, limits=self.limits, verify=self.tls)
         pool = made._pool
         pool._network_backend = _Checked(pool._network_backend, self)
         return made
 
     def async_transport(self, uds: str | None) -> httpx.AsyncHTTPTransport:
-        made = httpx.AsyncHTTPTransport(uds=uds, limits=self.limits, verify=tls())
+        made = httpx.AsyncHTTPTransport(uds=uds, limits=self.limits, verify=self.tls)
         pool = made._pool
         pool._network_backend = _AsyncChecked(pool._network_backend, self)
         return made
 
 
+def tls_for(url: str) -> ssl.SSLContext:
+    """The TLS context of the transports of a client of ``url``. An https worker's is
+    httpx's own verifying one (certifi, or SSL_CERT_FILE / SSL_CERT_DIR), made once per
+    process: httpx would make one for every transport, and loading the CA bundle costs
+    20-40 ms of CPU. A worker at http:// or unix:// is spoken to in plain HTTP, every
+    request a path on it, so its context is never used: it gets one that verifies and
+    trusts no certificate, which loads nothing and could accept no TLS connection."""
+    if url.startswith("https://"):
+        return _verifying()
+    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+
 @functools.cache
-def tls() -> ssl.SSLContext:
-    """httpx's own verifying context (certifi, or SSL_CERT_FILE / SSL_CERT_DIR), made once
-    per process: httpx makes one for every transport, and loading the CA bundle costs 20-40
-    ms of CPU each time, for clients that mostly speak plain HTTP on a Unix socket. An
-    SSLContext is safe to share between threads and connections."""
-    return httpx.create_ssl_context()
+def _verifying() -> ssl.SSLContext:
+    return httpx.create_ssl_context()  # safe to share between threads and connections
 
 
 class _Checked(httpcore.NetworkBackend):

@@ -151,22 +151,31 @@ def cache_dir() -> Path:
 def compressed(raw: bytes, digest: str) -> tuple[bytes, bool]:
     """``compress(raw)``, from the cache when an earlier pack compressed the same binary
     with the same filters: (the xz bytes, whether they came from the cache). A cached
-    file is used only if it decompresses to ``raw`` (a second of CPU, against most of
-    a minute to compress); the cache is written whole or not at all."""
+    file is named after its own sha256 too, and used only if its bytes still hash to
+    that name (a tenth of a second, where decompressing it to check took seconds); what
+    it decompresses to was checked as it was made, and gpu-check checks it again
+    against the manifest. The cache is written whole or not at all."""
     filters = hashlib.sha256(repr(XZ_FILTERS).encode()).hexdigest()[:12]
-    cached = cache_dir() / "gpu-pack" / f"ffmpeg-{digest}-{filters}.xz"
-    try:
-        xz = cached.read_bytes()
-        if hashlib.sha256(lzma.decompress(xz)).hexdigest() == digest:
+    folder = cache_dir() / "gpu-pack"
+    stem = f"ffmpeg-{digest}-{filters}"
+    kept = sorted(folder.glob(f"{stem}-*.xz"))
+    for cached in kept:
+        try:
+            xz = cached.read_bytes()
+        except OSError:
+            continue
+        if cached.name == f"{stem}-{hashlib.sha256(xz).hexdigest()[:16]}.xz":
             return xz, True
-    except (OSError, lzma.LZMAError):
-        pass  # none yet, or unusable: compressed afresh and written over
-    xz = compress(raw)
+    xz = compress(raw)  # none yet, or unusable: compressed afresh and written over
+    cached = folder / f"{stem}-{hashlib.sha256(xz).hexdigest()[:16]}.xz"
     try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=cached.parent, delete=False) as tmp:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, delete=False) as tmp:
             tmp.write(xz)
         os.replace(tmp.name, cached)
+        for stale in [*kept, folder / f"{stem}.xz"]:  # and one named as before the hash
+            if stale != cached:
+                stale.unlink(missing_ok=True)
     except OSError as exc:
         print(f"gpu-pack: the cache is not written ({exc})", file=sys.stderr)
     return xz, False

@@ -78,18 +78,25 @@ def test_the_twins_build_the_same_requests(monkeypatch):
     assert b1 == b2
 
 
-def test_every_client_verifies_with_one_tls_context_made_once():
-    """httpx would load the CA bundle for each transport (20-40 ms of CPU): the twins share
-    one context per process, which still verifies certificates and host names."""
+def test_tls_contexts_verify_and_only_an_https_client_loads_the_ca_bundle():
+    """httpx loaded the CA bundle for each transport (20-40 ms of CPU): an https client
+    shares one verifying context per process; a client of an http:// or unix:// worker,
+    which speaks plain HTTP, gets one that verifies and trusts no certificate at all."""
     import ssl
 
-    async def async_context() -> ssl.SSLContext:
-        async with AsyncClient("https://127.0.0.1:9", fd_socket=NO_FD) as c:
-            return c._http._transport._pool._ssl_context
+    def context(client: Client | AsyncClient) -> ssl.SSLContext:
+        return client._http._transport._pool._ssl_context
 
-    with Client("unix:///nowhere.sock", fd_socket=NO_FD) as a, Client("http://127.0.0.1:9") as b:
-        contexts = [c._http._transport._pool._ssl_context for c in (a, b)]
-    contexts.append(asyncio.run(async_context()))
-    assert contexts[0] is contexts[1] is contexts[2]
-    assert contexts[0].verify_mode == ssl.CERT_REQUIRED and contexts[0].check_hostname
-    assert contexts[0].cert_store_stats()["x509_ca"] > 0  # the bundle is loaded
+    async def async_context(url: str) -> ssl.SSLContext:
+        async with AsyncClient(url, fd_socket=NO_FD) as c:
+            return context(c)
+
+    with Client("https://127.0.0.1:9") as a, Client("https://[::1]:9") as b:
+        https = [context(a), context(b), asyncio.run(async_context("https://127.0.0.1:9"))]
+    assert https[0] is https[1] is https[2]
+    assert https[0].cert_store_stats()["x509_ca"] > 0  # the bundle, loaded once
+    with Client("unix:///nowhere.sock", fd_socket=NO_FD) as c, Client("http://127.0.0.1:9") as d:
+        plain = [context(c), context(d), asyncio.run(async_context("unix:///nowhere.sock"))]
+    assert all(ctx.cert_store_stats()["x509_ca"] == 0 for ctx in plain)  # trusts nothing
+    for ctx in https + plain:
+        assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname

@@ -160,8 +160,8 @@ def test_the_pack_fits_and_installs_offline_on_python312(tmp_path):
 
 
 def test_the_packs_ffmpeg_is_compressed_once_per_binary(tmp_path, monkeypatch):
-    """The xz of a binary is kept in the cache and reused while it decompresses to that
-    binary; a damaged one is compressed afresh and written over."""
+    """The xz of a binary is kept in the cache, named after its own sha256 too, and reused
+    while its bytes hash to that name; a damaged one is compressed afresh and written over."""
     import importlib.util
     import lzma
 
