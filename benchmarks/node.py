@@ -41,7 +41,6 @@ Goals in benchmarks/README.md. Beside the table it draws node.png.
 from __future__ import annotations
 
 import hashlib
-import multiprocessing
 import os
 import shutil
 import statistics
@@ -75,7 +74,7 @@ class Node:
 
     def __init__(self, worker: Any, spec: dict[str, Any], refs: list[str]):
         self.worker, self.spec, self.refs = worker, spec, refs
-        self.ctx = multiprocessing.get_context("spawn")
+        self.ctx = harness.rank_context("torch", "framewire.client")
         self.go = self.ctx.Event()
         self.ranks: list[tuple[Any, Any]] = []
         self.probe, mine = self.ctx.Pipe()

@@ -30,7 +30,6 @@ p99, against the prober on the idle host and beside the ranks alone. Medians of
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import statistics
 import sys
@@ -209,7 +208,7 @@ def main() -> int:
 
     cpus = len(os.sched_getaffinity(0))
     k = calibrate(args.step_ms)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = harness.rank_context("torch", "framewire.client")
     spec = {"frames": args.frames, "width": args.width, "height": args.height,
             "threads": x264_auto_threads(args.height)}  # fmt: skip
     windows: list[dict[str, Any]] = []
