@@ -9,8 +9,8 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from multiprocessing.context import BaseContext
+from pathlib import Path
 from typing import NoReturn
 
 

@@ -20,7 +20,7 @@ per-chunk offset to a fixed 8-frame pattern, in place, into its one output
 buffer); the pacing sleeps out the rest of the chunk's time, so the host's
 cores stay x264's, as with a VAE on a GPU.
 
-Per run, in a fresh producer process:
+Per run, in a producer process of its own (forked from one that imported the client):
   tail   last chunk produced -> the file is ready (the call returned)
   total  first frame started -> the file is ready
   extra  the producer's peak resident memory above its level once its
@@ -38,15 +38,15 @@ table it draws each path's latency after the last chunk (stream-tail.png).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +77,7 @@ def status_kib(field: str) -> int:
 
 
 def produce(spec: dict[str, Any]) -> dict[str, Any]:
-    """One run in this (fresh) process: (a) or (b) at ``spec["rate"]`` frames a second."""
+    """One run in a process of its own: (a), (b) or (c) at ``spec["rate"]`` frames a second."""
     from framewire.client import Client
 
     frames, chunk, height, width = spec["frames"], spec["chunk"], spec["height"], spec["width"]
@@ -152,16 +152,24 @@ def to_rgb24(chunk: np.ndarray) -> bytes:
     return np.ascontiguousarray(scaled.transpose(1, 2, 3, 0)).tobytes()
 
 
-def run_producer(spec: dict[str, Any]) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, __file__, "--producer", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"the producer failed:\n{done.stdout}{done.stderr}")
-    return json.loads(done.stdout.splitlines()[-1])
+def _producer(spec: dict[str, Any], conn: Connection) -> None:
+    conn.send(produce(spec))
+
+
+def run_producer(ctx: BaseContext, spec: dict[str, Any]) -> dict[str, Any]:
+    """``produce(spec)`` in a process of its own, a rank's (harness.rank_context)."""
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_producer, args=(spec, theirs), daemon=True)
+    proc.start()
+    theirs.close()
+    try:
+        if not mine.poll(3600):
+            raise RuntimeError("the producer took over an hour")
+        return mine.recv()
+    except EOFError:
+        raise RuntimeError("the producer failed (its traceback is above)") from None
+    finally:
+        proc.join(30)
 
 
 # ----------------------------------------------------------------------------- the table
@@ -203,12 +211,8 @@ def main() -> int:
     parser = harness.parser(__doc__, frames=120, width=1344, height=768, repeat=3)
     parser.add_argument("--chunk", type=harness.count, default=8)
     plots.add_option(parser)
-    parser.add_argument("--producer", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.producer is not None:
-        print(json.dumps(produce(json.loads(args.producer))))
-        return 0
-
+    ctx = harness.rank_context("framewire.client")
     from tests.support.worker import start_worker
 
     chunk_mib = 3 * args.chunk * args.height * args.width * 4 / MIB
@@ -222,7 +226,8 @@ def main() -> int:
             def one(mode: str, rate: float, i: int) -> dict[str, Any]:
                 name = f"{mode}-{i}.mp4"
                 out = str(worker.outputs / name)
-                row = run_producer(base | {"mode": mode, "rate": rate, "path": name, "out": out})
+                row = run_producer(ctx, base | {"mode": mode, "rate": rate, "path": name,
+                                                "out": out})  # fmt: skip
                 (worker.outputs / name).unlink()
                 return row
 
