@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+from types import ModuleType
 
-import diffusers.utils
-import diffusers.utils.export_utils as export_utils
 import framewire.integrations as integrations
 import numpy as np
 import pytest
 from framewire.integrations import diffusers as fw_diffusers
 from PIL import Image
 
-OWN = export_utils.export_to_video
+
+@pytest.fixture(scope="module")
+def export_utils() -> ModuleType:
+    """diffusers' own module, imported by the tests that use it (1.6 s of CPU: not in the
+    collection of every one of the suite's processes)."""
+    import diffusers.utils.export_utils
+
+    return diffusers.utils.export_utils
 
 
 def sha(path) -> str:
@@ -33,21 +39,24 @@ def on(workers, monkeypatch):
     return worker
 
 
-def test_the_drop_in_has_diffusers_signature():
+def test_the_drop_in_has_diffusers_signature(export_utils):
     def shape(fn):  # names, kinds and defaults: what a caller can pass
         return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
-    assert shape(fw_diffusers.export_to_video) == shape(OWN)
+    assert shape(fw_diffusers.export_to_video) == shape(export_utils.export_to_video)
 
 
-def test_install_rebinds_diffusers_name_and_uninstall_puts_it_back():
+def test_install_rebinds_diffusers_name_and_uninstall_puts_it_back(export_utils):
+    import diffusers.utils
+
+    own = export_utils.export_to_video
     fw_diffusers.install()
     try:
         assert diffusers.utils.export_to_video is fw_diffusers.export_to_video
         assert export_utils.export_to_video is fw_diffusers.export_to_video
     finally:
         fw_diffusers.uninstall()
-    assert diffusers.utils.export_to_video is OWN and export_utils.export_to_video is OWN
+    assert diffusers.utils.export_to_video is own and export_utils.export_to_video is own
 
 
 @pytest.mark.parametrize(("name", "frames", "fps"), [
@@ -57,25 +66,27 @@ def test_install_rebinds_diffusers_name_and_uninstall_puts_it_back():
     ("pil", [Image.fromarray((f.clip(0, 1) * 255).astype(np.uint8)) for f in floats(4, 6, 40, 40)],
      10),
 ])  # fmt: skip
-def test_routed_saves_have_diffusers_bytes(on, tmp_path, name, frames, fps):
+def test_routed_saves_have_diffusers_bytes(on, export_utils, tmp_path, name, frames, fps):
     before = integrations.counts().get("diffusers:routed", 0)
     path = str(on.outputs / f"{name}.mp4")
     assert fw_diffusers.export_to_video(frames, path, fps=fps) == path
     assert integrations.counts()["diffusers:routed"] == before + 1
-    assert sha(path) == sha(OWN(frames, str(tmp_path / "own.mp4"), fps=fps))
+    own = export_utils.export_to_video(frames, str(tmp_path / "own.mp4"), fps=fps)
+    assert sha(path) == sha(own)
 
 
 @pytest.mark.parametrize(("why", "frames", "kw"), [
     ("frames that are not float32 arrays", floats(5, 4, 32, 32, np.float64), {}),
     ("a bitrate, a macro block size or no quality", floats(6, 4, 32, 32), {"bitrate": 500000}),
 ])  # fmt: skip
-def test_other_saves_run_diffusers_own(on, tmp_path, why, frames, kw):
+def test_other_saves_run_diffusers_own(on, export_utils, tmp_path, why, frames, kw):
     key = f"diffusers:engine:{why}"
     before = integrations.counts().get(key, 0)
     path = str(on.outputs / "left.mp4")
     assert fw_diffusers.export_to_video(frames, path, fps=8, **kw) == path
     assert integrations.counts()[key] == before + 1
-    assert sha(path) == sha(OWN(frames, str(tmp_path / "own.mp4"), fps=8, **kw))
+    own = export_utils.export_to_video(frames, str(tmp_path / "own.mp4"), fps=8, **kw)
+    assert sha(path) == sha(own)
 
 
 def test_no_path_is_a_temporary_file_as_in_diffusers(on):
