@@ -2,7 +2,8 @@
 worker (its encodes yield) and in the ranks' own processes (the engine's save path).
 
     .venv/bin/python benchmarks/ranks.py [--encodes 2] [--frames 48] [--width 320]
-        [--height 192] [--step-ms 20] [--repeat 3] [--alone-s 4] [--settings NAME ...]
+        [--height 192] [--step-ms 20] [--repeat 3] [--alone-s 4] [--probe-s 3]
+        [--settings NAME ...]
         [--json OUT]
 
 One rank per CPU of this process's affinity set: a process looping over a fixed step of
@@ -161,8 +162,8 @@ class Savers:
             proc.join(30)
 
 
-def probed(ctx: Any, worker: Any, during: Any) -> dict[str, list[float]]:
-    """The prober's latencies while ``during()`` runs (for PROBE_IDLE_S when None)."""
+def probed(ctx: Any, worker: Any, during: Any, idle_s: float) -> dict[str, list[float]]:
+    """The prober's latencies while ``during()`` runs (for ``idle_s`` when None)."""
     spec = {"uds": str(worker.uds), "url": worker.uds_url, "fd_socket": str(worker.fd_socket),
             "outputs": str(worker.outputs)}  # fmt: skip
     mine, theirs = ctx.Pipe()
@@ -172,7 +173,7 @@ def probed(ctx: Any, worker: Any, during: Any) -> dict[str, list[float]]:
         assert mine.recv() == "started"
         mine.send("start")
         if during is None:
-            time.sleep(PROBE_IDLE_S)
+            time.sleep(idle_s)
         else:
             during()
         mine.send("stop")
@@ -199,6 +200,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=harness.count, default=3)
     ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     ap.add_argument("--alone-s", type=float, default=ALONE_S, help="each window of the ranks alone")
+    ap.add_argument("--probe-s", type=float, default=PROBE_IDLE_S,
+                    help="each probe without saves (idle host, ranks alone)")  # fmt: skip
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -223,7 +226,7 @@ def main() -> int:
             for w in workers.values():  # untimed: the first save's set-up and kernels
                 savers.run("worker", w, str(w.outputs))
             savers.run("imageio", None, outputs)
-            probes["idle host"] = [probed(ctx, first, None)]
+            probes["idle host"] = [probed(ctx, first, None, args.probe_s)]
             bare = {name: [savers.run("worker", w, str(w.outputs))["wall_s"]
                            for _ in range(args.repeat)] for name, w in workers.items()}  # fmt: skip
             bare["in-process"] = [savers.run("imageio", None, outputs)["wall_s"]
@@ -246,9 +249,10 @@ def main() -> int:
                     where = str(w.outputs) if w is not None else outputs
                     windows.append({"name": name} | savers.run(how, w, where))
                 print(f"round {i + 1} of {args.repeat} done", file=sys.stderr)
-            probes["ranks alone"] = [probed(ctx, first, None)]
+            probes["ranks alone"] = [probed(ctx, first, None, args.probe_s)]
             for name, w in workers.items():
-                probes[name] = [probed(ctx, w, lambda w=w: savers.run("worker", w, str(w.outputs)))]
+                saves = lambda w=w: savers.run("worker", w, str(w.outputs))  # noqa: E731
+                probes[name] = [probed(ctx, w, saves, args.probe_s)]
             for conn in conns:
                 conn.send("stop")
             ranks = [conn.recv() for conn in conns]

@@ -15,6 +15,7 @@ from tests.support.media import FFMPEG
 from tests.support.processes import child_pids, framewire_temps
 from tests.support.segments import Segments
 from tests.support.worker import Worker, Workers
+from tests.support.zygote import start_variables
 
 # tests/image/ builds the container image and runs it under podman (minutes): scripts/test-image
 # runs it, beside scripts/test in .ci/run; a selection of scripts/test never does.
@@ -24,6 +25,9 @@ collect_ignore = [] if os.environ.get("FRAMEWIRE_IMAGE_TESTS") == "1" else ["ima
 # conversion (single_threaded_conversion): the suite's processes already fill every core,
 # and a pool of two spun on each small op (a 6-frame clip took 50 ms of CPU, not 1 ms).
 torch.set_num_threads(1)
+# What this process's interpreter started with, of the variables one reads as it starts:
+# its zygote's too. A worker asked for with other values is started afresh (2-4 s of CPU).
+STARTED_WITH = start_variables()
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +73,9 @@ def worker(
 
 @pytest.fixture(autouse=True)
 def no_leaks(tmp_path: Path) -> Iterator[None]:
-    """Every test: no ffmpeg child, no temp output, no memfd left behind."""
+    """Every test: no ffmpeg child, no temp output, no memfd left behind, and the variables
+    an interpreter reads as it starts as they were (else every later worker of this
+    process would start afresh, silently: an import that sets one, say)."""
 
     def memfds() -> int:
         n = 0
@@ -85,3 +91,6 @@ def no_leaks(tmp_path: Path) -> Iterator[None]:
     assert child_pids() - before_children == set(), "child processes left running"
     assert framewire_temps(tmp_path) == [], "temp outputs left behind"
     assert memfds() <= before_memfds, "memfds left open"
+    now = start_variables()
+    changed = sorted(k for k in {*now, *STARTED_WITH} if now.get(k) != STARTED_WITH.get(k))
+    assert not changed, f"os.environ's start variables changed: {changed}"

@@ -40,6 +40,11 @@ from pathlib import Path
 AT_START = ("PYTHON", "LD_", "NUMBA_", "OMP_", "MKL_", "TORCH", "CUDA_", "MALLOC_")
 
 
+def start_variables(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables of ``env`` (os.environ) that an interpreter reads as it starts."""
+    return {k: v for k, v in (os.environ if env is None else env).items() if k.startswith(AT_START)}
+
+
 class Forked:
     """A worker forked by the zygote, as much of ``subprocess.Popen`` as tests use."""
 
@@ -111,9 +116,7 @@ class Zygote:
     def can_start(self, env: dict[str, str] | None) -> bool:
         if not self.alive():
             return False
-        wanted = os.environ if env is None else env
-        keys = {k for k in {*wanted, *self.env} if k.startswith(AT_START)}
-        return all(wanted.get(k) == self.env.get(k) for k in keys)
+        return start_variables(env) == start_variables(self.env)
 
     def start(
         self,
