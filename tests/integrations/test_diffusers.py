@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import os
 from types import ModuleType
 
 import framewire.integrations as integrations
@@ -14,21 +13,13 @@ import pytest
 from framewire.integrations import diffusers as fw_diffusers
 from PIL import Image
 
-from tests.support.zygote import start_variables
+from tests.support.engines import diffusers_export_utils
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def export_utils() -> ModuleType:
-    """diffusers' own module, imported by the tests that use it (1.6 s of CPU: not in the
-    collection of every one of the suite's processes). The import sets torch's
-    TORCHINDUCTOR_CACHE_DIR, which is taken back: with it, every later worker of this
-    process would start afresh rather than fork (tests/support/zygote.py)."""
-    before = start_variables()
-    import diffusers.utils.export_utils
-
-    for name in start_variables().keys() - before.keys():
-        del os.environ[name]
-    return diffusers.utils.export_utils
+    """diffusers' own module, imported before any of these tests (and the drop-in) use it."""
+    return diffusers_export_utils()
 
 
 def sha(path) -> str:

@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Iterable
 from fractions import Fraction
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import av
@@ -29,6 +30,7 @@ import scipy.io.wavfile
 import torch
 
 from tests.support.media import FFMPEG, sha256
+from tests.support.zygote import start_variables
 
 SGLANG_VERSION, DIFFUSERS_VERSION, VLLM_OMNI_VERSION = "0.5.23", "0.42.1", "0.30.0"
 
@@ -154,9 +156,20 @@ def _mux_all(container: Any, stream: Any, frames: Iterable[Any]) -> None:
             container.mux(packet)
 
 
+def diffusers_export_utils() -> ModuleType:
+    """diffusers' ``export_utils``, imported where it is first needed (1.6 s of CPU: not
+    in the collection of every one of the suite's processes). The import sets torch's
+    TORCHINDUCTOR_CACHE_DIR, which is taken back out of os.environ: with it, every later
+    worker of this process would start afresh rather than fork (tests/support/zygote.py)."""
+    before = start_variables()
+    import diffusers.utils.export_utils
+
+    for name in start_variables().keys() - before.keys():
+        del os.environ[name]
+    return diffusers.utils.export_utils
+
+
 def diffusers_save(frames: np.ndarray | list[np.ndarray], path: Path, *, fps: int) -> str:
     """diffusers' own ``export_to_video`` (installed ``--no-deps``); returns the sha256."""
-    from diffusers.utils.export_utils import export_to_video
-
-    export_to_video(list(frames), str(path), fps=fps)
+    diffusers_export_utils().export_to_video(list(frames), str(path), fps=fps)
     return sha256(path)
