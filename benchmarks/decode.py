@@ -31,8 +31,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,9 +38,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import harness
-import numpy as np
-import plots
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # tests.support: the worker
+
+import harness  # noqa: E402
+import numpy as np  # noqa: E402
+import plots  # noqa: E402
 
 WIDTH, HEIGHT, FPS = 1344, 768, 24
 GOAL_WALL, GOAL_MEMORY = 1.2, 1.1
@@ -156,30 +157,6 @@ def make_source(path: Path, seconds: float, ffmpeg: str) -> None:
     )  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_worker(root: Path) -> subprocess.Popen[bytes]:
-    fd_socket = root / "fd.sock"
-    cmd = [
-        sys.executable, "-m", "framewire.service", "serve", "--port", str(free_port()),
-        "--uds", str(root / "api.sock"), "--fd-socket", str(fd_socket),
-        "--input-roots", str(root), "--output-roots", str(root / "out"),
-        "--log-level", "warning",
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 60
-    while not fd_socket.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("the worker did not start")
-        time.sleep(0.05)
-    return proc
-
-
 def plot(results: dict[str, dict[str, Any]], directory: Path, note: str) -> None:
     one = results["one decode"]
     names = list(results)
@@ -209,11 +186,14 @@ def main() -> int:
 
     from framewire.core.media.process import find_ffmpeg
 
+    from tests.support.worker import Worker, start_worker
+
     ffmpeg = find_ffmpeg()
     root = Path(tempfile.mkdtemp(prefix="framewire-bench-decode-"))
-    worker = None
+    worker: Worker | None = None
     try:
-        video = root / "source.mp4"
+        video = root / "inputs" / "source.mp4"  # the worker's input root (start_worker)
+        video.parent.mkdir()
         t0 = time.monotonic()
         make_source(video, args.seconds, ffmpeg)
         print(f"source: {args.seconds:g} s of 1920x1080 at 30 fps, "
@@ -232,8 +212,7 @@ def main() -> int:
         results[f"{n} x framewire, cached"] = run_ranks(n, "worker", video, fd_socket)
     finally:
         if worker is not None:
-            worker.send_signal(signal.SIGTERM)
-            worker.wait(60)
+            worker.stop()
         shutil.rmtree(root, ignore_errors=True)
 
     one = results["one decode"]

@@ -48,7 +48,6 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import harness  # noqa: E402
-import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 from encode import clip_chunk  # noqa: E402  (the shared clip generator)
 
@@ -139,36 +138,6 @@ class RssSampler:
         return max(during, default=0) - (before[-1] if before else during[0])
 
 
-def start_worker(root: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    uds = root / "api.sock"
-    cmd = [
-        sys.executable, "-m", "framewire.service", "serve", "--port", str(harness_port()),
-        "--uds", str(uds), "--fd-socket", str(root / "fd.sock"),
-        "--input-roots", str(root), "--output-roots", str(root / "out"),
-        "--output-urls", f"s3://{BUCKET}/", "--log-level", "warning",
-    ]  # fmt: skip
-    (root / "out").mkdir()
-    proc = subprocess.Popen(cmd, env=env)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with httpx.Client(transport=httpx.HTTPTransport(uds=str(uds))) as h:
-                if h.get("http://framewire/healthz").status_code == 200:
-                    return proc
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("the worker did not start")
-        time.sleep(0.05)
-
-
-def harness_port() -> int:
-    from tests.support.worker import free_port
-
-    return free_port()
-
-
 def output_row(root: Path, env: dict[str, str], args: argparse.Namespace, s3: Any) -> dict:
     from framewire.client import Client
 
@@ -176,20 +145,21 @@ def output_row(root: Path, env: dict[str, str], args: argparse.Namespace, s3: An
         (clip_chunk(0, args.frames, args.height, args.width) * 255).astype(np.uint8)
     )  # (3, T, H, W) uint8: the worker converts nothing, x264 does the work
     clip = np.ascontiguousarray(clip.transpose(1, 2, 3, 0))
-    worker = start_worker(root, env)
+    from tests.support.worker import start_worker
+
+    worker = start_worker(root, "--output-urls", f"s3://{BUCKET}/", env=env)
     try:
-        with Client(f"unix://{root / 'api.sock'}", timeout=600) as client:
+        with Client(worker.uds_url, timeout=600) as client:
             # Warm: the worker's store client, and its first connection, made before the clock.
             client.save_video(clip[:2, :64, :64], f"s3://{BUCKET}/warm.mp4", fps=24)
             with RssSampler(worker.pid) as rss:
                 result = client.save_video(clip, f"s3://{BUCKET}/output.mp4", fps=24)
             local = client.save_video(clip, "output.mp4", fps=24)
     finally:
-        worker.terminate()
-        worker.wait(timeout=60)
+        worker.stop()
     end = result.timings.finished_at
     extra = rss.extra(end - result.timings.upload_ms / 1e3, end)
-    path = root / "out" / "output.mp4"
+    path = worker.outputs / "output.mp4"
     body = s3.get_object(Bucket=BUCKET, Key="output.mp4")["Body"].read()
     same = hashlib.sha256(body).hexdigest() == result.sha256 == local.sha256
     theirs = in_child("boto3", path, "output-boto3.mp4", env)
