@@ -259,6 +259,10 @@ def _preload(what: str) -> None:
         # kept in per-process caches: PyAV imported, the default ffmpeg's identity (the
         # sha256 of its 170 MB, about 0.4 s of CPU), version and libx264 build, PyAV's.
         Encoders().describe()
+        try:  # the store's client library, which a worker writing object URLs imports
+            import boto3  # noqa: F401
+        except ImportError:
+            pass
     # No Python thread may run when it forks (a fork copies only the forking thread, and
     # any lock another holds stays held). The native ones here are idle pools that
     # expect forks: OpenBLAS's (numpy) and one numba starts as it loads a kernel.
