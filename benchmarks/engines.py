@@ -5,8 +5,9 @@
 
 Per engine, its real save in its own environment and pins (tests/support/engine_site.py:
 SGLang 0.5.23 with imageio-ffmpeg 0.5.1; vLLM-omni 0.30.0; diffusers 0.42.1 from the
-test environment), one process per run (benchmarks/engine_save.py), on a float32
-clip made before the timing:
+test environment), one process per run (benchmarks/engine_save.py, forked from one
+that has imported torch alone in the engine's environment: tests/support/zygote.py;
+FRAMEWIRE_TEST_FORK=0 starts each afresh), on a float32 clip made before the timing:
 
   SGLang      save_outputs of a CPU (3, T, H, W) tensor (the engine materializes it)
   vLLM-omni   ChunkedVideoMP4Session, 8-frame chunks, ultrafast, threads 0
@@ -27,7 +28,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -40,8 +40,12 @@ sys.path.insert(0, str(HERE))
 
 import harness  # noqa: E402
 
+from tests.support.cli import run_to_end, start_process  # noqa: E402
 from tests.support.engine_site import engine_env, engine_ffmpeg, engine_site  # noqa: E402
-from tests.support.worker import start_worker  # noqa: E402
+from tests.support.worker import FORK, start_worker  # noqa: E402
+from tests.support.zygote import torch_zygote  # noqa: E402
+
+SAVE = HERE / "engine_save.py"
 
 ENGINES = ("sglang", "vllm-omni", "diffusers")
 
@@ -53,11 +57,12 @@ def one(engine: str, on: bool, worker: Any, args: argparse.Namespace, n: int) ->
         extra |= {"FRAMEWIRE_INTEGRATIONS": engine, "FRAMEWIRE_URL": worker.uds_url}
     env = engine_env(site, **extra) if site else {**os.environ, **extra}
     out = worker.outputs / f"{engine}-{'on' if on else 'off'}-{n}.mp4"
-    done = subprocess.run(
-        [sys.executable, str(HERE / "engine_save.py"), engine, str(out), str(args.frames),
-         str(args.width), str(args.height)],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
+    given = [engine, str(out), str(args.frames), str(args.width), str(args.height)]
+    forks = torch_zygote(env) if FORK else None  # one per environment: torch imported once
+    done = run_to_end([sys.executable, str(SAVE), *given], lambda stdio: start_process(
+        [sys.executable, str(SAVE), *given], forks, given, stdio=stdio, env=env, cwd=REPO,
+        script=SAVE,
+    ), timeout=1800)  # fmt: skip
     if done.returncode != 0:
         raise SystemExit(f"{engine} {'on' if on else 'off'} failed:\n{done.stderr[-3000:]}")
     out.unlink()

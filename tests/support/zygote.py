@@ -248,6 +248,7 @@ def _preload(what: str) -> None:
     if what == "torch":
         import torch  # noqa: F401
     else:
+        import anyio._backends._asyncio  # noqa: F401  (what the worker's threads run on)
         import framewire.service._cli.main
         import framewire.service._worker  # noqa: F401
         from framewire.service._convert import kernels
