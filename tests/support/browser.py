@@ -40,17 +40,37 @@ def browser_missing() -> str | None:
 
 
 @contextmanager
-def chromium_page() -> Iterator[Any]:
-    """A page of a fresh headless Chromium (autoplay allowed: the video is muted anyway)."""
+def chromium() -> Iterator[Any]:
+    """A headless Chromium (autoplay allowed: the video is muted anyway), open while the
+    block runs. A module's tests share one (a launch is a second or two of CPU), each on
+    a page of its own (``fresh_page``)."""
     from playwright.sync_api import sync_playwright
 
     args = ["--no-sandbox", "--autoplay-policy=no-user-gesture-required"]
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
         try:
-            yield browser.new_page()
+            yield browser
         finally:
             browser.close()
+
+
+@contextmanager
+def fresh_page(browser: Any) -> Iterator[Any]:
+    """A page in a browser context of its own: no cookies, storage or cache of the pages
+    before it."""
+    context = browser.new_context()
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
+
+
+@contextmanager
+def chromium_page() -> Iterator[Any]:
+    """A page of a Chromium of its own, for one-off use (the live benchmark)."""
+    with chromium() as browser, fresh_page(browser) as page:
+        yield page
 
 
 def shows(pixel: Sequence[int], colour: tuple[int, int, int]) -> bool:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from framewire.client import Client, VideoWriter
 
-from tests.support.browser import browser_missing, chromium_page, shows
+from tests.support.browser import browser_missing, chromium, fresh_page, shows
 from tests.support.hlsjs import hlsjs_missing, open_hls_player, player_frame, player_state
 
 FPS = 24
@@ -47,10 +48,13 @@ READ_COLOUR = """(seekTo) => new Promise((resolve) => {
 
 
 @pytest.fixture(scope="module")
-def browser() -> None:
+def browser() -> Iterator[Any]:
+    """Chromium, launched once for these tests (each gets a page of its own)."""
     missing = browser_missing()
     if missing is not None:
         pytest.skip(f"no browser can be installed here: {missing}")
+    with chromium() as launched:
+        yield launched
 
 
 def _clip(rounds: int = 1) -> torch.Tensor:
@@ -100,7 +104,7 @@ def test_the_watch_page_plays_the_stream_and_ends(worker, browser, player):
     Chromium plays HLS natively too)."""
     clip = _clip()
     frames = clip.shape[1]
-    with Client(worker.uds_url) as client, chromium_page() as page:
+    with Client(worker.uds_url) as client, fresh_page(browser) as page:
         writer = client.open_video(f"watched-{player}.mp4", fps=FPS, live=True)
         writer.write(clip[:, :CHUNK])
         assert writer.watch_url is not None and writer.hls_url is not None
@@ -165,7 +169,7 @@ def test_hlsjs_plays_the_hls_url_while_chunks_arrive(worker, browser):
         pytest.skip(f"hls.js cannot be installed here: {missing}")
     clip = _clip(rounds=2)
     frames = clip.shape[1]
-    with Client(worker.uds_url) as client, chromium_page() as page:
+    with Client(worker.uds_url) as client, fresh_page(browser) as page:
         writer = client.open_video("hlsjs.mp4", fps=FPS, live=True)
         writer.write(clip[:, :CHUNK])
         assert writer.hls_url is not None

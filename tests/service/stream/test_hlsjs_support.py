@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.browser import browser_missing, chromium_page, shows
+from tests.support.browser import browser_missing, chromium, fresh_page, shows
 from tests.support.hls_check import check_media_playlist
 from tests.support.hlsjs import (
     HLSJS_VERSION,
@@ -29,10 +29,13 @@ SECONDS = 2
 
 
 @pytest.fixture(scope="module")
-def player() -> None:
+def player() -> Iterator[Any]:
+    """Chromium, launched once for these tests (each gets a page of its own), and hls.js."""
     missing = browser_missing() or hlsjs_missing()
     if missing is not None:
         pytest.skip(f"no browser or hls.js can be installed here: {missing}")
+    with chromium() as launched:
+        yield launched
 
 
 class _CorsHandler(SimpleHTTPRequestHandler):
@@ -73,8 +76,8 @@ def test_ffmpegs_playlist_passes_the_checker(vod: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.registry  # hls.js comes from the npm registry
-def test_hlsjs_plays_a_vod_to_its_end(player: None, vod: str) -> None:
-    with chromium_page() as page:
+def test_hlsjs_plays_a_vod_to_its_end(player: Any, vod: str) -> None:
+    with fresh_page(player) as page:
         open_hls_player(page, vod)
         page.wait_for_function(
             "() => window.hlsPlayer.ended || window.hlsPlayer.errors.length > 0", timeout=15_000
@@ -93,9 +96,9 @@ def test_hlsjs_plays_a_vod_to_its_end(player: None, vod: str) -> None:
 
 
 @pytest.mark.registry
-def test_the_player_records_samples_while_playing(player: None, vod: str) -> None:
+def test_the_player_records_samples_while_playing(player: Any, vod: str) -> None:
     """currentTime moves and the buffered samples are stamped in time order."""
-    with chromium_page() as page:
+    with fresh_page(player) as page:
         open_hls_player(page, vod, low_latency=False)
         page.wait_for_function("() => window.hlsPlayer.currentTime > 0.5", timeout=15_000)
         state = player_state(page)
