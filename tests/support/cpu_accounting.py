@@ -1,0 +1,112 @@
+"""Each test's CPU, with every process it started: a pytest plugin for finding where the
+suite's time goes (not loaded by default).
+
+    scripts/test -p tests.support.cpu_accounting [--durations=0 ...]
+
+Each pytest process moves itself into a cgroup of its own (cgroup v1 ``cpuacct``, as
+root), so the CPU of its workers, zygotes, ffmpeg and browsers is counted where it was
+spent, whichever process forked them and however they were reparented. Every test's
+CPU (setup, call and teardown), its process's own share of it and its wall go to
+``.venv/test-cpu/<process>.jsonl`` (``FRAMEWIRE_TEST_CPU_DIR``); the run ends with
+the files that took the most.
+Without a writable ``cpuacct`` hierarchy it says so and counts nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import resource
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import REPO
+
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+OUT = Path(os.environ.get("FRAMEWIRE_TEST_CPU_DIR") or REPO / ".venv" / "test-cpu")
+SHOWN = 25  # files in the summary
+
+
+def _usage(group: Path) -> float:
+    return int((group / "cpuacct.usage").read_text()) / 1e9
+
+
+def _own() -> float:
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
+
+
+class _Counter:
+    def __init__(self, name: str) -> None:
+        self.group = CPUACCT / f"framewire-tests-{name}-{os.getpid()}"
+        self.group.mkdir(exist_ok=True)
+        (self.group / "tasks").write_text(str(os.getpid()))  # and whatever it starts
+        OUT.mkdir(parents=True, exist_ok=True)
+        self.out = (OUT / f"{name}.jsonl").open("w")
+
+    def record(self, test: str, cpu: float, own: float, wall: float) -> None:
+        line = {"test": test, "cpu_s": round(cpu, 3), "own_s": round(own, 3), "wall_s": wall}
+        self.out.write(json.dumps(line) + "\n")
+        self.out.flush()
+
+
+_counter: _Counter | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _counter
+    name = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    if name == "main":  # first (xdist's processes start later): this run's files only
+        for old in OUT.glob("*.jsonl"):
+            old.unlink()
+    if hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("dsession"):
+        try:
+            _counter = _Counter(name)
+        except OSError as exc:
+            print(f"cpu_accounting: no cgroup to count in ({exc}): nothing is counted")
+
+
+def pytest_unconfigure() -> None:
+    if _counter is not None:
+        _counter.out.close()
+        try:  # back to the root group; this one goes once what this process started has
+            (CPUACCT / "tasks").write_text(str(os.getpid()))
+            _counter.group.rmdir()
+        except OSError:
+            pass
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    if _counter is None:
+        yield
+        return
+    cpu, own, wall = _usage(_counter.group), _own(), time.monotonic()
+    yield
+    _counter.record(item.nodeid, _usage(_counter.group) - cpu, _own() - own,
+                    round(time.monotonic() - wall, 3))  # fmt: skip
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if hasattr(terminalreporter.config, "workerinput"):
+        return
+    by_file: collections.Counter[str] = collections.Counter()
+    walls: collections.Counter[str] = collections.Counter()
+    for path in OUT.glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            name = row["test"].split("::")[0]
+            by_file[name] += row["cpu_s"]
+            walls[name] += row["wall_s"]
+    if not by_file:
+        return
+    write = terminalreporter.write_line
+    write(f"CPU of the tests, their processes included: {sum(by_file.values()):.1f} s "
+          f"(per test: {OUT}/*.jsonl); the {SHOWN} files that took the most:")  # fmt: skip
+    for name, cpu in by_file.most_common(SHOWN):
+        write(f"{cpu:8.1f} s CPU {walls[name]:8.1f} s wall  {name}")
