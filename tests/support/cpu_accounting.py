@@ -9,7 +9,8 @@ spent, whichever process forked them and however they were reparented. Every tes
 CPU (setup, call and teardown), its process's own share of it and its wall go to
 ``.venv/test-cpu/<process>.jsonl`` (``FRAMEWIRE_TEST_CPU_DIR``); the run ends with
 the files that took the most.
-Without a writable ``cpuacct`` hierarchy it says so and counts nothing.
+Where no group can be made there (no v1 ``cpuacct``, not root, a container that
+refuses), it says so and counts nothing. ``FRAMEWIRE_TEST_CPUACCT`` names another hierarchy.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import collections
 import json
 import os
 import resource
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +30,7 @@ import pytest
 
 from tests.support import REPO
 
-CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+CPUACCT = Path(os.environ.get("FRAMEWIRE_TEST_CPUACCT") or "/sys/fs/cgroup/cpuacct")
 OUT = Path(os.environ.get("FRAMEWIRE_TEST_CPU_DIR") or REPO / ".venv" / "test-cpu")
 SHOWN = 25  # files in the summary
 
@@ -56,6 +59,23 @@ class _Counter:
 
 
 _counter: _Counter | None = None
+
+
+def refusal() -> str | None:
+    """Why no process could be counted here, or None: makes a group, moves a child into it."""
+    group = CPUACCT / f"framewire-tests-probe-{os.getpid()}"
+    try:
+        group.mkdir()
+    except OSError as exc:
+        return str(exc)
+    try:
+        join = f"import os; open({str(group / 'tasks')!r}, 'w').write(str(os.getpid()))"
+        child = subprocess.run(
+            [sys.executable, "-c", join], capture_output=True, text=True, timeout=30
+        )
+        return child.stderr.strip().splitlines()[-1] if child.returncode else None
+    finally:
+        group.rmdir()  # its one task has exited
 
 
 def pytest_configure(config: pytest.Config) -> None:
