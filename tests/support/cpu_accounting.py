@@ -80,11 +80,14 @@ def refusal() -> str | None:
 
 def pytest_configure(config: pytest.Config) -> None:
     global _counter
-    name = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    # xdist's worker id from its own input, not PYTEST_XDIST_WORKER: a pytest that a test
+    # starts inherits that variable, and would write over its parent's file.
+    worker = getattr(config, "workerinput", None)
+    name = worker["workerid"] if worker is not None else "main"
     if name == "main":  # first (xdist's processes start later): this run's files only
         for old in OUT.glob("*.jsonl"):
             old.unlink()
-    if hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("dsession"):
+    if worker is not None or not config.pluginmanager.hasplugin("dsession"):
         try:
             _counter = _Counter(name)
         except OSError as exc:
