@@ -14,7 +14,8 @@ a temp dir. Every rank decodes it to 1344x768 at 24 fps with the reference-decod
   N x framewire   N processes asking one worker: one ffmpeg run, one sealed memfd
   ... cached      the same again, answered from the worker's cache
 
-Rank processes start, import and report ready before the clock starts; all are
+Rank processes (forks of one server that imported the client: harness.rank_context)
+start and report ready before the clock starts; all are
 released together, and the wall time runs until the last one has its frames
 with every page touched. Memory is the sum over ranks of the growth of their
 proportional set size (Pss, /proc/PID/smaps_rollup), measured while all of them
@@ -28,13 +29,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +63,8 @@ def pss_bytes() -> int:
     raise RuntimeError("no Pss in smaps_rollup")
 
 
-def rank(mode: str, video: str, fd_socket: str) -> None:
-    """One rank, stepped by the parent over stdin: ready, go, measure, exit."""
+def rank(mode: str, video: str, fd_socket: str, conn: Connection) -> None:
+    """One rank, stepped by the parent over ``conn``: started, go, measure, exit."""
     from framewire.client import Client
     from framewire.core.media.argv import decode_argv
     from framewire.core.media.process import find_ffmpeg
@@ -71,8 +73,8 @@ def rank(mode: str, video: str, fd_socket: str) -> None:
     ffmpeg = find_ffmpeg()
     client = Client(fd_socket=fd_socket)
     before = pss_bytes()
-    print("ready", flush=True)
-    assert sys.stdin.readline().strip() == "go"
+    conn.send("started")
+    assert conn.recv() == "go"
     ref = None
     if mode == "ffmpeg":
         # What a rank does without framewire: its own ffmpeg, its own copy.
@@ -93,11 +95,10 @@ def rank(mode: str, video: str, fd_socket: str) -> None:
     int(flat[::PAGE].sum())  # touch every page, as a consumer would
     done = time.monotonic()
     digest = hashlib.sha256(flat).hexdigest()
-    print(json.dumps({"done": done, "sha256": digest, "bytes": flat.size, "source": source}))
-    sys.stdout.flush()
-    assert sys.stdin.readline().strip() == "measure"
-    print(json.dumps({"pss_growth": pss_bytes() - before}), flush=True)
-    assert sys.stdin.readline().strip() == "exit"
+    conn.send({"done": done, "sha256": digest, "bytes": flat.size, "source": source})
+    assert conn.recv() == "measure"
+    conn.send({"pss_growth": pss_bytes() - before})
+    assert conn.recv() == "exit"
     if ref is not None:
         ref.close()
     client.close()
@@ -106,38 +107,45 @@ def rank(mode: str, video: str, fd_socket: str) -> None:
 # ----------------------------------------------------------------------------- the parent
 
 
-def run_ranks(n: int, mode: str, video: Path, fd_socket: Path) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--rank", mode, str(video), str(fd_socket)]
-    procs = [
-        subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        for _ in range(n)
-    ]
+def run_ranks(ctx: BaseContext, n: int, mode: str, video: Path, fd_socket: Path) -> dict[str, Any]:
+    conns: list[Connection] = []
+    procs = []
     try:
+        for _ in range(n):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=rank, args=(mode, str(video), str(fd_socket), theirs))
+            proc.start()
+            theirs.close()
+            conns.append(mine)
+            procs.append(proc)
 
         def tell(word: str) -> None:
-            for p in procs:
-                p.stdin.write(word + "\n")  # type: ignore[union-attr]
-                p.stdin.flush()  # type: ignore[union-attr]
+            for conn in conns:
+                conn.send(word)
 
         def hear() -> list[Any]:
-            return [p.stdout.readline().strip() for p in procs]  # type: ignore[union-attr]
+            return [conn.recv() for conn in conns]
 
-        if hear() != ["ready"] * n:
-            raise RuntimeError(f"a {mode} rank failed to start")
+        try:
+            if hear() != ["started"] * n:
+                raise RuntimeError(f"a {mode} rank failed to start")
+        except EOFError:
+            raise RuntimeError(f"a {mode} rank failed to start") from None
         started = time.monotonic()
         tell("go")
-        answers = [json.loads(line) for line in hear()]
+        answers = hear()
         tell("measure")
-        growth = [json.loads(line)["pss_growth"] for line in hear()]
+        growth = [answer["pss_growth"] for answer in hear()]
         tell("exit")
-        for p in procs:
-            if p.wait(60) != 0:
-                raise RuntimeError(f"a {mode} rank exited {p.returncode}")
+        for proc in procs:
+            proc.join(60)
+            if proc.exitcode != 0:
+                raise RuntimeError(f"a {mode} rank exited {proc.exitcode}")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
     return {
         "wall_s": max(a["done"] for a in answers) - started,
         "memory_bytes": sum(growth),
@@ -178,11 +186,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--json", type=Path, default=None)
     plots.add_option(parser)
-    parser.add_argument("--rank", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.rank:
-        rank(*args.rank)
-        return 0
 
     from framewire.core.media.process import find_ffmpeg
 
@@ -202,14 +206,15 @@ def main() -> int:
               f"{len(os.sched_getaffinity(0))} CPUs")  # fmt: skip
         n = args.ranks
         fd_socket = root / "fd.sock"
+        ctx = harness.rank_context("framewire.client", "framewire.core.media.argv")
         results: dict[str, dict[str, Any]] = {}
-        run_ranks(1, "ffmpeg", video, fd_socket)  # warm the page cache and the binary
-        results["one decode"] = run_ranks(1, "ffmpeg", video, fd_socket)
-        results["one, memfd"] = run_ranks(1, "local", video, root / "no-worker.sock")
-        results[f"{n} x ffmpeg"] = run_ranks(n, "ffmpeg", video, fd_socket)
+        run_ranks(ctx, 1, "ffmpeg", video, fd_socket)  # warm the page cache and the binary
+        results["one decode"] = run_ranks(ctx, 1, "ffmpeg", video, fd_socket)
+        results["one, memfd"] = run_ranks(ctx, 1, "local", video, root / "no-worker.sock")
+        results[f"{n} x ffmpeg"] = run_ranks(ctx, n, "ffmpeg", video, fd_socket)
         worker = start_worker(root)
-        results[f"{n} x framewire"] = run_ranks(n, "worker", video, fd_socket)
-        results[f"{n} x framewire, cached"] = run_ranks(n, "worker", video, fd_socket)
+        results[f"{n} x framewire"] = run_ranks(ctx, n, "worker", video, fd_socket)
+        results[f"{n} x framewire, cached"] = run_ranks(ctx, n, "worker", video, fd_socket)
     finally:
         if worker is not None:
             worker.stop()
