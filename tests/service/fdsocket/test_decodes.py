@@ -5,11 +5,8 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import hashlib
-import json
 import os
 import stat
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -19,8 +16,8 @@ from framewire.client import AsyncClient, BadRequest, Client, Forbidden, MediaEr
 from framewire.client.wire import DecodeRequest
 from framewire.core.decode import SEALS
 
-from tests.support import REPO
 from tests.support.cli import run_cli
+from tests.support.decode_client import decode_ranks
 from tests.support.refclips import (
     DECODE_CASES,
     RawConnection,
@@ -181,41 +178,16 @@ def test_eight_processes_share_one_decode(worker, fd_sock):
     make_video(video, "testsrc2=size=97x61:rate=30", 2.0)
     kw = {"fps": 30, "width": 256, "height": 144}
     expected_size = 60 * 144 * 256 * 3
-    cmd = [sys.executable, "-m", "tests.support.decode_client", str(fd_sock), str(video)]
-    cmd += [str(kw["fps"]), str(kw["width"]), str(kw["height"])]
     counters = ("framewire_decodes_total", "framewire_decode_cache_hits_total",
                 "framewire_decode_coalesced_total")  # fmt: skip
     with worker.http() as h:
         before = [metric(h, name) for name in counters]
-        procs = [
-            subprocess.Popen(
-                cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-            )
-            for _ in range(8)
-        ]
-        # A hung worker must fail the test, not block it: kill the clients at the deadline.
-        watchdog = threading.Timer(60, lambda: [p.kill() for p in procs])
-        watchdog.start()
-        try:
-            assert [p.stdout.readline().strip() for p in procs] == ["ready"] * 8  # type: ignore[union-attr]
-            for p in procs:  # all released at once
-                p.stdin.write("go\n")  # type: ignore[union-attr]
-                p.stdin.flush()  # type: ignore[union-attr]
-            answers = [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
-            for p in procs:
-                p.stdin.write("measure\n")  # type: ignore[union-attr]
-                p.stdin.flush()  # type: ignore[union-attr]
-            pss = [json.loads(p.stdout.readline())["pss_kib"] * 1024 for p in procs]  # type: ignore[union-attr]
-            for p in procs:
-                p.stdin.write("exit\n")  # type: ignore[union-attr]
-                p.stdin.flush()  # type: ignore[union-attr]
-            assert [p.wait(30) for p in procs] == [0] * 8
-        finally:
-            watchdog.cancel()
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        with decode_ranks(8, fd_sock, video, **kw) as ranks:
+            ranks.tell("go")  # all released at once
+            answers = ranks.hear()
+            ranks.tell("measure")
+            pss = [answer["pss_kib"] * 1024 for answer in ranks.hear()]
+            ranks.tell("exit")
         runs, hits, joined = (metric(h, n) - b for n, b in zip(counters, before, strict=True))
     assert runs == 1, "exactly one ffmpeg run"
     assert hits + joined == 7 and sum(a["cached"] for a in answers) == hits
