@@ -32,7 +32,8 @@ def _run(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], 
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
          "-p", "tests.support.cpu_accounting", "test_burn.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
-        env=os.environ | {"PYTHONPATH": str(REPO), "FRAMEWIRE_TEST_CPU_DIR": str(out)} | env,
+        env=os.environ | {"PYTHONPATH": str(REPO), "FRAMEWIRE_TEST_CPU_DIR": str(out),
+                          "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"} | env,
     )  # fmt: skip
     assert ran.returncode == 0, ran.stdout + ran.stderr
     return ran, out
