@@ -18,7 +18,7 @@ from tests.support.worker import Worker, Workers
 from tests.support.zygote import start_variables
 
 # tests/image/ builds the container image and runs it under podman (minutes): scripts/test-image
-# runs it, beside scripts/test in .ci/run; a selection of scripts/test never does.
+# runs it, after scripts/test in .ci/run; a selection of scripts/test never does.
 collect_ignore = [] if os.environ.get("FRAMEWIRE_IMAGE_TESTS") == "1" else ["image"]
 
 # One intra-op thread for the tests' own tensors (clips, oracles), as the worker gives its
