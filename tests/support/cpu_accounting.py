@@ -16,6 +16,7 @@ refuses), it says so and counts nothing. ``FRAMEWIRE_TEST_CPUACCT`` names anothe
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import resource
@@ -73,9 +74,12 @@ def refusal() -> str | None:
         child = subprocess.run(
             [sys.executable, "-c", join], capture_output=True, text=True, timeout=30
         )
-        return child.stderr.strip().splitlines()[-1] if child.returncode else None
+        if child.returncode:
+            return (child.stderr.strip().splitlines() or [f"exit {child.returncode}"])[-1]
+        return None
     finally:
-        group.rmdir()  # its one task has exited
+        with contextlib.suppress(OSError):
+            group.rmdir()  # its one task has exited
 
 
 def pytest_configure(config: pytest.Config) -> None:
