@@ -2,13 +2,14 @@
 worker (its encodes yield) and in the ranks' own processes (the engine's save path).
 
     .venv/bin/python benchmarks/ranks.py [--encodes 2] [--frames 48] [--width 320]
-        [--height 192] [--step-ms 20] [--repeat 3] [--alone-s 4] [--probe-s 3]
+        [--height 192] [--ranks N] [--step-ms 20] [--repeat 3] [--alone-s 4] [--probe-s 3]
         [--settings NAME ...]
         [--json OUT]
 
-One rank per CPU of this process's affinity set: a process looping over a fixed step of
-torch CPU work (one thread, a chain of 256x256 matmuls sized to ``--step-ms`` alone),
-timing every step. They run for the whole benchmark; each figure is over a window:
+One rank per CPU of this process's affinity set (or --ranks N): a process looping over
+a fixed step of torch CPU work (one thread, a chain of 256x256 matmuls sized to
+``--step-ms`` alone), timing every step. They run for the whole benchmark; each figure
+is over a window:
 
   alone          the ranks and nothing else, 4 s before each of the windows below
   yield          N save_video at once through a worker at its defaults (encodes niced,
@@ -196,6 +197,7 @@ def main() -> int:
     ap.add_argument("--frames", type=harness.count, default=48)
     ap.add_argument("--width", type=harness.count, default=320)
     ap.add_argument("--height", type=harness.count, default=192)
+    ap.add_argument("--ranks", type=harness.count, help="rank processes (default: one per CPU)")
     ap.add_argument("--step-ms", type=float, default=20.0)
     ap.add_argument("--repeat", type=harness.count, default=3)
     ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
@@ -209,7 +211,7 @@ def main() -> int:
 
     from tests.support.worker import start_worker
 
-    cpus = len(os.sched_getaffinity(0))
+    n_ranks = args.ranks or len(os.sched_getaffinity(0))
     k = calibrate(args.step_ms)
     ctx = harness.rank_context("torch", "framewire.client")
     spec = {"frames": args.frames, "width": args.width, "height": args.height,
@@ -232,7 +234,7 @@ def main() -> int:
             bare["in-process"] = [savers.run("imageio", None, outputs)["wall_s"]
                                   for _ in range(args.repeat)]  # fmt: skip
             conns = []
-            for _ in range(cpus):
+            for _ in range(n_ranks):
                 mine, theirs = ctx.Pipe()
                 ctx.Process(target=rank, args=(k, theirs), daemon=True).start()
                 conns.append(mine)
@@ -262,9 +264,9 @@ def main() -> int:
                 w.stop()
     rows = summarize(windows, ranks, bare)
     same = len({d for w in windows for d in w["sha256"]}) == args.encodes
-    report(args, cpus, k, rows, probes, same)
+    report(args, n_ranks, k, rows, probes, same)
     harness.write_json(args.json, {"rows": rows, "probes": probes, "sha256_equal": same,
-                                   "cpus": cpus, "matmuls_per_step": k})  # fmt: skip
+                                   "ranks": n_ranks, "matmuls_per_step": k})  # fmt: skip
     return 0 if same else 1
 
 
@@ -291,10 +293,10 @@ def summarize(
     return rows
 
 
-def report(args: argparse.Namespace, cpus: int, k: int, rows: list[dict],
+def report(args: argparse.Namespace, n_ranks: int, k: int, rows: list[dict],
            probes: dict[str, list[dict[str, list[float]]]], same: bool) -> None:  # fmt: skip
     print(
-        f"{cpus} ranks ({k} matmuls a step, {args.step_ms:g} ms alone); {args.encodes} saves of "
+        f"{n_ranks} ranks ({k} matmuls a step, {args.step_ms:g} ms alone); {args.encodes} saves of "
         f"{args.frames} frames {args.width}x{args.height} float32; medians of {args.repeat}"
     )
     print(f"{'beside the ranks':>16} {'step mean':>9} {'x alone':>7} {'step p95':>8} "

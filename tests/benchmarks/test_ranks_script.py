@@ -10,8 +10,8 @@ from tests.support.benchruns import bench_json
 
 def test_ranks_benchmark(tmp_path: Path) -> None:
     r, results = bench_json(tmp_path, "ranks.py", "--encodes", "1", "--frames", "8",
-                            "--width", "160", "--height", "96", "--step-ms", "5", "--repeat", "1",
-                            "--alone-s", "1", "--probe-s", "1",
+                            "--width", "160", "--height", "96", "--ranks", "1", "--step-ms", "5",
+                            "--repeat", "1", "--alone-s", "0.5", "--probe-s", "1",
                             "--settings", "yield", "no yield")  # fmt: skip
     rows = {row["name"]: row for row in results["rows"]}
     # (the idle policy, the slowest to run beside busy ranks, only in the full run)

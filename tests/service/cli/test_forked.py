@@ -61,19 +61,24 @@ print(json.dumps([sys.argv[1:], os.path.basename(sys.argv[0]), sys.path[0] == os
 """
 
 
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One site for the module's cases: they share its torch zygote (one per PYTHONPATH)."""
+    return tmp_path_factory.mktemp("site")
+
+
 @pytest.mark.parametrize(
     "body", [*ENDINGS.values(), MODULE_REPORT], ids=[*ENDINGS.keys(), "reports_its_start"]
 )
 def test_a_module_forked_from_the_torch_zygote_answers_as_a_fresh_one(
-    tmp_path: Path, body: str
+    tmp_path: Path, site: Path, body: str
 ) -> None:
     """What the engines' drivers are (tests/support/engine_site.py): ``python -m MODULE``
     in a site on PYTHONPATH, with variables of its own."""
-    (tmp_path / "site").mkdir()
     (tmp_path / "mods").mkdir()
     (tmp_path / "mods" / "__init__.py").write_text("")
     (tmp_path / "mods" / "m.py").write_text(body + "\n")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "CASE": "mine"}
+    env = {**os.environ, "PYTHONPATH": str(site), "CASE": "mine"}
     forks = torch_zygote(env)
     assert forks is not None and forks.can_start(env)
     argv = [sys.executable, "-m", "mods.m", "a", "b"]

@@ -418,7 +418,10 @@ def test_no_runtime_without_cuda(monkeypatch):
 @pytest.fixture(scope="module")
 def cpu_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     started = Workers(lambda: tmp_path_factory.mktemp("cpu-worker"))
-    yield started.start(env=os.environ | {"CUDA_VISIBLE_DEVICES": ""})  # no GPU, whatever
+    # Hidden where there is a GPU (a worker started afresh); where there is none, the
+    # worker forked from the zygote already sees none.
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} if torch.cuda.is_available() else {}
+    yield started.start(env=os.environ | hidden)
     started.stop_all()
 
 
