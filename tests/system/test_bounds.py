@@ -17,14 +17,13 @@ import shutil
 import signal
 import socket
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.support.cli import run_cli
 from tests.support.http import http_client
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.processes import wait_gone, wait_until_writes_stop
@@ -344,12 +343,10 @@ def test_a_second_worker_on_the_same_sockets_leaves_the_first_alone(worker, tmp_
     root = worker.uds.parent
     before = {p: p.stat().st_ino for p in (worker.uds, root / "fd.sock")}
     for sockets in (["--uds", str(worker.uds)], ["--fd-socket", str(root / "fd.sock")]):
-        second = subprocess.run(
-            [sys.executable, "-m", "framewire.service", "serve", "--port", "0",
-             "--uds", str(tmp_path / "api.sock"), "--fd-socket", str(tmp_path / "fd.sock"),
-             "--output-roots", str(tmp_path), "--input-roots", str(tmp_path), *sockets],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        second = run_cli("serve", "--port", "0", "--uds", str(tmp_path / "api.sock"),
+                         "--fd-socket", str(tmp_path / "fd.sock"), "--output-roots",
+                         str(tmp_path), "--input-roots", str(tmp_path), *sockets,
+                         timeout=60)  # fmt: skip
         assert second.returncode == 1, second.stderr
         assert "another worker serves" in second.stderr and "not starting" in second.stderr
         assert not (tmp_path / "api.sock").exists() and not (tmp_path / "fd.sock").exists()

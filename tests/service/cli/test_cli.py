@@ -15,7 +15,7 @@ import pytest
 import torch
 from framewire.client.wire import Layout
 
-from tests.support.cli import CLI, run_cli, start_cli
+from tests.support.cli import run_cli, start_cli
 from tests.support.http import http_client, http_get
 from tests.support.identity import NOBODY
 from tests.support.media import make_clip, reference_mp4, sha256
@@ -186,17 +186,13 @@ def free_port() -> int:
 
 
 def test_serve_answers_healthz_on_tcp_and_unix_socket(tmp_path):
-    port, uds = free_port(), tmp_path / "api.sock"
-    proc = subprocess.Popen(
-        [*CLI, "serve", "--port", str(port), "--uds", str(uds), "--log-level", "warning"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    port, uds, log = free_port(), tmp_path / "api.sock", tmp_path / "serve.log"
+    proc = start_cli("serve", "--port", str(port), "--uds", str(uds), "--log-level", "warning",
+                     stdio=(os.devnull, str(log), str(log)))  # fmt: skip
     try:
         deadline = time.monotonic() + 30
         while not uds.exists():
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert proc.poll() is None, log.read_text()
             assert time.monotonic() < deadline, "worker did not start"
             time.sleep(0.05)
         while True:  # the Unix socket is bound before the TCP listener is served
@@ -213,9 +209,7 @@ def test_serve_answers_healthz_on_tcp_and_unix_socket(tmp_path):
         assert oct(uds.stat().st_mode & 0o777) == "0o660"
     finally:
         proc.terminate()
-        assert proc.wait(timeout=20) == 0
-        if proc.stdout:
-            proc.stdout.close()
+        assert proc.wait(timeout=20) == 0, log.read_text()
     assert not Path(uds).exists()
 
 
