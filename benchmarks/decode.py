@@ -1,10 +1,11 @@
 """Reference-decode benchmark: N ranks through one worker against N independent ffmpeg decodes.
 
-    .venv/bin/python benchmarks/decode.py [--ranks 8] [--seconds 5] [--json OUT] [--figures DIR]
+    .venv/bin/python benchmarks/decode.py [--ranks 8] [--seconds 5] [--source 1920x1080]
+                                          [--size 1344x768] [--json OUT] [--figures DIR]
 
-A 1920x1080 30 fps source (testsrc2 with temporal noise, libx264) is made once in
-a temp dir. Every rank decodes it to 1344x768 at 24 fps with the reference-decode argv
-(docs/byte-exactness.md):
+A 1920x1080 30 fps source (testsrc2 with temporal noise, libx264; --source) is made once
+in a temp dir. Every rank decodes it to 1344x768 (--size) at 24 fps with the
+reference-decode argv (docs/byte-exactness.md):
 
   one decode      one process, ffmpeg's rgb24 read from its stdout (the yardstick:
                   what every rank does today)
@@ -47,7 +48,7 @@ import harness  # noqa: E402
 import numpy as np  # noqa: E402
 import plots  # noqa: E402
 
-WIDTH, HEIGHT, FPS = 1344, 768, 24
+FPS = 24
 GOAL_WALL, GOAL_MEMORY = 1.2, 1.1
 MIB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -63,7 +64,7 @@ def pss_bytes() -> int:
     raise RuntimeError("no Pss in smaps_rollup")
 
 
-def rank(mode: str, video: str, fd_socket: str, conn: Connection) -> None:
+def rank(mode: str, video: str, size: tuple[int, int], fd_socket: str, conn: Connection) -> None:
     """One rank, stepped by the parent over ``conn``: started, go, measure, exit."""
     from framewire.client import Client
     from framewire.core.media.argv import decode_argv
@@ -72,23 +73,23 @@ def rank(mode: str, video: str, fd_socket: str, conn: Connection) -> None:
 
     ffmpeg = find_ffmpeg()
     client = Client(fd_socket=fd_socket)
-    before = pss_bytes()
+    (width, height), before = size, pss_bytes()
     conn.send("started")
     assert conn.recv() == "go"
     ref = None
     if mode == "ffmpeg":
         # What a rank does without framewire: its own ffmpeg, its own copy.
-        request = DecodeRequest(path=video, fps=FPS, width=WIDTH, height=HEIGHT)
+        request = DecodeRequest(path=video, fps=FPS, width=width, height=height)
         argv = decode_argv(ffmpeg, request, guard=False)
         out = subprocess.run(argv, capture_output=True, check=True).stdout
-        frames = np.frombuffer(out, np.uint8).reshape(-1, HEIGHT, WIDTH, 3)
+        frames = np.frombuffer(out, np.uint8).reshape(-1, height, width, 3)
         source = "ffmpeg"
     elif mode == "local":
-        ref = client.decode_reference(video, fps=FPS, width=WIDTH, height=HEIGHT)
+        ref = client.decode_reference(video, fps=FPS, width=width, height=height)
         frames, source = ref.frames, ref.source
     else:
         ref = client.decode_reference(
-            video, fps=FPS, width=WIDTH, height=HEIGHT, local_fallback=False
+            video, fps=FPS, width=width, height=height, local_fallback=False
         )
         frames, source = ref.frames, ref.source
     flat = frames.reshape(-1)
@@ -107,13 +108,15 @@ def rank(mode: str, video: str, fd_socket: str, conn: Connection) -> None:
 # ----------------------------------------------------------------------------- the parent
 
 
-def run_ranks(ctx: BaseContext, n: int, mode: str, video: Path, fd_socket: Path) -> dict[str, Any]:
+def run_ranks(
+    ctx: BaseContext, n: int, mode: str, video: Path, size: tuple[int, int], fd_socket: Path
+) -> dict[str, Any]:
     conns: list[Connection] = []
     procs = []
     try:
         for _ in range(n):
             mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=rank, args=(mode, str(video), str(fd_socket), theirs))
+            proc = ctx.Process(target=rank, args=(mode, str(video), size, str(fd_socket), theirs))
             proc.start()
             theirs.close()
             conns.append(mine)
@@ -155,10 +158,10 @@ def run_ranks(ctx: BaseContext, n: int, mode: str, video: Path, fd_socket: Path)
     }
 
 
-def make_source(path: Path, seconds: float, ffmpeg: str) -> None:
+def make_source(path: Path, seconds: float, size: tuple[int, int], ffmpeg: str) -> None:
     subprocess.run(
         [ffmpeg, "-v", "error", "-y", "-f", "lavfi",
-         "-i", "testsrc2=size=1920x1080:rate=30,noise=alls=12:allf=t",
+         "-i", f"testsrc2=size={size[0]}x{size[1]}:rate=30,noise=alls=12:allf=t",
          "-t", str(seconds), "-c:v", "libx264", "-preset", "veryfast", "-crf", "20",
          "-pix_fmt", "yuv420p", str(path)],
         check=True,
@@ -184,6 +187,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=harness.count, default=8)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--source", type=harness.size, default=(1920, 1080), help="WxH")
+    parser.add_argument("--size", type=harness.size, default=(1344, 768), help="decoded, WxH")
     parser.add_argument("--json", type=Path, default=None)
     plots.add_option(parser)
     args = parser.parse_args()
@@ -193,28 +198,31 @@ def main() -> int:
     from tests.support.worker import Worker, start_worker
 
     ffmpeg = find_ffmpeg()
+    size = args.size
+    width, height = size
+    source = "{}x{}".format(*args.source)
     root = Path(tempfile.mkdtemp(prefix="framewire-bench-decode-"))
     worker: Worker | None = None
     try:
         video = root / "inputs" / "source.mp4"  # the worker's input root (start_worker)
         video.parent.mkdir()
         t0 = time.monotonic()
-        make_source(video, args.seconds, ffmpeg)
-        print(f"source: {args.seconds:g} s of 1920x1080 at 30 fps, "
+        make_source(video, args.seconds, args.source, ffmpeg)
+        print(f"source: {args.seconds:g} s of {source} at 30 fps, "
               f"{video.stat().st_size / MIB:.1f} MiB, made in {time.monotonic() - t0:.1f} s; "
-              f"decoding to {WIDTH}x{HEIGHT} at {FPS} fps, {args.ranks} ranks, "
+              f"decoding to {width}x{height} at {FPS} fps, {args.ranks} ranks, "
               f"{len(os.sched_getaffinity(0))} CPUs")  # fmt: skip
         n = args.ranks
         fd_socket = root / "fd.sock"
         ctx = harness.rank_context("framewire.client", "framewire.core.media.argv")
         results: dict[str, dict[str, Any]] = {}
-        run_ranks(ctx, 1, "ffmpeg", video, fd_socket)  # warm the page cache and the binary
-        results["one decode"] = run_ranks(ctx, 1, "ffmpeg", video, fd_socket)
-        results["one, memfd"] = run_ranks(ctx, 1, "local", video, root / "no-worker.sock")
-        results[f"{n} x ffmpeg"] = run_ranks(ctx, n, "ffmpeg", video, fd_socket)
+        run_ranks(ctx, 1, "ffmpeg", video, size, fd_socket)  # warm the page cache and the binary
+        results["one decode"] = run_ranks(ctx, 1, "ffmpeg", video, size, fd_socket)
+        results["one, memfd"] = run_ranks(ctx, 1, "local", video, size, root / "no-worker.sock")
+        results[f"{n} x ffmpeg"] = run_ranks(ctx, n, "ffmpeg", video, size, fd_socket)
         worker = start_worker(root)
-        results[f"{n} x framewire"] = run_ranks(ctx, n, "worker", video, fd_socket)
-        results[f"{n} x framewire, cached"] = run_ranks(ctx, n, "worker", video, fd_socket)
+        results[f"{n} x framewire"] = run_ranks(ctx, n, "worker", video, size, fd_socket)
+        results[f"{n} x framewire, cached"] = run_ranks(ctx, n, "worker", video, size, fd_socket)
     finally:
         if worker is not None:
             worker.stop()
@@ -223,7 +231,7 @@ def main() -> int:
     one = results["one decode"]
     copy = one["bytes"]
     digests = {d for r in results.values() for d in r["sha256"]}
-    print(f"one copy: {copy / MIB:.1f} MiB ({copy // (WIDTH * HEIGHT * 3)} frames); "
+    print(f"one copy: {copy / MIB:.1f} MiB ({copy // (width * height * 3)} frames); "
           f"one decode: {one['wall_s']:.2f} s; "
           f"bytes identical across all ranks and variants: {len(digests) == 1}")  # fmt: skip
     print()
@@ -241,8 +249,8 @@ def main() -> int:
           f"{'met' if wall_ok else 'MISSED'}; memory <= {GOAL_MEMORY}x one copy: "
           f"{'met' if mem_ok else 'MISSED'}")  # fmt: skip
     harness.write_json(args.json, results)
-    note = (f"{args.seconds:g} s of 1920x1080 30 fps decoded to {WIDTH}x{HEIGHT} at {FPS} fps "
-            f"({copy // (WIDTH * HEIGHT * 3)} frames), {n} ranks")  # fmt: skip
+    note = (f"{args.seconds:g} s of {source} 30 fps decoded to {width}x{height} at {FPS} fps "
+            f"({copy // (width * height * 3)} frames), {n} ranks")  # fmt: skip
     plot(results, args.figures, note)
     return 0 if len(digests) == 1 else 1
 

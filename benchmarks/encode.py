@@ -183,14 +183,10 @@ def imageio_save(x: Any, out: str | Path, threads: int) -> None:
 
 
 def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
-    """One encode in this (fresh) process: its wall time and memory figures."""
-    import torch
-    from framewire.client.wire import DType, Layout
+    """One encode in this (fresh) process: its wall time and memory figures. Each variant
+    imports only what it runs (the bare one neither torch nor the service)."""
     from framewire.core.media.argv import encode_argv
     from framewire.core.media.process import resolve_ffmpeg
-    from framewire.service._encode.encoder import EncodeParams, Encoder
-    from framewire.service._sources.frames import FileSource, Geometry
-    from framewire.service._sources.shm import open_shm
 
     variant, out, n = spec["variant"], spec["out"], spec["threads"]
     frames, height, width = spec["frames"], spec["height"], spec["width"]
@@ -206,6 +202,8 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
             subprocess.run(argv, stdin=subprocess.DEVNULL, check=True)
             wall = time.perf_counter() - started
     elif variant == "imageio":
+        import torch
+
         fd = os.open(f"/dev/shm{spec['key']}", os.O_RDWR)
         mapping = mmap.mmap(fd, 3 * frames * height * width * 4)
         # Fault the whole input in first: it is the input, not memory the encode adds.
@@ -216,8 +214,12 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
             imageio_save(x, out, n)
             wall = time.perf_counter() - started
     else:
+        from framewire.client.wire import DType, Layout
         from framewire.service._convert import kernels
         from framewire.service._convert.convert import single_threaded_conversion
+        from framewire.service._encode.encoder import EncodeParams, Encoder
+        from framewire.service._sources.frames import FileSource, Geometry
+        from framewire.service._sources.shm import open_shm
 
         single_threaded_conversion()  # as `framewire serve` configures its process
         kernels.warm()  # as it does at start: the compiler's memory is not the encode's

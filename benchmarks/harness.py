@@ -25,6 +25,15 @@ def count(text: str) -> int:
     return value
 
 
+def size(text: str) -> tuple[int, int]:
+    """An argparse type: ``WxH``, each a whole number of at least 1 (-> (width, height))."""
+    w, _, h = text.partition("x")
+    try:
+        return count(w), count(h)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not WIDTHxHEIGHT") from None
+
+
 def parser(
     doc: str, *, frames: int | list[int], width: int, height: int, repeat: int
 ) -> argparse.ArgumentParser:

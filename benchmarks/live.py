@@ -235,22 +235,17 @@ def _chunks(frames: int, chunk: int, width: int, height: int) -> list[np.ndarray
             for t0 in range(0, frames, chunk)]  # fmt: skip
 
 
-def _size(text: str) -> tuple[int, int]:
-    w, _, h = text.partition("x")
-    return int(w), int(h)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--frames", type=harness.count, default=600)
     p.add_argument("--wall-frames", type=harness.count, default=240)
     p.add_argument("--chunk", type=harness.count, default=8)
     p.add_argument("--fps", type=float, default=24)
-    p.add_argument("--sizes", type=_size, nargs="+", default=[(672, 384), (1344, 768)])
+    p.add_argument("--sizes", type=harness.size, nargs="+", default=[(672, 384), (1344, 768)])
     p.add_argument("--load", type=float, default=0.75, help="of the calibrated encoder rate")
     p.add_argument("--wall-runs", type=harness.count, default=5)
     p.add_argument("--wall-viewers", type=harness.count, default=8)
-    p.add_argument("--wall-size", type=_size, default=(672, 384))
+    p.add_argument("--wall-size", type=harness.size, default=(672, 384))
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 

@@ -1,7 +1,8 @@
 """A node's ranks at once: N rank processes save (or stream) their clips at the same moment.
 
     .venv/bin/python benchmarks/node.py [--ranks 2 4 8] [--frames 48] [--width 640 --height 384]
-                                        [--threads 1] [--repeat 3] [--json OUT] [--figures DIR]
+                                        [--threads 1] [--repeat 3] [--idle-s 3]
+                                        [--json OUT] [--figures DIR]
 
 N rank processes are started and connected before anything is timed, each
 holding its own float32 CTHW clip (frames [i*F, (i+1)*F) of benchmarks/encode.py's
@@ -247,6 +248,7 @@ def main() -> int:
     parser.add_argument("--ranks", type=harness.count, nargs="+", default=[2, 4, 8])
     parser.add_argument("--chunk", type=harness.count, default=8)
     parser.add_argument("--threads", type=harness.count, default=1, help="x264's, for all")
+    parser.add_argument("--idle-s", type=float, default=IDLE_S, help="probes of the idle worker")
     plots.add_option(parser)
     args = parser.parse_args()
     from framewire.core.media.process import resolve_ffmpeg
@@ -279,7 +281,7 @@ def main() -> int:
             "rgbs": [str(r) for r in rgbs], "reference": REFERENCE | {"path": str(video)},
         }  # fmt: skip
         node = Node(worker, spec, refs)
-        idle = node.probed(IDLE_S)
+        idle = node.probed(args.idle_s)
         runs: list[dict[str, Any]] = []
         for n in args.ranks:
             node.start_ranks(n)

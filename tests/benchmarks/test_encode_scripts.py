@@ -38,9 +38,14 @@ def test_validate_benchmark() -> None:
     assert "framewire, serial" in r.stdout and "goal: 4 outputs" in r.stdout, r.stdout
 
 
-@pytest.mark.parametrize("args", [["--repeat", "0"], ["--frames", "-1"], ["--width", "x"]])
-def test_counts_below_one_are_refused_up_front(args: list[str]) -> None:
-    r = bench("encode.py", *args)
+@pytest.mark.parametrize(
+    ("script", "args"),
+    [("encode.py", ["--repeat", "0"]), ("encode.py", ["--frames", "-1"]),
+     ("encode.py", ["--width", "x"]), ("decode.py", ["--size", "640"]),
+     ("decode.py", ["--source", "0x480"])],
+)  # fmt: skip
+def test_counts_below_one_are_refused_up_front(script: str, args: list[str]) -> None:
+    r = bench(script, *args)
     assert r.returncode == 2 and "error: argument" in r.stderr, r.stderr
 
 

@@ -11,7 +11,8 @@ from tests.support.benchruns import bench_json
 
 def test_node_benchmark(tmp_path: Path) -> None:
     r, results = bench_json(tmp_path, "node.py", "--ranks", "2", "--frames", "8", "--width", "96",
-                            "--height", "64", "--repeat", "1", figures=("node.png",))  # fmt: skip
+                            "--height", "64", "--repeat", "1", "--idle-s", "1",
+                            figures=("node.png",))  # fmt: skip
     rows, runs = results["rows"], results["runs"]
     assert [row["path"] for row in rows] == [
         "(a) bare ffmpeg", "(b) imageio", "(c) in-process pipe", "framewire save",

@@ -11,8 +11,9 @@ from tests.support.benchruns import bench_json
 
 def test_decode_benchmark(tmp_path: Path) -> None:
     r, results = bench_json(
-        tmp_path, "decode.py", "--ranks", "2", "--seconds", "0.5", figures=("decode.png",)
-    )
+        tmp_path, "decode.py", "--ranks", "2", "--seconds", "0.5", "--source", "320x180",
+        "--size", "224x128", figures=("decode.png",),
+    )  # fmt: skip
     assert {"one decode", "2 x framewire", "2 x framewire, cached"} <= set(results)
     assert "bytes identical across all ranks and variants: True" in r.stdout
 
