@@ -7,6 +7,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,8 +15,8 @@ import torch
 from tests.support.media import FFMPEG
 from tests.support.processes import child_pids, framewire_temps
 from tests.support.segments import Segments
-from tests.support.worker import Worker, Workers
-from tests.support.zygote import start_variables
+from tests.support.worker import FORK, Worker, Workers
+from tests.support.zygote import Shared, share, start_variables
 
 # tests/image/ builds the container image and runs it under podman (minutes): scripts/test-image
 # runs it, after scripts/test in .ci/run; a selection of scripts/test never does.
@@ -28,6 +29,38 @@ torch.set_num_threads(1)
 # What this process's interpreter started with, of the variables one reads as it starts:
 # its zygote's too. A worker asked for with other values is started afresh (2-4 s of CPU).
 STARTED_WITH = start_variables()
+
+# A run on several processes (pytest-xdist) preloads the worker's zygote once: the
+# controller starts it and hands each process its socket (tests/support/zygote.py). Not
+# under tests.support.cpu_accounting, which counts a process's workers in its own cgroup.
+SHARED_ZYGOTE = "framewire_zygote"
+_shared = pytest.StashKey[Shared]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    handed = getattr(config, "workerinput", {}).get(SHARED_ZYGOTE)
+    if handed:
+        share(handed)
+    elif (
+        FORK
+        and not hasattr(config, "workerinput")
+        and config.getoption("numprocesses", None)
+        and not config.pluginmanager.has_plugin("tests.support.cpu_accounting")
+    ):
+        config.stash[_shared] = Shared()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:  # pytest-xdist's: a process about to start
+    shared = node.config.stash.get(_shared, None)
+    if shared is not None:
+        node.workerinput[SHARED_ZYGOTE] = shared.path
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shared = config.stash.get(_shared, None)
+    if shared is not None:
+        shared.stop()
 
 
 @pytest.fixture(scope="session")

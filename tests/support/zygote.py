@@ -17,18 +17,27 @@ them and reports their exit status on its stdout, so ``Forked`` answers what a
 ``subprocess.Popen`` does for a worker (``pid``, ``poll``, ``wait``, ``send_signal``,
 ``kill``, ``returncode``).
 
+A run on several pytest processes (pytest-xdist) preloads the worker's zygote once:
+the controller starts it (``Shared``) listening on a Unix socket, and each process that
+connects is served by a fork of it made for that connection (a session), which then
+does all the above over the socket instead of pipes (``share``; tests/conftest.py).
+
 Run as a script (``python -P zygote.py``), this file is the zygote; it imports nothing
 of the tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -90,9 +99,17 @@ class Zygote:
         preload: str = "worker",
         env: dict[str, str] | None = None,
         handed: tuple[int, int, int] | None = None,
+        shared: str | None = None,
     ) -> None:
         self.env = dict(os.environ if env is None else env)
-        if handed is None:
+        self._gone = False
+        if shared is not None:  # a session of the run's zygote; its hello names its env
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(shared)
+            self._requests, self._answers = conn.makefile("wb"), conn.makefile("rb")
+            conn.close()  # the two files hold the connection
+            self.alive: Callable[[], bool] = lambda: not self._gone
+        elif handed is None:
             proc = subprocess.Popen(
                 [sys.executable, "-P", __file__, preload],
                 stdin=subprocess.PIPE,
@@ -101,7 +118,7 @@ class Zygote:
             )
             assert proc.stdin is not None and proc.stdout is not None
             self._requests, self._answers = proc.stdin, proc.stdout
-            self.alive: Callable[[], bool] = lambda: proc.poll() is None
+            self.alive = lambda: proc.poll() is None
         else:  # the one this script's fork was handed (_hand_over): its pid and pipes
             pid, requests, answers = handed
             self._requests, self._answers = open(requests, "wb"), open(answers, "rb")  # noqa: SIM115
@@ -145,6 +162,11 @@ class Zygote:
             pid = self._wait_started(timeout=30)
         return Forked(self, pid, args)
 
+    def close(self) -> None:
+        """Let go of it: a session (or zygote) whose requests end leaves its workers be."""
+        with self._lock:
+            self._requests.close()
+
     def exit_code(self, pid: int) -> int | None:
         with self._changed:
             return self._exits.get(pid)
@@ -166,12 +188,15 @@ class Zygote:
         for line in self._answers:
             event = json.loads(line)
             with self._changed:
+                if "env" in event:  # a session's hello: the start variables it has
+                    self.env = event["env"]
                 if "exited" in event:
                     self._exits[event["exited"]] = event["code"]
                 else:
                     self._started.append(event.get("started", event.get("error", "?")))
                 self._changed.notify_all()
         with self._changed:  # the zygote is gone: so is every worker it had
+            self._gone = True
             self._started.append("the zygote exited")
             self._changed.notify_all()
 
@@ -205,6 +230,57 @@ _handed_env = dict(os.environ)
 _torch_zygotes: dict[tuple[tuple[str, str], ...], Zygote | None] = {}  # by AT_START values
 
 
+class Shared:
+    """The run's zygote, started by the controller of a run on several processes before
+    they start: each is handed ``path`` (``share``); ``stop`` ends it once they are done."""
+
+    def __init__(self, preload: str = "worker") -> None:
+        self._folder = tempfile.mkdtemp(prefix="framewire-zygote-")
+        self.path = os.path.join(self._folder, "zygote.sock")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-P", __file__, "--shared", self.path, preload],
+            stdin=subprocess.PIPE,
+        )
+
+    def stop(self) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()  # its sessions end with their connections
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
+_shared: str | None = None  # the socket of the run's zygote (share)
+
+
+def share(path: str) -> None:
+    """Fork this process's workers from the run's zygote listening at ``path``."""
+    global _shared
+    _shared = path
+
+
+def _session() -> Zygote | None:
+    """A session of the run's zygote, if there is one that can start this process's
+    workers; None (and the next call tries no more) otherwise."""
+    global _shared
+    if _shared is None:
+        return None
+    try:
+        forks = Zygote(shared=_shared)
+    except (OSError, RuntimeError) as exc:
+        warnings.warn(f"the run's zygote is not used: {exc}", stacklevel=3)
+        forks = None
+    if forks is not None and not forks.can_start(None):
+        warnings.warn("the run's zygote started with other start variables", stacklevel=3)
+        forks.close()
+        forks = None
+    _shared = None if forks is None else _shared
+    return forks
+
+
 def zygote() -> Zygote | None:
     """This test process's zygote, started on first use; None if it cannot start (each
     worker then gets its own interpreter, and the first start warns why)."""
@@ -215,7 +291,7 @@ def zygote() -> Zygote | None:
                 if _handed is not None:
                     _zygote = Zygote(env=_handed_env, handed=_handed)
                 else:
-                    _zygote = Zygote()
+                    _zygote = _session() or Zygote()
                 _handed = None
             except RuntimeError as exc:
                 _failed, _zygote = str(exc), None
@@ -379,14 +455,42 @@ def _serve(preload: str) -> None:
     _serve_requests(0, answers)
 
 
-def _serve_requests(requests: int, answers: int) -> None:
+def _serve_shared(path: str, preload: str) -> None:
+    """The run's zygote: a session (a fork of it) for each connection to ``path``, until
+    stdin ends (the run's controller is done, or gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)  # before the imports: who connects early waits for the hello
+    listener.listen(64)
+    _preload(preload)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    while True:
+        readable, _, _ = select.select([listener, 0], [], [], 1.0)
+        with contextlib.suppress(ChildProcessError):  # the sessions that ended
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        if 0 in readable and not os.read(0, 1024):
+            return
+        if listener in readable:
+            conn, _ = listener.accept()
+            if os.fork() == 0:
+                listener.close()
+                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+                try:
+                    _serve_requests(conn.fileno(), conn.fileno(), {"env": start_variables()})
+                finally:
+                    os._exit(0)
+            conn.close()
+
+
+def _serve_requests(requests: int, answers: int, hello: dict[str, object] | None = None) -> None:
     """Forks a child for each request line read from ``requests``; says on ``answers``
-    that it is ready, each child's pid, and each child's exit status."""
+    that it is ready (with ``hello``), each child's pid, and each child's exit status."""
 
     def say(event: dict[str, object]) -> None:
         os.write(answers, json.dumps(event).encode() + b"\n")
 
-    say({"started": 0})  # ready
+    say({"started": 0} | (hello or {}))  # ready
     children: dict[int, int] = {}  # pidfd -> pid
     pending = b""
     while True:
@@ -413,4 +517,7 @@ def _serve_requests(requests: int, answers: int) -> None:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1] if len(sys.argv) > 1 else "worker")
+    if sys.argv[1:2] == ["--shared"]:
+        _serve_shared(sys.argv[2], sys.argv[3])
+    else:
+        _serve(sys.argv[1] if len(sys.argv) > 1 else "worker")
