@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,10 @@ def pytest_configure(config: pytest.Config) -> None:
         and config.getoption("numprocesses", None)
         and not config.pluginmanager.has_plugin("tests.support.cpu_accounting")
     ):
-        config.stash[_shared] = Shared()
+        try:
+            config.stash[_shared] = Shared()
+        except RuntimeError as exc:  # each process then starts its own
+            warnings.warn(f"no zygote for the whole run: {exc}", stacklevel=1)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -103,11 +103,11 @@ class Zygote:
     ) -> None:
         self.env = dict(os.environ if env is None else env)
         self._gone = False
+        self._conn: socket.socket | None = None
         if shared is not None:  # a session of the run's zygote; its hello names its env
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            conn.connect(shared)
-            self._requests, self._answers = conn.makefile("wb"), conn.makefile("rb")
-            conn.close()  # the two files hold the connection
+            self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._conn.connect(shared)
+            self._requests, self._answers = self._conn.makefile("wb"), self._conn.makefile("rb")
             self.alive: Callable[[], bool] = lambda: not self._gone
         elif handed is None:
             proc = subprocess.Popen(
@@ -166,6 +166,8 @@ class Zygote:
         """Let go of it: a session (or zygote) whose requests end leaves its workers be."""
         with self._lock:
             self._requests.close()
+            if self._conn is not None:  # its reader still holds the socket: end the requests
+                self._conn.shutdown(socket.SHUT_WR)
 
     def exit_code(self, pid: int) -> int | None:
         with self._changed:
@@ -241,8 +243,19 @@ class Shared:
             [sys.executable, "-P", __file__, "--shared", self.path, preload],
             stdin=subprocess.PIPE,
         )
+        deadline = time.monotonic() + 30  # bound before its imports: who connects then waits
+        while not os.path.exists(self.path):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the run's zygote did not listen")
+            time.sleep(0.01)
 
-    def stop(self) -> None:
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def stop(self) -> int:
+        """Ends it; its exit status."""
         assert self._proc.stdin is not None
         self._proc.stdin.close()  # its sessions end with their connections
         try:
@@ -251,6 +264,7 @@ class Shared:
             self._proc.kill()
             self._proc.wait()
         shutil.rmtree(self._folder, ignore_errors=True)
+        return self._proc.returncode
 
 
 _shared: str | None = None  # the socket of the run's zygote (share)

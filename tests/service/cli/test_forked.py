@@ -13,7 +13,8 @@ import pytest
 
 from tests.support import REPO
 from tests.support.cli import CLI, run_cli, run_to_end, start_process
-from tests.support.zygote import torch_zygote, zygote
+from tests.support.processes import wait_gone
+from tests.support.zygote import Shared, Zygote, torch_zygote, zygote
 
 ENDINGS = {
     "returns": "print('out', end='\\r'); print('done')",
@@ -112,3 +113,29 @@ def test_a_forked_script_forks_its_workers_from_the_zygote_it_was_handed(tmp_pat
     script.write_text(HANDED_REPORT)
     forked = run_cli(script=script, cwd=REPO, timeout=60)
     assert (forked.returncode, forked.stdout, forked.stderr) == (0, "True True None None\n", "")
+
+
+def test_the_runs_zygote_serves_each_process_from_a_session_of_its_own(tmp_path: Path) -> None:
+    """The zygote a run on several processes shares (tests/conftest.py): each connection
+    gets a fork of it that starts, reaps and reports that process's children; ended,
+    it leaves no socket behind."""
+    shared = Shared("torch")
+    script = tmp_path / "s.py"
+    script.write_text("import os, sys; print(os.getppid()); sys.exit(3)\n")
+    try:
+        connected = [Zygote(shared=shared.path) for _ in range(2)]
+        runs = [z.start(["a"], tmp_path / f"{i}.log", None, tmp_path, script=script)
+                for i, z in enumerate(connected)]  # fmt: skip
+        assert [run.wait(timeout=60) for run in runs] == [3, 3]
+        sessions = {int((tmp_path / f"{i}.log").read_text()) for i in range(2)}
+        assert len(sessions) == 2  # one each
+        for session in sessions:
+            stat = Path(f"/proc/{session}/stat").read_text()
+            assert int(stat.rpartition(")")[2].split()[1]) == shared.pid  # forks of it
+        for z in connected:
+            z.close()
+        wait_gone(sessions)  # each ends with its connection, and is reaped
+    finally:
+        code = shared.stop()
+    assert code == 0
+    assert not Path(shared.path).parent.exists()
