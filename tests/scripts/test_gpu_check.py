@@ -23,10 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO
+from tests.support import CACHE, REPO
 
 CAP = 64 << 20
-CACHE = Path.home() / ".cache" / "framewire-tests"
 # The lent image's packages that the pack's part imports (its list in docs/deployment.md).
 IMAGE = [
     "numpy", "httpx", "prometheus-client", "imageio", "rich", "pytest", "anyio", "h11",

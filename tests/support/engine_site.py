@@ -1,8 +1,9 @@
 """The engines' own code at their own pins, installed apart from the test environment.
 
 Each engine's site is a directory of wheels installed ``--no-deps`` with
-``pip --target`` (made once per machine under ``.venv/engines``, rebuilt when its
-pins change): the engine's package, and the media packages it pins, which shadow
+``pip --target`` (made once per machine and interpreter under
+``~/.cache/framewire-tests/engines``, a new one when its pins change; a fresh
+clone reuses it): the engine's package, and the media packages it pins, which shadow
 the test environment's when the site comes first on ``PYTHONPATH``. What the
 engines import beyond that comes from the test environment (torch, numpy,
 scipy), or is stubbed by the engine's driver (tests/support/engine_*.py) where
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tests.support import REPO
+from tests.support import CACHE, REPO
 
 if TYPE_CHECKING:  # the drivers import this module: nothing of the suite's at run time
     from tests.support.zygote import Forked
@@ -34,14 +35,15 @@ PINS = {
     # vLLM-omni beside another PyAV than the worker's (SGLang's pin): another encoder.
     "vllm-omni-av16": ["vllm-omni==0.30.0", "av==16.1.0"],
 }
-ROOT = REPO / ".venv" / "engines"
+ROOT = CACHE / "engines"
 
 
 def engine_site(engine: str) -> Path:
     """The site directory of ``engine``'s pins (made on first use; a lock keeps the
     suite's processes from making it twice)."""
     pins = PINS[engine]
-    tag = hashlib.sha256("\n".join(pins).encode()).hexdigest()[:12]
+    # Its wheels (PyAV's, psutil's) are the interpreter's: one site per interpreter too.
+    tag = hashlib.sha256("\n".join([sys.base_prefix, sys.version, *pins]).encode()).hexdigest()[:12]
     site = ROOT / f"{engine}-{tag}"
     ROOT.mkdir(parents=True, exist_ok=True)
     with open(ROOT / f"{engine}.lock", "w") as lock:

@@ -18,11 +18,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tests.support import CACHE as MACHINE_CACHE
+
 # The newest 1.x on the registry when pinned; the integrity is the registry's (dist.integrity),
 # checked again here so that the bytes under test stay the same ones.
 HLSJS_VERSION = "1.7.4"
 HLSJS_INTEGRITY = "sha512-3GlxGdPvT2YHvQYOt+yOzT/DEior/qJVNIylHA77kgeoBTdQQqi70GwefNEUmHQeNGyjC8U62+bruqW/Tpm+tg=="  # noqa: E501
-CACHE = Path.home() / ".cache" / "framewire-tests" / f"hlsjs-{HLSJS_VERSION}"
+CACHE = MACHINE_CACHE / f"hlsjs-{HLSJS_VERSION}"
 INSTALL_TIMEOUT_S = 300
 # The tarball unpacks to 33 MB, mostly sources and maps: the player and its licence suffice.
 KEEP = ("package/LICENSE", "package/package.json", "package/dist/hls.min.js")
