@@ -48,6 +48,8 @@ import harness  # noqa: E402
 import numpy as np  # noqa: E402
 import plots  # noqa: E402
 
+from tests.support.stepped import stepped  # noqa: E402
+
 FPS = 24
 GOAL_WALL, GOAL_MEMORY = 1.2, 1.1
 MIB = 1 << 20
@@ -73,7 +75,8 @@ def rank(mode: str, video: str, size: tuple[int, int], fd_socket: str, conn: Con
 
     ffmpeg = find_ffmpeg()
     client = Client(fd_socket=fd_socket)
-    (width, height), before = size, pss_bytes()
+    width, height = size
+    before = pss_bytes()
     conn.send("started")
     assert conn.recv() == "go"
     ref = None
@@ -111,44 +114,13 @@ def rank(mode: str, video: str, size: tuple[int, int], fd_socket: str, conn: Con
 def run_ranks(
     ctx: BaseContext, n: int, mode: str, video: Path, size: tuple[int, int], fd_socket: Path
 ) -> dict[str, Any]:
-    conns: list[Connection] = []
-    procs = []
-    try:
-        for _ in range(n):
-            mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=rank, args=(mode, str(video), size, str(fd_socket), theirs))
-            proc.start()
-            theirs.close()
-            conns.append(mine)
-            procs.append(proc)
-
-        def tell(word: str) -> None:
-            for conn in conns:
-                conn.send(word)
-
-        def hear() -> list[Any]:
-            return [conn.recv() for conn in conns]
-
-        try:
-            if hear() != ["started"] * n:
-                raise RuntimeError(f"a {mode} rank failed to start")
-        except EOFError:
-            raise RuntimeError(f"a {mode} rank failed to start") from None
+    with stepped(ctx, n, rank, (mode, str(video), size, str(fd_socket))) as ranks:
         started = time.monotonic()
-        tell("go")
-        answers = hear()
-        tell("measure")
-        growth = [answer["pss_growth"] for answer in hear()]
-        tell("exit")
-        for proc in procs:
-            proc.join(60)
-            if proc.exitcode != 0:
-                raise RuntimeError(f"a {mode} rank exited {proc.exitcode}")
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        ranks.tell("go")
+        answers = ranks.hear()
+        ranks.tell("measure")
+        growth = [answer["pss_growth"] for answer in ranks.hear()]
+        ranks.tell("exit")
     return {
         "wall_s": max(a["done"] for a in answers) - started,
         "memory_bytes": sum(growth),
