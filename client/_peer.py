@@ -123,7 +123,7 @@ class _AsyncChecked(httpcore.AsyncNetworkBackend):
         self, stream: httpcore.AsyncNetworkStream, where: str | None
     ) -> httpcore.AsyncNetworkStream:
         try:
-            # A few stat calls and a read of /proc/net/tcp: short enough for the event loop.
+            # A few stat calls and one sock_diag question: short enough for the event loop.
             self._peer.check(stream, where)
         except BaseException:
             await stream.aclose()

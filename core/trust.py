@@ -3,7 +3,7 @@
 A worker's addresses (its TCP port, its socket files) can be taken by another
 local user while it is down. So before a client sends anything it checks who is
 at the other end: on a Unix socket the peer's uid (``SO_PEERCRED``), on loopback
-TCP the uid that owns the worker's end of the connection (``/proc/net/tcp``).
+TCP the uid that owns the worker's end of the connection (core/sockowners.py).
 It must be the worker's: ``worker_uid`` (the client's argument), else
 ``FRAMEWIRE_WORKER_UID``, else the client's own uid; root is always accepted. A
 worker on another host cannot be checked this way: a client sends its token
@@ -33,7 +33,7 @@ WORKER_UID_ENV = "FRAMEWIRE_WORKER_UID"
 TRUST_REMOTE_ENV = "FRAMEWIRE_TRUST_REMOTE"
 NOT_TRUSTED = "worker_not_trusted"
 # The owner of a fresh loopback connection is listed as soon as it is made; a read of
-# the table can still miss a row that moved under it, so it is read again, briefly.
+# /proc/net/tcp (the fallback) can still miss a row that moved under it: asked again.
 LOOKUPS, LOOKUP_PAUSE_S = 3, 0.01
 
 
