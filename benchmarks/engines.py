@@ -6,8 +6,9 @@
 Per engine, its real save in its own environment and pins (tests/support/engine_site.py:
 SGLang 0.5.23 with imageio-ffmpeg 0.5.1; vLLM-omni 0.30.0; diffusers 0.42.1 from the
 test environment), one process per run (benchmarks/engine_save.py, forked from one
-that has imported torch alone in the engine's environment: tests/support/zygote.py;
-FRAMEWIRE_TEST_FORK=0 starts each afresh), on a float32 clip made before the timing:
+that has imported torch and numpy, PIL, httpx... in the engine's environment:
+tests/support/zygote.py; FRAMEWIRE_TEST_FORK=0 starts each afresh), on a float32 clip
+made before the timing:
 
   SGLang      save_outputs of a CPU (3, T, H, W) tensor (the engine materializes it)
   vLLM-omni   ChunkedVideoMP4Session, 8-frame chunks, ultrafast, threads 0

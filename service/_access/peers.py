@@ -12,8 +12,8 @@ Callers are known on both HTTP listeners and the fd socket:
 - Unix sockets: ``SO_PEERCRED`` (pid, uid, gid), plus the supplementary groups
   from ``/proc/<pid>/status`` when that process is visible here.
 - TCP over loopback: the kernel's table of the host's sockets names the uid
-  that owns the client's end, as identd does (core/sockowners.py). Only loopback peers are looked up: anything else may be a
-  proxy or another host.
+  that owns the client's end, as identd does (core/sockowners.py). Only loopback
+  peers are looked up: anything else may be a proxy or another host.
 - Anyone else is unknown: without a bearer token configured, an unknown caller
   may not have the worker read host memory or files for it.
 """

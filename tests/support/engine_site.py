@@ -78,7 +78,7 @@ def start_engine(
     site: Path, driver: str, *args: str, stdio: tuple[str, str, str], **env: str
 ) -> Forked | subprocess.Popen[bytes]:
     """``python -m tests.support.<driver> ARGS`` running in the engine's environment (a fork
-    of a zygote there that has imported torch alone, as tests/support/zygote.py can), its
+    of a zygote there that has imported torch and no framewire, as tests/support/zygote.py can), its
     descriptors 0, 1 and 2 opened from ``stdio``."""
     from tests.support.cli import start_process  # not in the drivers: they import this
     from tests.support.worker import FORK

@@ -8,9 +8,10 @@ parsing, settings, sockets, signals and exit status), in the test's environment 
 directory. A test that needs what only a fresh interpreter gives (another PYTHONPATH,
 other libraries) gets ``python -m framewire.service`` as before: ``start_worker``
 chooses. The engines' drivers (tests/support/engine_site.py), which run in their own
-sites, fork from a zygote of theirs that has imported torch alone (``torch_zygote``). A
-script forked to run (a benchmark) is handed a zygote of its own, forked from it just
-before the script starts, so that the workers it starts are forks as well.
+sites, fork from a zygote of theirs that has imported torch and a few libraries
+(``torch_zygote``; nothing of framewire's or the engine's). A script forked to run (a
+benchmark) is handed a zygote of its own, forked from it just before the script starts,
+so that the workers it starts are forks as well.
 
 The zygote is the test process's child and each worker the zygote's: the zygote reaps
 them and reports their exit status on its stdout, so ``Forked`` answers what a
@@ -315,7 +316,8 @@ def zygote() -> Zygote | None:
 
 def torch_zygote(env: dict[str, str]) -> Zygote | None:
     """This test process's zygote for processes of ``env`` that import torch and not
-    framewire first (an engine's driver in its site): it has imported torch alone. Started
+    framewire first (an engine's driver in its site): it has imported torch and
+    ``TORCH_SIDE``. Started
     on first use for each value of the variables read at start; None if it cannot start."""
     key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(AT_START)))
     with _zygote_lock:
@@ -333,10 +335,21 @@ def torch_zygote(env: dict[str, str]) -> Zygote | None:
 # --- the zygote itself ------------------------------------------------------------------------
 
 
+TORCH_SIDE = ("numpy", "PIL.Image", "httpx", "pydantic", "click", "rich.console")
+
+
 def _preload(what: str) -> None:
     """What every process it forks imports and loads as it starts: done once, here."""
     if what == "torch":
+        import importlib
+
         import torch  # noqa: F401
+
+        # And the libraries that every engine's driver imports (its site's, where it pins
+        # them) before the engine's code or framewire's: none of them hooks anything.
+        for name in TORCH_SIDE:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
     else:
         import anyio._backends._asyncio  # noqa: F401  (what the worker's threads run on)
         import framewire.service._cli.main
