@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
 from framewire.core.errors import Conflict, FramewireError, MediaError, host_error
 from framewire.core.shm import pid_alive
@@ -171,49 +171,61 @@ def open_directory(path: Path) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
-def _remove_if_abandoned(path: Path) -> bool:
+# What the sweep did with a private directory: removed it; kept it (a live worker's,
+# or not one of ours); or found its worker dead but its lock still held, by a child
+# that worker started (an ffmpeg finishing on its closed stdin) or by a live writer in
+# a PID namespace we cannot see.
+Swept = Literal["removed", "kept", "held"]
+
+
+def _remove_if_abandoned(path: Path) -> Swept:
     """Remove ``path`` if it is a private directory that nobody is writing any more."""
     found = _TEMP_NAME.fullmatch(path.name)
     if found is None:
-        return False
+        return "kept"
     pid = int(found.group(1))
     # Our own pid at startup is a previous worker's (pid reuse is the rule in containers).
     if pid != os.getpid() and pid_alive(pid):
-        return False
+        return "kept"
     try:
         fd = os.open(path, DIR_FLAGS | os.O_NONBLOCK)
     except OSError:
-        return False  # a symlink, not a directory, or gone already
+        return "kept"  # a symlink, not a directory, or gone already
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
-            return False  # not made by a worker of ours: someone else's look-alike
+            return "kept"  # not made by a worker of ours: someone else's look-alike
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return False  # a live writer whose pid we cannot see holds it
+            return "held"
         except OSError:
             pass  # no locks on this filesystem: the dead pid is all there is to go on
         # Under our lock: a writer racing us sees it gone and takes a new name.
         if not _empty(fd):
-            return False
+            return "kept"
         os.rmdir(path)
-        return True
+        return "removed"
     except OSError:
-        return False
+        return "kept"
     finally:
         os.close(fd)
 
 
 def remove_stale_temps(
-    roots: list[str], *, depth: int = SWEEP_DEPTH, max_dirs: int = SWEEP_MAX_DIRS
+    roots: list[str],
+    *,
+    depth: int = SWEEP_DEPTH,
+    max_dirs: int = SWEEP_MAX_DIRS,
+    held: list[Path] | None = None,
 ) -> list[Path]:
     """Remove private directories that killed workers left under ``roots``; returns them.
 
     Only names this module makes, only directories holding no directory, only
     when their writer's pid is not alive and nobody holds their lock.
     Directories are walked breadth-first, at most ``depth`` levels below a root
-    and ``max_dirs`` in all; symlinks are not followed.
+    and ``max_dirs`` in all; symlinks are not followed. Those whose writer is dead
+    but whose lock is still held go to ``held``, for ``remove_released``.
     """
     removed: list[Path] = []
     queue = deque((Path(root), 0) for root in roots)
@@ -230,10 +242,26 @@ def remove_stale_temps(
             continue
         for entry in entries:
             if entry.name.startswith(TEMP_PREFIX):
-                if _remove_if_abandoned(Path(entry.path)):
+                swept = _remove_if_abandoned(Path(entry.path))
+                if swept == "removed":
                     removed.append(Path(entry.path))
+                elif swept == "held" and held is not None:
+                    held.append(Path(entry.path))
             elif level < depth:
                 with contextlib.suppress(OSError):
                     if entry.is_dir(follow_symlinks=False):
                         queue.append((Path(entry.path), level + 1))
     return removed
+
+
+def remove_released(held: list[Path]) -> tuple[list[Path], list[Path]]:
+    """Of the directories ``remove_stale_temps`` found ``held``: those removed now that
+    nobody holds them, and those still held (a directory gone meanwhile is neither)."""
+    removed, still = [], []
+    for path in held:
+        swept = _remove_if_abandoned(path)
+        if swept == "removed":
+            removed.append(path)
+        elif swept == "held":
+            still.append(path)
+    return removed, still

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from framewire.core.shm import remove_abandoned_segments
@@ -20,7 +22,7 @@ from framewire.service._http.app import create_app
 from framewire.service._http.server import Server, StopSignals, uvicorn_config
 from framewire.service._ops.limits import cpu_quota_note, exposure_note, raise_open_files_limit
 from framewire.service._ops.logs import configure_logging
-from framewire.service._outputs import remove_stale_temps
+from framewire.service._outputs import remove_released, remove_stale_temps
 from framewire.service._parts import Parts
 from framewire.service._probe import PYAV_MISSING, pyav
 from framewire.service._settings import Settings
@@ -29,6 +31,10 @@ from framewire.service._store import spool
 from uvicorn.config import LOG_LEVELS
 
 log = logging.getLogger("framewire.worker")
+
+# How long a private directory a killed worker left is watched for the child that still
+# holds it (an ffmpeg flushing what it had on its closed stdin) to exit.
+HELD_WATCH_S, HELD_POLL_S = 60.0, 0.1
 
 
 class Worker:
@@ -64,8 +70,14 @@ class Worker:
     async def start(self) -> None:
         """Sweep what killed workers and clients left, warn about the host, open the fd socket."""
         parts, settings = self._built(), self.settings
-        for path in remove_stale_temps(settings.output_roots) + spool.sweep(settings.output_roots):
+        held: list[Path] = []
+        swept = remove_stale_temps(settings.output_roots, held=held)
+        for path in swept + spool.sweep(settings.output_roots):
             log.warning("removed %s, left by a worker that was killed", path)
+        if held:  # removed once the killed worker's children let go of them
+            threading.Thread(
+                target=_remove_when_released, args=(held,), name="framewire-sweep", daemon=True
+            ).start()
         if settings.output_urls:
             # boto3's import and client (half a second) are paid here, not by the first upload.
             threading.Thread(
@@ -116,3 +128,18 @@ class Worker:
             server = Server(uvicorn_config(app, self.settings), on_drain=self.drain)
             stop.watch(server)
             server.run(sockets=listeners.http)
+
+
+def _remove_when_released(held: list[Path]) -> None:
+    """Removes each of ``held`` once nobody holds it, for ``HELD_WATCH_S`` at most."""
+    deadline = time.monotonic() + HELD_WATCH_S
+    while held:
+        removed, held = remove_released(held)
+        for path in removed:
+            log.warning("removed %s, left by a worker that was killed", path)
+        if held and time.monotonic() > deadline:
+            for path in held:
+                log.warning("%s, left by a worker that was killed, is still held by a "
+                            "process: it is removed at the next start", path)  # fmt: skip
+            return
+        time.sleep(HELD_POLL_S if held else 0)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.support.media import FFMPEG
+from tests.support.order import longest_first
 from tests.support.processes import child_pids, framewire_temps
 from tests.support.segments import Segments
 from tests.support.worker import FORK, Worker, Workers
@@ -59,6 +60,11 @@ def pytest_configure_node(node: Any) -> None:  # pytest-xdist's: a process about
     shared = node.config.stash.get(_shared, None)
     if shared is not None:
         node.workerinput[SHARED_ZYGOTE] = shared.path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # a process of a parallel run: every one alike
+        longest_first(items)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

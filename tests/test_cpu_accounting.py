@@ -13,6 +13,7 @@ import pytest
 
 from tests.support import REPO
 from tests.support.cpu_accounting import refusal
+from tests.support.order import WALLS, longest_first
 
 BURN = """
 import subprocess, sys
@@ -48,6 +49,29 @@ def test_a_tests_cpu_counts_the_processes_it_starts(tmp_path: Path) -> None:
     assert burnt["cpu_s"] > 0.1 > burnt["own_s"]  # the child's, not the test process's
     assert idle["cpu_s"] < 0.05
     assert "CPU of the tests, their processes included" in ran.stdout
+    # Each file's wall, the table a parallel run's order comes from (tests/support/order.py).
+    walls = json.loads((out / "file_walls.json").read_text())
+    assert list(walls) == ["test_burn.py"] and walls["test_burn.py"] >= burnt["wall_s"] - 0.1
+
+
+def test_a_parallel_run_hands_out_the_longest_files_first() -> None:
+    class Item:
+        def __init__(self, nodeid: str) -> None:
+            self.nodeid = nodeid
+
+    names = ["a.py::x", "a.py::y", "b.py::x", "new.py::x", "c.py::x", "c.py::y[1]", "d.py::x"]
+    items = [Item(n) for n in names]
+    longest_first(items, {"a.py": 1.0, "b.py": 30.0, "c.py": 12.5, "d.py": 1.0})  # type: ignore[arg-type]
+    # Unknown files first (they may be long); then by wall, each file's tests in order,
+    # files of equal wall as collected.
+    assert [i.nodeid for i in items] == ["new.py::x", "b.py::x", "c.py::x", "c.py::y[1]",
+                                         "a.py::x", "a.py::y", "d.py::x"]  # fmt: skip
+
+
+def test_the_committed_order_names_files_of_this_suite() -> None:
+    walls = json.loads(WALLS.read_text())
+    assert walls and all((REPO / name).is_file() for name in walls), "stale tests/file_walls.json"
+    assert list(walls.values()) == sorted(walls.values(), reverse=True)
 
 
 def test_without_a_group_the_run_passes_and_says_nothing_was_counted(tmp_path: Path) -> None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from framewire.core.errors import FramewireError
 from tests.support.engines import diffusers_save, sglang_save
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.processes import framewire_temps
+from tests.support.requests import wait_for_ffmpeg
 from tests.support.worker import Worker
 
 IDLE_S = 1.0
@@ -115,8 +118,47 @@ def test_a_stream_whose_worker_restarted_is_lost_and_leaves_nothing(workers):
         rest_is_lost(writer, clip)
         # The client still works with the new worker.
         assert fw.save_video(clip, "after.mp4", fps=24).route == "stream"
-    assert not (w.outputs / "lost").exists() or list((w.outputs / "lost").iterdir()) == []
+    # The killed worker's ffmpeg flushes what it had and exits: its private directory is
+    # removed at the new worker's start, or as soon as that ffmpeg lets go of it.
+    assert_gone(w.outputs / "lost", timeout=10)
     assert framewire_temps(w.outputs) == []
+
+
+def assert_gone(directory: Path, timeout: float) -> None:
+    """``directory`` is empty (or gone) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while directory.exists() and list(directory.iterdir()):
+        assert time.monotonic() < deadline, list(directory.iterdir())
+        time.sleep(0.05)
+
+
+def test_a_private_directory_held_by_the_killed_workers_ffmpeg_goes_when_it_exits(workers):
+    """The killed worker's ffmpeg, stopped, still holds the output's private directory (its
+    lock) when the new worker starts: the new worker keeps it, then removes it once
+    that ffmpeg has flushed and exited."""
+    w = workers.start(*ARGS)
+    clip = make_clip(frames=8)
+    with Client(w.uds_url, fd_socket=w.fd_socket) as fw:
+        writer = half_written(fw, clip, "held/s.mp4")
+        [ffmpeg] = wait_for_ffmpeg(w)
+        os.kill(ffmpeg, signal.SIGSTOP)
+        try:
+            w = restart(workers, w, signal.SIGKILL)
+            [private] = framewire_temps(w.outputs)
+            time.sleep(0.5)
+            assert private.is_dir(), "removed while a process still held it"
+        finally:
+            os.kill(ffmpeg, signal.SIGCONT)  # reads the end of its input: flushes, exits
+        rest_is_lost(writer, clip)
+    assert_gone(w.outputs / "held", timeout=10)
+    assert f"removed {private}, left by a worker that was killed" in w.log.read_text()
+    deadline = time.monotonic() + 10
+    while (
+        Path(f"/proc/{ffmpeg}").exists()
+        and "zombie" not in Path(f"/proc/{ffmpeg}/status").read_text()
+    ):
+        assert time.monotonic() < deadline, "the killed worker's ffmpeg did not exit"
+        time.sleep(0.05)
 
 
 def test_a_stream_whose_worker_is_down_is_lost(workers):

@@ -7,8 +7,9 @@ Each pytest process moves itself into a cgroup of its own (cgroup v1 ``cpuacct``
 root), so the CPU of its workers, zygotes, ffmpeg and browsers is counted where it was
 spent, whichever process forked them and however they were reparented. Every test's
 CPU (setup, call and teardown), its process's own share of it and its wall go to
-``.venv/test-cpu/<process>.jsonl`` (``FRAMEWIRE_TEST_CPU_DIR``); the run ends with
-the files that took the most.
+``.venv/test-cpu/<process>.jsonl`` (``FRAMEWIRE_TEST_CPU_DIR``), each file's wall to
+``file_walls.json`` beside them (the table tests/support/order.py reads); the run ends
+with the files that took the most.
 Where no group can be made there (no v1 ``cpuacct``, not root, a container that
 refuses), it says so and counts nothing. ``FRAMEWIRE_TEST_CPUACCT`` names another hierarchy.
 """
@@ -29,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import REPO
+from tests.support import REPO, order
 
 CPUACCT = Path(os.environ.get("FRAMEWIRE_TEST_CPUACCT") or "/sys/fs/cgroup/cpuacct")
 OUT = Path(os.environ.get("FRAMEWIRE_TEST_CPU_DIR") or REPO / ".venv" / "test-cpu")
@@ -132,8 +133,11 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             walls[name] += row["wall_s"]
     if not by_file:
         return
+    order.write(walls, OUT / "file_walls.json")
     write = terminalreporter.write_line
     write(f"CPU of the tests, their processes included: {sum(by_file.values()):.1f} s "
-          f"(per test: {OUT}/*.jsonl); the {SHOWN} files that took the most:")  # fmt: skip
+          f"(per test: {OUT}/*.jsonl; each file's wall: {OUT}/file_walls.json, the order "
+          f"of a parallel run once copied to {order.WALLS}); the {SHOWN} files that took "
+          f"the most:")  # fmt: skip
     for name, cpu in by_file.most_common(SHOWN):
         write(f"{cpu:8.1f} s CPU {walls[name]:8.1f} s wall  {name}")
