@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.support.media import FFMPEG
-from tests.support.order import longest_first
+from tests.support.order import in_order
 from tests.support.processes import child_pids, framewire_temps
 from tests.support.segments import Segments
 from tests.support.worker import FORK, Worker, Workers
@@ -64,7 +64,7 @@ def pytest_configure_node(node: Any) -> None:  # pytest-xdist's: a process about
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if hasattr(config, "workerinput"):  # a process of a parallel run: every one alike
-        longest_first(items)
+        in_order(items)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

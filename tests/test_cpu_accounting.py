@@ -13,7 +13,7 @@ import pytest
 
 from tests.support import REPO
 from tests.support.cpu_accounting import refusal
-from tests.support.order import WALLS, longest_first
+from tests.support.order import EVERY, LEAD, WALLS, in_order
 
 BURN = """
 import subprocess, sys
@@ -49,29 +49,38 @@ def test_a_tests_cpu_counts_the_processes_it_starts(tmp_path: Path) -> None:
     assert burnt["cpu_s"] > 0.1 > burnt["own_s"]  # the child's, not the test process's
     assert idle["cpu_s"] < 0.05
     assert "CPU of the tests, their processes included" in ran.stdout
-    # Each file's wall, the table a parallel run's order comes from (tests/support/order.py).
-    walls = json.loads((out / "file_walls.json").read_text())
-    assert list(walls) == ["test_burn.py"] and walls["test_burn.py"] >= burnt["wall_s"] - 0.1
+    # Each file's wall and CPU, the table a parallel run's order comes from
+    # (tests/support/order.py).
+    table = json.loads((out / "file_walls.json").read_text())
+    assert list(table) == ["test_burn.py"]
+    assert table["test_burn.py"]["wall"] >= burnt["wall_s"] - 0.1
+    assert table["test_burn.py"]["cpu"] >= burnt["cpu_s"] - 0.1
 
 
-def test_a_parallel_run_hands_out_the_longest_files_first() -> None:
+def test_a_parallel_run_hands_out_the_longest_files_first_and_spreads_those_that_wait() -> None:
     class Item:
         def __init__(self, nodeid: str) -> None:
             self.nodeid = nodeid
 
-    names = ["a.py::x", "a.py::y", "b.py::x", "new.py::x", "c.py::x", "c.py::y[1]", "d.py::x"]
-    items = [Item(n) for n in names]
-    longest_first(items, {"a.py": 1.0, "b.py": 30.0, "c.py": 12.5, "d.py": 1.0})  # type: ignore[arg-type]
-    # Unknown files first (they may be long); then by wall, each file's tests in order,
-    # files of equal wall as collected.
-    assert [i.nodeid for i in items] == ["new.py::x", "b.py::x", "c.py::x", "c.py::y[1]",
-                                         "a.py::x", "a.py::y", "d.py::x"]  # fmt: skip
+    busy = {f"b{i}.py": {"wall": 100.0 - i, "cpu": 50.0 - i} for i in range(14)}
+    waiting = {"w0.py": {"wall": 99.5, "cpu": 1.0}, "w1.py": {"wall": 40.0, "cpu": 2.0}}
+    table = {**busy, **waiting}
+    files = ["w1.py", *sorted(busy, reverse=True), "new.py", "w0.py"]
+    items = [Item(f"{f}::t{k}") for f in files for k in range(2)]
+    in_order(items, table)  # type: ignore[arg-type]
+    got = list(dict.fromkeys(item.nodeid.split("::")[0] for item in items))
+    # A file not in the table first; LEAD busy ones, longest first; then a waiting one
+    # after every EVERY busy ones; each file's tests stay together and in order.
+    lead, every = [f"b{i}.py" for i in range(LEAD)], [f"b{i}.py" for i in range(LEAD, 14)]
+    assert got == ["new.py", *lead, "w0.py", *every[:EVERY], "w1.py", *every[EVERY:]]
+    assert [item.nodeid for item in items[:2]] == ["new.py::t0", "new.py::t1"]
 
 
 def test_the_committed_order_names_files_of_this_suite() -> None:
-    walls = json.loads(WALLS.read_text())
-    assert walls and all((REPO / name).is_file() for name in walls), "stale tests/file_walls.json"
-    assert list(walls.values()) == sorted(walls.values(), reverse=True)
+    table = json.loads(WALLS.read_text())
+    assert table and all((REPO / name).is_file() for name in table), "stale tests/file_walls.json"
+    walls = [row["wall"] for row in table.values()]
+    assert walls == sorted(walls, reverse=True)
 
 
 def test_without_a_group_the_run_passes_and_says_nothing_was_counted(tmp_path: Path) -> None:

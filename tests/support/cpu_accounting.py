@@ -7,8 +7,8 @@ Each pytest process moves itself into a cgroup of its own (cgroup v1 ``cpuacct``
 root), so the CPU of its workers, zygotes, ffmpeg and browsers is counted where it was
 spent, whichever process forked them and however they were reparented. Every test's
 CPU (setup, call and teardown), its process's own share of it and its wall go to
-``.venv/test-cpu/<process>.jsonl`` (``FRAMEWIRE_TEST_CPU_DIR``), each file's wall to
-``file_walls.json`` beside them (the table tests/support/order.py reads); the run ends
+``.venv/test-cpu/<process>.jsonl`` (``FRAMEWIRE_TEST_CPU_DIR``), each file's wall and
+CPU to ``file_walls.json`` beside them (the table tests/support/order.py reads); the run ends
 with the files that took the most.
 Where no group can be made there (no v1 ``cpuacct``, not root, a container that
 refuses), it says so and counts nothing. ``FRAMEWIRE_TEST_CPUACCT`` names another hierarchy.
@@ -133,10 +133,10 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             walls[name] += row["wall_s"]
     if not by_file:
         return
-    order.write(walls, OUT / "file_walls.json")
+    order.write(walls, by_file, OUT / "file_walls.json")
     write = terminalreporter.write_line
     write(f"CPU of the tests, their processes included: {sum(by_file.values()):.1f} s "
-          f"(per test: {OUT}/*.jsonl; each file's wall: {OUT}/file_walls.json, the order "
+          f"(per test: {OUT}/*.jsonl; each file's: {OUT}/file_walls.json, the order "
           f"of a parallel run once copied to {order.WALLS}); the {SHOWN} files that took "
           f"the most:")  # fmt: skip
     for name, cpu in by_file.most_common(SHOWN):
