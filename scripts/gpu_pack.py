@@ -92,17 +92,16 @@ def download(pins: dict[str, str], dest: Path) -> dict[str, Path]:
     return wheels
 
 
-def requirements(wheel: Path) -> list[Requirement]:
-    """What ``wheel`` requires on the host (extras and other markers left out)."""
-    with zipfile.ZipFile(wheel) as z:
-        [meta] = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
-        lines = z.read(meta).decode().splitlines()
+def requirements(name: str) -> list[Requirement]:
+    """What the version of ``name`` installed here requires on the host (extras and other
+    markers left out): the same Requires-Dist as its wheel for the host, which is
+    checked where it is installed offline (pip refuses a wheel whose requirement is
+    not in the pack)."""
     found = []
-    for line in lines:
-        if line.startswith("Requires-Dist:"):
-            req = Requirement(line.removeprefix("Requires-Dist:").strip())
-            if req.marker is None or req.marker.evaluate(MARKERS):
-                found.append(req)
+    for line in importlib.metadata.requires(name) or []:
+        req = Requirement(line)
+        if req.marker is None or req.marker.evaluate(MARKERS):
+            found.append(req)
     return found
 
 
@@ -115,19 +114,22 @@ def installed(name: str) -> str:
 
 def resolve(dest: Path) -> dict[str, tuple[str, Path]]:
     """Download ROOTS and what they require, down to THERE: name -> (version, wheel).
-    One pip run per level of requirements (each run costs a second of CPU)."""
-    packed: dict[str, tuple[str, Path]] = {}
-    level: list[Requirement] = [Requirement(n) for n in ROOTS]
-    while level:
-        names = {canonicalize_name(r.name) for r in level} - packed.keys() - THERE
-        wheels = download({n: installed(n) for n in sorted(names)}, dest) if names else {}
-        packed |= {n: (installed(n), w) for n, w in wheels.items()}
-        for req in level:
-            name = canonicalize_name(req.name)
-            if name in packed and not req.specifier.contains(packed[name][0], prereleases=True):
-                sys.exit(f"gpu-pack: {req} is wanted, this checkout runs {name} {packed[name][0]}")
-        level = [r for w in wheels.values() for r in requirements(w)]
-    return packed
+    The versions installed here, their requirements read from their metadata: one pip
+    run for all (each run costs a second or two of CPU)."""
+    versions: dict[str, str] = {}
+    wanted: list[Requirement] = [Requirement(n) for n in ROOTS]
+    while wanted:
+        req = wanted.pop()
+        name = canonicalize_name(req.name)
+        if name in THERE:
+            continue
+        if name not in versions:
+            versions[name] = installed(name)
+            wanted += requirements(name)
+        if not req.specifier.contains(versions[name], prereleases=True):
+            sys.exit(f"gpu-pack: {req} is wanted, this checkout runs {name} {versions[name]}")
+    wheels = download(dict(sorted(versions.items())), dest)
+    return {n: (versions[n], w) for n, w in wheels.items()}
 
 
 def compress(raw: bytes) -> bytes:
