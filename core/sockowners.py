@@ -10,7 +10,9 @@ bound the port.
 It is asked for the one socket by its addresses over ``NETLINK_SOCK_DIAG`` (what
 ``ss`` uses): a hash lookup. Reading ``/proc/net/tcp`` and ``tcp6`` instead walks
 every bucket of the table (about 5 ms of CPU per file here, more with more sockets),
-so that is only the fallback where no such netlink socket can be opened.
+so that is only the fallback: where no such netlink socket can be opened, and for a
+socket the kernel says it does not have (a kernel without ``tcp_diag`` says that of
+every socket).
 """
 
 from __future__ import annotations
@@ -79,9 +81,12 @@ def tcp_owner(local: tuple[str, int], remote: tuple[str, int]) -> int | None:
     if not want[0][0].is_loopback:
         return None
     try:
-        return _diag_owner(want[0], want[1])
-    except OSError:  # no sock_diag here (a sandbox that refuses it): the tables
-        return _table_owner(want[0], want[1])
+        uid = _diag_owner(want[0], want[1])
+    except OSError:  # no sock_diag here (a sandbox that refuses it)
+        uid = None
+    # "No such socket" is also what a kernel without tcp_diag answers (ENOENT): a miss,
+    # rare for a connected peer, is read from the tables before it is believed.
+    return uid if uid is not None else _table_owner(want[0], want[1])
 
 
 # NETLINK_SOCK_DIAG: a request (nlmsghdr, inet_diag_req_v2) naming one socket by its
