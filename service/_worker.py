@@ -139,7 +139,8 @@ def _remove_when_released(held: list[Path]) -> None:
             log.warning("removed %s, left by a worker that was killed", path)
         if held and time.monotonic() > deadline:
             for path in held:
-                log.warning("%s, left by a worker that was killed, is still held by a "
-                            "process: it is removed at the next start", path)  # fmt: skip
+                log.warning("%s is still held, by a child of a killed worker or by a worker "
+                            "whose pid this one cannot see: left to its holder, or to the next "
+                            "start", path)  # fmt: skip
             return
         time.sleep(HELD_POLL_S if held else 0)
