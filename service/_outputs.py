@@ -227,7 +227,7 @@ def remove_stale_temps(
     and ``max_dirs`` in all; symlinks are not followed. Those whose writer is dead
     but whose lock is still held go to ``held``, for ``remove_released``.
     """
-    removed: list[Path] = []
+    found: list[Path] = []
     queue = deque((Path(root), 0) for root in roots)
     seen: set[tuple[int, int]] = set()
     while queue and len(seen) < max_dirs:
@@ -242,23 +242,23 @@ def remove_stale_temps(
             continue
         for entry in entries:
             if entry.name.startswith(TEMP_PREFIX):
-                swept = _remove_if_abandoned(Path(entry.path))
-                if swept == "removed":
-                    removed.append(Path(entry.path))
-                elif swept == "held" and held is not None:
-                    held.append(Path(entry.path))
+                found.append(Path(entry.path))
             elif level < depth:
                 with contextlib.suppress(OSError):
                     if entry.is_dir(follow_symlinks=False):
                         queue.append((Path(entry.path), level + 1))
+    removed, still = remove_released(found)
+    if held is not None:
+        held += still
     return removed
 
 
-def remove_released(held: list[Path]) -> tuple[list[Path], list[Path]]:
-    """Of the directories ``remove_stale_temps`` found ``held``: those removed now that
-    nobody holds them, and those still held (a directory gone meanwhile is neither)."""
+def remove_released(paths: list[Path]) -> tuple[list[Path], list[Path]]:
+    """Of ``paths`` (private directories, the ``held`` ones of ``remove_stale_temps``):
+    those removed now that nobody holds them, and those still held (a directory kept,
+    or gone meanwhile, is neither)."""
     removed, still = [], []
-    for path in held:
+    for path in paths:
         swept = _remove_if_abandoned(path)
         if swept == "removed":
             removed.append(path)

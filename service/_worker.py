@@ -133,14 +133,16 @@ class Worker:
 def _remove_when_released(held: list[Path]) -> None:
     """Removes each of ``held`` once nobody holds it, for ``HELD_WATCH_S`` at most."""
     deadline = time.monotonic() + HELD_WATCH_S
-    while held:
+    while True:
         removed, held = remove_released(held)
         for path in removed:
             log.warning("removed %s, left by a worker that was killed", path)
-        if held and time.monotonic() > deadline:
+        if not held:
+            return
+        if time.monotonic() > deadline:
             for path in held:
                 log.warning("%s is still held, by a child of a killed worker or by a worker "
                             "whose pid this one cannot see: left to its holder, or to the next "
                             "start", path)  # fmt: skip
             return
-        time.sleep(HELD_POLL_S if held else 0)
+        time.sleep(HELD_POLL_S)
