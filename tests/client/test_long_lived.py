@@ -132,6 +132,14 @@ def assert_gone(directory: Path, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def assert_logged(worker: Worker, line: str, timeout: float) -> None:
+    """``line`` is in ``worker``'s log within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while line not in worker.log.read_text():
+        assert time.monotonic() < deadline, worker.log.read_text()
+        time.sleep(0.05)
+
+
 def test_a_private_directory_held_by_the_killed_workers_ffmpeg_goes_when_it_exits(workers):
     """The killed worker's ffmpeg, stopped, still holds the output's private directory (its
     lock) when the new worker starts: the new worker keeps it, then removes it once
@@ -151,7 +159,8 @@ def test_a_private_directory_held_by_the_killed_workers_ffmpeg_goes_when_it_exit
             os.kill(ffmpeg, signal.SIGCONT)  # reads the end of its input: flushes, exits
         rest_is_lost(writer, clip)
     assert_gone(w.outputs / "held", timeout=10)
-    assert f"removed {private}, left by a worker that was killed" in w.log.read_text()
+    # The watch warns just after it removes the directory: the line may trail the removal.
+    assert_logged(w, f"removed {private}, left by a worker that was killed", timeout=5)
     deadline = time.monotonic() + 10
     while (
         Path(f"/proc/{ffmpeg}").exists()
