@@ -25,8 +25,9 @@ first also waits for the page and the player to start) whose frames the player h
 hls.js joins at a segment's start once the playlist lists a whole segment (a
 keyframe-to-keyframe run, up to 250 frames), so it skips what came before;
 "first shown" is when it showed its first frame, from the first chunk handed. Chromium is Debian's,
-headless, driven by Playwright; hls.js is tests/support/hlsjs.py's pinned release,
-in low-latency mode, on a page of another origin.
+headless, driven by Playwright, launched once; each run has a page of a fresh browser
+context (no cache or storage of the runs before). hls.js is tests/support/hlsjs.py's
+pinned release, in low-latency mode, on a page of another origin.
 
 Wall: the worker's encode_ms for the file, chunks as fast as taken, with no viewer
 and with ``--wall-viewers`` LL-HLS followers (tests/support/hls_follow.py: blocking
@@ -167,9 +168,10 @@ def encoder_floor(chunks: list[np.ndarray], fps: float, rate: float) -> dict[str
     return {"player": "floor", "delays_ms": {"playable": ms, "shown": [], "first_shown_ms": None}}
 
 
-def viewed_run(worker: Any, chunks: list[np.ndarray], fps: float, rate: float, player: str,
-               name: str, origin: float | None) -> dict[str, Any]:  # fmt: skip
-    """One run with a browser watching: ``mse`` (the watch page) or ``hls`` (hls.js).
+def viewed_run(worker: Any, browser: Any, chunks: list[np.ndarray], fps: float, rate: float,
+               player: str, name: str, origin: float | None) -> dict[str, Any]:  # fmt: skip
+    """One run with ``browser`` watching, on a page of a context of its own (no cache or
+    storage of the runs before it): ``mse`` (the watch page) or ``hls`` (hls.js).
 
     Both keep the file's own timestamps (hls.js passes fMP4 through without moving it),
     so frame 0 is where the MSE page's buffer starts (x264's B-frame delay after 0):
@@ -177,10 +179,10 @@ def viewed_run(worker: Any, chunks: list[np.ndarray], fps: float, rate: float, p
     joins at a segment or part of the live edge, so its run is given the MSE run's."""
     from framewire.client import Client
 
-    from tests.support.browser import chromium_page
+    from tests.support.browser import fresh_page
     from tests.support.hlsjs import open_hls_player
 
-    with Client(worker.uds_url, timeout=600) as client, chromium_page() as page:
+    with Client(worker.uds_url, timeout=600) as client, fresh_page(browser) as page:
         writer = client.open_video(name, fps=fps, live=True)
         first_at = time.time() * 1e3
         writer.write(chunks[0])
@@ -249,7 +251,7 @@ def main() -> int:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 
-    from tests.support.browser import browser_missing
+    from tests.support.browser import browser_missing, chromium
     from tests.support.hlsjs import hlsjs_missing
     from tests.support.worker import start_worker
 
@@ -263,20 +265,23 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         worker = start_worker(Path(tmp), "--log-level", "warning")
         try:
-            for width, height in args.sizes:
-                chunks = _chunks(args.frames, args.chunk, width, height)
-                calib = wall_run(worker, chunks, args.fps, 0, f"calib-{width}.mp4")
-                # Never faster than real time: a viewer plays at the clip's own rate.
-                rate = min(args.fps, args.load * args.frames / (calib["wall_ms"] / 1e3))
-                size = {"size": f"{width}x{height}", "rate_fps": rate}
-                rows.append(size | encoder_floor(chunks, args.fps, rate))
-                origin = None  # the MSE run's frame 0, then hls.js's (same encode)
-                for player in ("mse", *PLAYERS):
-                    run = viewed_run(worker, chunks, args.fps, rate, player,
-                                     f"{player}-{width}.mp4", origin)  # fmt: skip
-                    origin = run["origin_s"]
-                    same &= run["sha256"] == calib["sha256"]
-                    rows.append(size | run)
+            # One browser for the viewed runs (a launch costs a second or two of CPU, here
+            # before any run), closed before the walls are timed.
+            with chromium() as browser:
+                for width, height in args.sizes:
+                    chunks = _chunks(args.frames, args.chunk, width, height)
+                    calib = wall_run(worker, chunks, args.fps, 0, f"calib-{width}.mp4")
+                    # Never faster than real time: a viewer plays at the clip's own rate.
+                    rate = min(args.fps, args.load * args.frames / (calib["wall_ms"] / 1e3))
+                    size = {"size": f"{width}x{height}", "rate_fps": rate}
+                    rows.append(size | encoder_floor(chunks, args.fps, rate))
+                    origin = None  # the MSE run's frame 0, then hls.js's (same encode)
+                    for player in ("mse", *PLAYERS):
+                        run = viewed_run(worker, browser, chunks, args.fps, rate, player,
+                                         f"{player}-{width}.mp4", origin)  # fmt: skip
+                        origin = run["origin_s"]
+                        same &= run["sha256"] == calib["sha256"]
+                        rows.append(size | run)
             width, height = args.wall_size
             chunks = _chunks(args.wall_frames, args.chunk, width, height)
             for i in range(args.wall_runs):

@@ -66,13 +66,6 @@ def fresh_page(browser: Any) -> Iterator[Any]:
         context.close()
 
 
-@contextmanager
-def chromium_page() -> Iterator[Any]:
-    """A page of a Chromium of its own, for one-off use (the live benchmark)."""
-    with chromium() as browser, fresh_page(browser) as page:
-        yield page
-
-
 def shows(pixel: Sequence[int], colour: tuple[int, int, int]) -> bool:
     """Whether a pixel read off a page is the solid ``colour`` a clip was made of."""
     return all(abs(x - y) <= TOLERANCE for x, y in zip(pixel, colour, strict=True))

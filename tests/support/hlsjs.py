@@ -161,7 +161,7 @@ def open_hls_player(
     page: Any, url: str, *, low_latency: bool = True, **config: float | bool
 ) -> None:
     """Play ``url`` (an absolute http URL; the server allows any origin) with hls.js on
-    ``page``, a blank page of ``chromium_page()``; call ``hlsjs_missing()`` first.
+    ``page``, a blank page (``fresh_page``); call ``hlsjs_missing()`` first.
     ``config``: more of hls.js's settings by their own names (maxLiveSyncPlaybackRate)."""
     page.set_content(PAGE)
     page.add_script_tag(path=str(hlsjs_file()))
