@@ -8,26 +8,22 @@ import subprocess
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
 
-from tests.support.media import FFMPEG
 from tests.support.order import in_order
 from tests.support.processes import child_pids, framewire_temps
-from tests.support.segments import Segments
 from tests.support.worker import FORK, Worker, Workers
 from tests.support.zygote import Shared, share, start_variables
+
+if TYPE_CHECKING:
+    from tests.support.segments import Segments
 
 # tests/image/ builds the container image and runs it under podman (minutes): scripts/test-image
 # runs it, after scripts/test in .ci/run; a selection of scripts/test never does.
 collect_ignore = [] if os.environ.get("FRAMEWIRE_IMAGE_TESTS") == "1" else ["image"]
 
-# One intra-op thread for the tests' own tensors (clips, oracles), as the worker gives its
-# conversion (single_threaded_conversion): the suite's processes already fill every core,
-# and a pool of two spun on each small op (a 6-frame clip took 50 ms of CPU, not 1 ms).
-torch.set_num_threads(1)
 # What this process's interpreter started with, of the variables one reads as it starts:
 # its zygote's too. A worker asked for with other values is started afresh (2-4 s of CPU).
 STARTED_WITH = start_variables()
@@ -40,6 +36,14 @@ _shared = pytest.StashKey[Shared]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if runs_tests(config):
+        import torch  # here, not as this file loads (runs_tests)
+
+        # One intra-op thread for the tests' own tensors (clips, oracles), as the worker
+        # gives its conversion (single_threaded_conversion): the suite's processes already
+        # fill every core, and a pool of two spun on each small op (a 6-frame clip took
+        # 50 ms of CPU, not 1 ms).
+        torch.set_num_threads(1)
     handed = getattr(config, "workerinput", {}).get(SHARED_ZYGOTE)
     if handed:
         share(handed)
@@ -53,6 +57,12 @@ def pytest_configure(config: pytest.Config) -> None:
             config.stash[_shared] = Shared()
         except RuntimeError as exc:  # each process then starts its own
             warnings.warn(f"no zygote for the whole run: {exc}", stacklevel=1)
+
+
+def runs_tests(config: pytest.Config) -> bool:
+    """Whether this process runs tests: not the controller of a parallel run (pytest-xdist),
+    which only hands them out; it imports no torch (2 CPU-s before any process starts)."""
+    return hasattr(config, "workerinput") or not config.getoption("numprocesses", None)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -76,6 +86,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One second of a 440 Hz tone, mono, 22050 Hz."""
+    from tests.support.media import FFMPEG
+
     path = tmp_path_factory.mktemp("audio") / "tone.wav"
     subprocess.run(
         [FFMPEG, "-v", "error", "-f", "lavfi", "-i", "sine=frequency=440:duration=1",
@@ -88,6 +100,8 @@ def wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def segments() -> Iterator[Segments]:
     """POSIX shm segments for this test, unlinked after it."""
+    from tests.support.segments import Segments
+
     made = Segments()
     yield made
     made.remove()
