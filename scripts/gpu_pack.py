@@ -192,9 +192,9 @@ def split_ffmpeg(wheel: Path, dest: Path) -> dict[str, str | int]:
         stripped = wheel.with_suffix(".tmp")
         with zipfile.ZipFile(stripped, "w", zipfile.ZIP_DEFLATED) as out:
             for item in z.infolist():
-                data = z.read(item)
                 if item.filename == binary:
-                    continue
+                    continue  # not read again: inflating it is most of a pack's CPU
+                data = z.read(item)
                 if item.filename.endswith(".dist-info/RECORD"):
                     kept = [r for r in data.decode().splitlines() if not r.startswith(binary + ",")]
                     data = ("\n".join(kept) + "\n").encode()
