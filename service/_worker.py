@@ -35,6 +35,7 @@ log = logging.getLogger("framewire.worker")
 # How long a private directory a killed worker left is watched for the child that still
 # holds it (an ffmpeg flushing what it had on its closed stdin) to exit.
 HELD_WATCH_S, HELD_POLL_S = 60.0, 0.1
+REMOVED = "removed %s, left by a worker that was killed"  # by the start's sweep or the watch
 
 
 class Worker:
@@ -73,7 +74,7 @@ class Worker:
         held: list[Path] = []
         swept = remove_stale_temps(settings.output_roots, held=held)
         for path in swept + spool.sweep(settings.output_roots):
-            log.warning("removed %s, left by a worker that was killed", path)
+            log.warning(REMOVED, path)
         if held:  # removed once the killed worker's children let go of them
             threading.Thread(
                 target=_remove_when_released, args=(held,), name="framewire-sweep", daemon=True
@@ -136,7 +137,7 @@ def _remove_when_released(held: list[Path]) -> None:
     while True:
         removed, held = remove_released(held)
         for path in removed:
-            log.warning("removed %s, left by a worker that was killed", path)
+            log.warning(REMOVED, path)
         if not held:
             return
         if time.monotonic() > deadline:

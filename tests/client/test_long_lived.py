@@ -23,7 +23,7 @@ from framewire.core.errors import FramewireError
 
 from tests.support.engines import diffusers_save, sglang_save
 from tests.support.media import make_clip, reference_mp4, sha256
-from tests.support.processes import framewire_temps
+from tests.support.processes import framewire_temps, wait_gone
 from tests.support.requests import wait_for_ffmpeg
 from tests.support.worker import Worker
 
@@ -161,13 +161,7 @@ def test_a_private_directory_held_by_the_killed_workers_ffmpeg_goes_when_it_exit
     assert_gone(w.outputs / "held", timeout=10)
     # The watch warns just after it removes the directory: the line may trail the removal.
     assert_logged(w, f"removed {private}, left by a worker that was killed", timeout=5)
-    deadline = time.monotonic() + 10
-    while (
-        Path(f"/proc/{ffmpeg}").exists()
-        and "zombie" not in Path(f"/proc/{ffmpeg}/status").read_text()
-    ):
-        assert time.monotonic() < deadline, "the killed worker's ffmpeg did not exit"
-        time.sleep(0.05)
+    wait_gone({ffmpeg})  # the killed worker's ffmpeg exited, every thread of it
 
 
 def test_a_stream_whose_worker_is_down_is_lost(workers):

@@ -317,8 +317,8 @@ def zygote() -> Zygote | None:
 def torch_zygote(env: dict[str, str]) -> Zygote | None:
     """This test process's zygote for processes of ``env`` that import torch and not
     framewire first (an engine's driver in its site): it has imported torch and
-    ``TORCH_SIDE``. Started
-    on first use for each value of the variables read at start; None if it cannot start."""
+    ``TORCH_SIDE``. Started on first use for each value of the variables read at start;
+    None if it cannot start."""
     key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(AT_START)))
     with _zygote_lock:
         forks = _torch_zygotes.get(key)
