@@ -41,7 +41,7 @@ def _clip(frames: int, width: int, height: int) -> Any:
 
 
 def _sglang(clip: Any, out: Path) -> None:
-    from tests.support.engine_sglang import DataType, enter_sglang
+    from tests.support.engine_sglang import TASK_TYPE, enter_sglang
 
     if "sglang" not in sys.modules:
         enter_sglang()
@@ -49,7 +49,8 @@ def _sglang(clip: Any, out: Path) -> None:
     plugins.load_plugins()
     plugins.apply_plugin_hooks()
     utils = importlib.import_module("sglang.multimodal_gen.runtime.entrypoints.utils")
-    _timed(lambda: utils.save_outputs([clip], DataType.VIDEO, 24, True,
+    video = importlib.import_module(TASK_TYPE).DataType.VIDEO
+    _timed(lambda: utils.save_outputs([clip], video, 24, True,
                                              lambda i: str(out)), out)  # fmt: skip
 
 

@@ -59,6 +59,8 @@ INSTANCE_HEADER = "framewire-instance"  # which worker process answered (every a
 # or it went away while the request was still being written (a worker acts on a request
 # only once its body is complete). Any request may be sent again after one of these.
 _UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.WriteError)
+# The worker took the request and did not answer within the bound.
+_UNANSWERED = (httpx.ReadTimeout, httpx.WriteTimeout)
 
 
 def unreachable(exc: httpx.TransportError) -> Unavailable:
@@ -73,7 +75,8 @@ class Call(Generic[T]):
     ends what may already have ended), so it may be sent again after any lost connection;
     other calls only when the worker cannot have received them whole (:meth:`resendable`).
     ``instance``: the worker process the request belongs to (a stream session's): an
-    answer from another one is ``stream_lost``.
+    answer from another one is ``stream_lost``. ``timeout``: this request's own bound on
+    the worker's answer, in seconds (None: the client's).
     """
 
     method: str
@@ -82,6 +85,12 @@ class Call(Generic[T]):
     read: Callable[[Any], T]
     idempotent: bool = False
     instance: str | None = None
+    timeout: float | None = None
+
+    @property
+    def timeouts(self) -> float | httpx.Timeout | Any:
+        """What the transport is told: this call's bound, else the client's own."""
+        return httpx.USE_CLIENT_DEFAULT if self.timeout is None else self.timeout
 
     def resendable(self, exc: httpx.TransportError) -> bool:
         """Whether the request may go again, once, on a fresh connection after ``exc``.
@@ -90,7 +99,10 @@ class Call(Generic[T]):
         that has since restarted, fails this way: the worker never acted on the request.
         A request that was sent whole and then lost its answer (the worker died while it
         ran) goes again only if it is idempotent: an encode or a stream chunk may have
-        been done already."""
+        been done already. One that waited out its bound is not sent again: the bound
+        is the caller's whole wait."""
+        if isinstance(exc, _UNANSWERED):
+            return False
         return self.idempotent or isinstance(exc, _UNSENT)
 
     def answer(self, response: httpx.Response) -> T:

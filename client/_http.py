@@ -41,7 +41,7 @@ class Client(BaseClient[httpx.Client], Closing):
         return httpx.Client(transport=self._peer.transport(self._uds), **self._client_args)
 
     def _request(self, call: Call[Any]) -> httpx.Response:
-        return self._http.request(call.method, call.path, json=call.body)
+        return self._http.request(call.method, call.path, json=call.body, timeout=call.timeouts)
 
     def _send(self, call: Call[T]) -> T:
         return run(self._sending(call), self._request)
@@ -158,7 +158,9 @@ class AsyncClient(BaseClient[httpx.AsyncClient]):
         return httpx.AsyncClient(transport=transport, **self._client_args)
 
     async def _request(self, call: Call[Any]) -> httpx.Response:
-        return await self._http.request(call.method, call.path, json=call.body)
+        return await self._http.request(
+            call.method, call.path, json=call.body, timeout=call.timeouts
+        )
 
     async def _send(self, call: Call[T]) -> T:
         return await run_async(self._sending(call), self._request)

@@ -42,6 +42,9 @@ def _nothing(body: Any) -> None:
 
 
 TAKE_TIMEOUT_S = 60.0  # taking a finished output's bytes: one request on a local socket
+# Ending a session: a worker that is alive ends it at once; one that is not ends it by its
+# own idle bound, so a writer giving up on a silent worker does not wait out its bound again.
+ABORT_TIMEOUT_S = 5.0
 
 
 class WriterBase:
@@ -158,7 +161,8 @@ class WriterBase:
         if self.id is None or self.result is not None:
             return None
         # Idempotent: a session already gone answers 404, which ends it all the same.
-        return Call("DELETE", f"/v1/streams/{self.id}", None, _nothing, idempotent=True)
+        path = f"/v1/streams/{self.id}"
+        return Call("DELETE", path, None, _nothing, idempotent=True, timeout=ABORT_TIMEOUT_S)
 
     def _opened(self, opened: StreamOpened) -> None:
         self.id, self._instance = opened.id, opened.instance

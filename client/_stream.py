@@ -86,6 +86,9 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
     def _stop_sending(self) -> None:
         """The session is over: nothing more goes on its way."""
 
+    def _drop_unsent(self) -> None:
+        """Chunks that have not left yet stay here (the session is ending)."""
+
     def _write_plan(self, frames: Any) -> Plan[None]:
         self._check_open()
         yield from self._settle(wait=False)
@@ -125,10 +128,17 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
             share.release()
 
     def _chunk_plan(self, call: Chunk) -> Plan[StreamChunkAck]:
+        if self._error is not None:  # one before it was refused or lost: this one stays here
+            raise self._error
         try:
             ack = yield from sent(call)
         except Unavailable as exc:
-            raise self._lost(exc) from exc
+            lost = self._lost(exc)
+            self._failed(lost)  # noted where it was sent: the chunk queued next sees it
+            raise lost from exc
+        except Exception as exc:
+            self._failed(exc)
+            raise
         return self._received(ack)
 
     def _settle(self, *, wait: bool, keep: int = 0) -> Plan[None]:
@@ -144,6 +154,10 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
             except Exception as exc:  # the chunk's refusal; a cancellation goes on up
                 self._failed(exc)
             self._in_flight.popleft()
+
+    def _flush_plan(self) -> Plan[None]:
+        self._check_open()
+        yield from self._settle(wait=True)
 
     def _close_plan(self) -> Plan[OutputResult]:
         if self.result is not None:
@@ -175,6 +189,7 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
     def _shut_plan(self) -> Plan[None]:
         """Collect what is still on its way, then let go of the chunk buffers."""
         try:
+            self._drop_unsent()  # a chunk queued behind one the worker left unanswered
             yield from self._collect(wait=True)  # close() or abort() from a failing write
         finally:
             self._in_flight.clear()
@@ -201,9 +216,18 @@ class VideoWriter(StreamPlans[Send]):
     def _stop_sending(self) -> None:
         self._sender.shutdown(wait=True)
 
+    def _drop_unsent(self) -> None:
+        for pending in self._in_flight:
+            pending.cancel()  # only one that has not started: a request on its way goes on
+
     def write(self, frames: Any) -> None:
         """Hand over the next chunk of frames, in any form ``save_video`` takes."""
         self._run(self._write_plan(frames))
+
+    def flush(self) -> None:
+        """Wait until the worker has read every chunk written so far (its refusal, if it
+        refused one, is raised)."""
+        self._run(self._flush_plan())
 
     def close(self) -> OutputResult:
         """End of frames: returns the result once the file is complete (also ``result``)."""
@@ -246,6 +270,11 @@ class AsyncVideoWriter(StreamPlans[AsyncSend]):
     async def write(self, frames: Any) -> None:
         """Hand over the next chunk of frames, in any form ``save_video`` takes."""
         await self._run(self._write_plan(frames))
+
+    async def flush(self) -> None:
+        """Wait until the worker has read every chunk written so far (its refusal, if it
+        refused one, is raised)."""
+        await self._run(self._flush_plan())
 
     async def close(self) -> OutputResult:
         """End of frames: returns the result once the file is complete (also ``result``)."""

@@ -11,13 +11,17 @@ One module per engine, each standing on :mod:`framewire.client` alone:
 Installed, they do nothing: the engines load every installed plugin, so an
 integration acts only when ``FRAMEWIRE_INTEGRATIONS`` names it (or its
 ``install()`` is called). The worker is ``FRAMEWIRE_URL`` (its token
-``FRAMEWIRE_TOKEN``). A save is routed only when framewire gives the engine's
-bytes with the engine's own encoder; any other save, and any save while no
-worker answers, runs the engine's original function (docs/engines.md).
+``FRAMEWIRE_TOKEN``). Each integration declares the engine versions it was
+verified at and probes every function it would hook before it does; a save is
+routed only when framewire gives the engine's bytes with the engine's own
+encoder. Any other save, any save while no worker answers within
+``FRAMEWIRE_INTEGRATION_TIMEOUT_S``, and any output that does not check out against
+the worker's sha256 runs the engine's original function; nothing of framewire's
+raises into the engine (docs/engines.md).
 """
 
 from __future__ import annotations
 
-from framewire.integrations._route import ENV, counts, enabled
+from framewire.integrations._switch import ENV, counts, enabled
 
 __all__ = ["ENV", "counts", "enabled"]

@@ -1,4 +1,5 @@
-"""diffusers' ``export_to_video``, saved through the worker with diffusers' own bytes.
+"""diffusers' ``export_to_video`` (0.38.0 to 0.42.1), saved through the worker with
+diffusers' own bytes.
 
 diffusers has no plugin system: import the drop-in instead of diffusers' name,
 
@@ -6,12 +7,13 @@ diffusers has no plugin system: import the drop-in instead of diffusers' name,
 
 or call :func:`install` once (``FRAMEWIRE_INTEGRATIONS=diffusers`` is not needed
 then) to rebind ``diffusers.utils.export_to_video`` for code that looks it up
-there. Same parameters, defaults and return as diffusers 0.42.1's. Routed: float32
-numpy frames or PIL images, to an ``.mp4`` under the worker's output roots, at
-diffusers' defaults for ``bitrate`` and ``macro_block_size``, with the encoder
-diffusers' imageio runs. Everything else (no path: a temporary file; a bitrate;
-another macro block size; float64 or uint8 arrays, which diffusers scales by 255
-with numpy's wrap-around; a worker that does not answer) runs diffusers' own.
+there. Same parameters, defaults and return as diffusers'. Routed: float32 numpy
+frames or PIL images, to an ``.mp4`` under the worker's output roots, at diffusers'
+defaults for ``bitrate`` and ``macro_block_size``, with the encoder diffusers'
+imageio runs. Everything else (no path: a temporary file; a bitrate; another macro
+block size; float64 or uint8 arrays, which diffusers scales by 255 with numpy's
+wrap-around; a worker that does not answer; a diffusers version outside the range,
+or whose ``export_to_video`` has other parameters) runs diffusers' own.
 """
 
 from __future__ import annotations
@@ -22,17 +24,49 @@ from typing import Any
 
 import numpy as np
 from framewire.client import ffmpeg_identity
-from framewire.integrations._route import WORKER, Declined, route, write_frames
+from framewire.integrations._probe import Engine, Probe, Target
+from framewire.integrations._route import guarded, route
+from framewire.integrations._switch import Declined
+from framewire.integrations._worker import WORKER, write_frames
+
+EXPORT = "diffusers.utils.export_utils"
+DIFFUSERS = Engine(
+    "diffusers", "diffusers", ("0.38.0", "0.39.0", "0.40.0", "0.41.0", "0.42.0", "0.42.1")
+)
+TARGET = Target(
+    EXPORT,
+    "export_to_video",
+    dict.fromkeys(
+        DIFFUSERS.versions,
+        "(video_frames, output_video_path=None, fps=10, quality=5.0, bitrate=None, "
+        "macro_block_size=16)",
+    ),
+)
 
 _original: Any = None
+_verified: bool | None = None  # whether the probe found diffusers' function as verified
 _installed = False
 
 
 def _diffusers_export() -> Any:
     global _original
     if _original is None:
-        _original = importlib.import_module("diffusers.utils.export_utils").export_to_video
+        _original = importlib.import_module(EXPORT).export_to_video
     return _original
+
+
+def _probed() -> bool:
+    """Whether diffusers' function probes as verified (probed once, never raising)."""
+    global _verified
+    if _verified is None:
+        _verified = False
+
+        def probe() -> None:
+            global _verified
+            _verified = Probe(DIFFUSERS).allows((TARGET,))
+
+        guarded("the probe of diffusers' export_to_video", probe)
+    return _verified
 
 
 def _identity() -> str:
@@ -79,6 +113,8 @@ def export_to_video(
     args = (video_frames, output_video_path, fps, quality, bitrate, macro_block_size)
 
     def routed() -> str:
+        if not _probed():
+            raise Declined("a diffusers version or export_to_video not verified")
         if output_video_path is None:
             raise Declined("no output path (a temporary file)")
         if bitrate is not None or macro_block_size != 16 or quality is None:
@@ -90,8 +126,15 @@ def export_to_video(
         if not len(video_frames):
             raise Declined("no frames")
         convert = _converter(video_frames)
-        write_frames(WORKER.target(output_video_path), video_frames, convert, fps=fps,
-                     quality=quality, profile="diffusers", encoder=_identity())  # fmt: skip
+        write_frames(
+            WORKER.target(output_video_path),
+            video_frames,
+            convert,
+            fps=fps,
+            quality=quality,
+            profile="diffusers",
+            encoder=_identity(),
+        )
         return output_video_path
 
     path: str = route("diffusers", routed, _diffusers_export(), args, {})
@@ -99,18 +142,24 @@ def export_to_video(
 
 
 def install() -> None:
-    """Rebind ``diffusers.utils.export_to_video`` (and ``export_utils``') to the drop-in."""
-    global _installed
-    _diffusers_export()
-    for name in ("diffusers.utils", "diffusers.utils.export_utils"):
-        setattr(importlib.import_module(name), "export_to_video", export_to_video)  # noqa: B010
-    _installed = True
+    """Rebind ``diffusers.utils.export_to_video`` (and ``export_utils``') to the drop-in,
+    where diffusers' function probes as verified; never raises."""
+
+    def rebind() -> None:
+        global _installed
+        _diffusers_export()
+        if _probed():
+            for name in ("diffusers.utils", EXPORT):
+                setattr(importlib.import_module(name), "export_to_video", export_to_video)  # noqa: B010
+            _installed = True
+
+    guarded("the diffusers integration's install", rebind)
 
 
 def uninstall() -> None:
     """Put diffusers' own function back."""
     global _installed
     if _installed:
-        for name in ("diffusers.utils", "diffusers.utils.export_utils"):
+        for name in ("diffusers.utils", EXPORT):
             setattr(importlib.import_module(name), "export_to_video", _original)  # noqa: B010
         _installed = False

@@ -50,14 +50,14 @@ def test_the_twins_build_the_same_requests(monkeypatch):
     class Answered(Exception):
         pass
 
-    def capture(self, method, path, json=None):  # either twin's transport
+    def capture(self, method, path, json=None, timeout=None):  # either twin's transport
         if path == "/v1/info":  # asked first: the fd socket is checked against the worker
             return httpx.Response(200, json={"instance": "w"}, request=httpx.Request(method, path))
         sent.append((method, path, json))
         raise Answered
 
-    async def capture_async(self, method, path, json=None):
-        return capture(self, method, path, json)
+    async def capture_async(self, method, path, json=None, timeout=None):
+        return capture(self, method, path, json, timeout)
 
     monkeypatch.setattr("httpx.Client.request", capture)
     monkeypatch.setattr("httpx.AsyncClient.request", capture_async)

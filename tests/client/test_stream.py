@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -23,11 +25,13 @@ from framewire.client import (
     BadRequest,
     Client,
     OutputResult,
+    Unavailable,
     VideoWriter,
 )
 from framewire.client import _session as stream_module
 
 from tests.support.media import make_clip, reference_mp4, sha256
+from tests.support.misbehaving import Fault, Misbehaving
 from tests.support.processes import framewire_temps
 from tests.support.worker import Worker, metric
 
@@ -110,6 +114,49 @@ def test_frames_received_follows_the_workers_answers(worker):
             assert 2 * (k - 1) <= w.frames_received <= w.frames_sent == 2 * (k + 1)
     assert seen == sorted(seen)
     assert w.frames_received == 20 == w.frames_sent
+
+
+def test_flush_waits_until_the_worker_read_every_chunk(worker):
+    clip = make_clip(frames=12, height=48, width=64)
+    with Client(worker.uds_url) as c, c.open_video("flushed.mp4", fps=24) as w:
+        for part in chunks(clip, 4):
+            w.write(part)
+        w.flush()
+        assert w.frames_received == w.frames_sent == 12
+
+    async def go() -> None:
+        async with AsyncClient(worker.uds_url) as c, c.open_video("flushed-async.mp4", fps=24) as w:
+            for part in chunks(clip, 4):
+                await w.write(part)
+            await w.flush()
+            assert w.frames_received == w.frames_sent == 12
+
+    asyncio.run(go())
+
+
+def test_a_writer_gives_up_on_a_silent_worker_within_its_bound(worker, tmp_path, monkeypatch):
+    """A chunk the worker takes and never answers fails the writer after the client's
+    bound (not sent again); the chunk queued behind it never leaves, and ending the
+    session waits on its own short bound (the worker ends an idle session itself)."""
+    monkeypatch.setattr(stream_module, "ABORT_TIMEOUT_S", 0.5)
+    clip = make_clip(frames=12, height=48, width=64)
+    silent = Fault("silent", r"POST /v1/streams/[^/]+/frames|DELETE /v1/streams/[^/]+")
+    with Misbehaving(worker.uds, tmp_path, silent) as proxy:
+        with Client(proxy.url, timeout=httpx.Timeout(1.0, connect=1.0), local_fallback=False) as c:
+            started = time.monotonic()
+            w = c.open_video("silent.mp4", fps=24)
+            with pytest.raises(Unavailable, match="stream session is lost"):
+                for part in chunks(clip, 4):
+                    w.write(part)
+                w.close()
+            w.abort()
+            waited = time.monotonic() - started
+        # The chunk and the DELETE, each once: neither sent again, nor the queued chunk.
+        assert proxy.hits == 2
+    assert 1.5 <= waited < 3.0
+    with worker.http() as http:  # the session the proxy kept the DELETE of
+        assert http.delete(f"/v1/streams/{w.id}").status_code == 204
+    assert not (worker.outputs / "silent.mp4").exists()
 
 
 def test_numpy_thwc_chunks_of_uneven_sizes(worker, tmp_path):
@@ -234,7 +281,7 @@ def writer_api(cls: type) -> dict[str, Any]:
 
 def test_the_writers_are_twins():
     sync, coro = writer_api(VideoWriter), writer_api(AsyncVideoWriter)
-    assert sorted(sync) == sorted(coro) == ["abort", "close", "write"]
+    assert sorted(sync) == sorted(coro) == ["abort", "close", "flush", "write"]
     for name in sync:
         assert inspect.iscoroutinefunction(coro[name]) and not inspect.iscoroutinefunction(
             sync[name]

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import re
+from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import framewire.integrations as integrations
 import numpy as np
@@ -13,7 +17,9 @@ import pytest
 from framewire.integrations import diffusers as fw_diffusers
 from PIL import Image
 
+from tests.support.engine_site import VERSIONS, engine_site, fake_version, overlay, run_engine
 from tests.support.engines import diffusers_export_utils
+from tests.support.worker import Worker, Workers
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -96,3 +102,102 @@ def test_no_path_is_a_temporary_file_as_in_diffusers(on):
         import os
 
         os.unlink(path)
+
+
+# --- every version of the range, drift, versions outside it, failures, a real pipeline ---
+# diffusers' own code in its own process (tests/support/engine_diffusers.py): each case
+# saved by diffusers' export_to_video and by the drop-in, in the same process.
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Iterator[Worker]:
+    started = Workers(lambda: tmp_path_factory.mktemp("diffusers-worker"))
+    yield started.start()
+    started.stop_all()
+
+
+def run(sites: list[Path], out: Path, names: list[str], **env: str) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    return run_engine(sites, "engine_diffusers", str(out), *names, **env)
+
+
+def warnings(log: str) -> list[str]:
+    return [line for line in log.splitlines() if "framewire.integrations WARNING" in line]
+
+
+EXPORT_FILE = "diffusers/utils/export_utils.py"
+# diffusers' export_to_video with one more parameter.
+DRIFT = ("    macro_block_size: int | None = 16,\n) -> str:",
+         "    macro_block_size: int | None = 16,\n    audio=None,\n) -> str:")  # fmt: skip
+LEFT_FLOAT64 = "diffusers:engine:frames that are not float32 arrays"
+
+
+@pytest.mark.parametrize("version", VERSIONS["diffusers"])
+def test_each_version_routes_and_leaves_a_drifted_function(version, shared, tmp_path):
+    site = engine_site("diffusers", version)
+    on = run([site], shared.outputs / version, ["float32", "pil", "float64"],
+             FRAMEWIRE_URL=shared.uds_url)  # fmt: skip
+    assert on["version"] == version
+    assert on["on"] == on["own"]
+    assert on["counts"] == {"diffusers:routed": 2, LEFT_FLOAT64: 1}
+    assert warnings(on["log"]) == []
+    root = overlay(tmp_path / "overlay", site, EXPORT_FILE, DRIFT)
+    drifted = run([site], shared.outputs / f"{version}-drift", ["float32"],
+                  FRAMEWIRE_URL=shared.uds_url, FRAMEWIRE_TEST_OVERLAY=str(root))  # fmt: skip
+    assert drifted["on"] == drifted["own"] == {"float32": on["own"]["float32"]}
+    assert drifted["counts"] == {
+        "diffusers:engine:a diffusers version or export_to_video not verified": 1
+    }
+    [said] = warnings(drifted["log"])
+    assert f"diffusers {version}: diffusers.utils.export_utils.export_to_video has the " \
+        "parameters (video_frames, output_video_path=None, fps=10, quality=5.0, bitrate=None, " \
+        "macro_block_size=16, audio=None)" in said
+
+
+def test_a_version_outside_the_range_is_left_to_diffusers(shared, tmp_path):
+    newer = [fake_version(tmp_path / "meta", "diffusers", "0.43.0")]
+    left = run(newer, shared.outputs / "newer", ["float32"], FRAMEWIRE_URL=shared.uds_url)
+    assert left["on"] == left["own"]
+    assert left["counts"] == {
+        "diffusers:engine:a diffusers version or export_to_video not verified": 1
+    }
+    [said] = warnings(left["log"])
+    assert "diffusers 0.43.0 is outside the versions verified (0.38.0-0.42.1)" in said
+    asked = run(newer, shared.outputs / "asked", ["float32"], FRAMEWIRE_URL=shared.uds_url,
+                FRAMEWIRE_INTEGRATIONS_UNVERIFIED="1")  # fmt: skip
+    assert asked["on"] == asked["own"] and asked["counts"] == {"diffusers:routed": 1}
+
+
+@pytest.mark.parametrize("stage", ["probe", "save"])
+def test_a_failure_of_framewires_leaves_diffusers_running(shared, stage):
+    on = run([], shared.outputs / stage, ["float32", "pil"], FRAMEWIRE_URL=shared.uds_url,
+             FRAMEWIRE_TEST_INJECT=stage)  # fmt: skip
+    assert on["on"] == on["own"]
+    [said] = warnings(on["log"])
+    assert "injected failure\\nframewire: FORGED LINE" in said
+    assert not [line for line in on["log"].splitlines() if line.startswith("framewire: FORGED")]
+    why = {"probe": "a diffusers version or export_to_video not verified",
+           "save": "framewire failed (RuntimeError)"}[stage]  # fmt: skip
+    assert on["counts"] == {f"diffusers:engine:{why}": 2}
+
+
+def test_a_real_pipeline_saved_three_ways_has_one_sha256(shared):
+    """A tiny WanPipeline built in code (random weights, nothing downloaded), 2 steps on
+    CPU: its frames saved by diffusers' own export_to_video, by the drop-in, and at the
+    usual call site after install(); the last two written by the worker."""
+    out = shared.outputs / "pipeline"
+    with shared.http() as http:
+        before = written(http)
+        report = run([engine_site("pipeline")], out, ["pipeline"], FRAMEWIRE_URL=shared.uds_url)
+        assert written(http) == before + 2
+    assert report["frames"] == [9, 32, 48, 3]
+    assert report["on"]["pipeline"] == report["own"]["pipeline"] == report["installed"]
+    assert report["rebound"] is True
+    assert report["counts"] == {"diffusers:routed": 2}
+
+
+def written(http) -> float:
+    """The outputs a worker wrote."""
+    found = re.search(r'^framewire_outputs_total\{result="ok"\} (\S+)$', http.get("/metrics").text,
+                      re.MULTILINE)  # fmt: skip
+    return float(found.group(1)) if found else 0.0

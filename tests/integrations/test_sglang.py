@@ -1,7 +1,10 @@
-"""SGLang 0.5.23's own code, in SGLang's own pins (imageio-ffmpeg 0.5.1: ffmpeg 4.2.2),
-saving through a real worker: its plugin loader finds framewire by the entry point,
-its hook registry applies the hooks, and every output's sha256 equals SGLang's own
-save of the same frames (tests/support/engine_sglang.py runs the cases)."""
+"""SGLang's own code (0.5.21 to 0.5.23), in SGLang's own pins (imageio-ffmpeg 0.5.1:
+ffmpeg 4.2.2), saving through a real worker: its plugin loader finds framewire by the
+entry point, its hook registry applies the hooks, and every output's sha256 equals
+SGLang's own save of the same frames (tests/support/engine_sglang.py runs the cases).
+The full set at 0.5.23; at the other versions a smoke set; a module of SGLang's whose
+targets drifted, a version outside the range, and a failure of framewire's at each
+stage all leave SGLang's own code running, nothing raised."""
 
 from __future__ import annotations
 
@@ -9,14 +12,24 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.engine_site import engine_ffmpeg, engine_site, run_engine, start_engine
+from tests.support.engine_faults import STAGES
+from tests.support.engine_site import (
+    VERSIONS,
+    engine_ffmpeg,
+    engine_site,
+    fake_version,
+    overlay,
+    run_engine,
+    start_engine,
+)
 from tests.support.media import FFMPEG
-from tests.support.worker import Worker, free_port, metric
+from tests.support.worker import Worker, Workers, free_port, metric
 
 pytestmark = pytest.mark.registry
 
@@ -26,6 +39,7 @@ LEFT = ["uint8-tensor", "bad-quality"]  # SGLang's own path (uint8 via its mater
 HOOKED = ["_try_save_cuda_video_direct", "_try_save_cuda_videos_direct", "_save_video_ffmpeg",
           "CudaVideoEncoder.open"]  # fmt: skip
 CHECKED = [*HOOKED, "minimax_h3_decode_reference_video_frames"]
+UTILS_FILE = "sglang/multimodal_gen/runtime/entrypoints/utils.py"
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +47,13 @@ def site() -> Path:
     return engine_site("sglang")
 
 
-def run(site: Path, out: Path, names: list[str], **env: str) -> dict[str, Any]:
+def run(site: Path | list[Path], out: Path, names: list[str], **env: str) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     return run_engine(site, "engine_sglang", str(out), *names, **env)
+
+
+def lines(log: str, text: str) -> list[str]:
+    return [line for line in log.splitlines() if text in line]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +64,7 @@ def own(site: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_not_enabled_nothing_is_hooked(own):
     assert own["unchanged"] == dict.fromkeys(HOOKED, True)  # the very same objects
-    assert own["hooked"] == dict.fromkeys(CHECKED, False)
+    assert own["hooked"] == {}
     assert own["counts"] == {}
     assert "framewire:" not in own["log"]  # SGLang names the plugin it ran; we say nothing
     assert own["ffmpeg"].endswith("ffmpeg-linux64-v4.2.2")  # SGLang's pin, not ours
@@ -181,3 +199,108 @@ def test_no_worker_and_the_local_route_give_sglangs_bytes(site, own, tmp_path):
              FRAMEWIRE_LOCAL_FALLBACK="1")  # fmt: skip
     assert on["results"] == {n: own["results"][n] for n in cases}
     assert on["counts"] == {"sglang:routed": 3}
+
+
+# --- every version of the range, drift, versions outside it, failures of framewire's ---
+
+
+@pytest.fixture(scope="module")
+def sglang_worker(site, tmp_path_factory) -> Iterator[Worker]:
+    """One worker with SGLang's encoder for the module's runs at every version."""
+    started = Workers(lambda: tmp_path_factory.mktemp("sglang-worker"))
+    yield started.start("--encoders", str(engine_ffmpeg(site)))
+    started.stop_all()
+
+
+SMOKE = ["float32", "bf16-audio", "pair"]
+# What each version has of the targets, once hooked (0.5.21: no _save_video_ffmpeg, no
+# CudaVideoEncoder).
+HAS = {"0.5.21": [HOOKED[0], HOOKED[1], CHECKED[-1]], "0.5.22": CHECKED, "0.5.23": CHECKED}
+# A copy of SGLang's utils where one target was renamed (its definition and its calls) and
+# another takes one more parameter.
+DRIFT = (
+    ("_try_save_cuda_video_direct", "_try_save_cuda_video_direct_v2"),
+    ("    save_file_paths: Sequence[str],\n    *,\n",
+     "    save_file_paths: Sequence[str],\n    *,\n    parallelism: int = 2,\n"),
+)  # fmt: skip
+
+
+def warnings(log: str) -> list[str]:
+    return lines(log, "framewire.integrations WARNING")
+
+
+@pytest.mark.parametrize("version", VERSIONS["sglang"])
+def test_each_version_routes_what_it_verified_and_leaves_a_drifted_target(
+    version, sglang_worker, tmp_path
+):
+    site = engine_site("sglang", version)
+    on_env = {"FRAMEWIRE_INTEGRATIONS": "sglang", "FRAMEWIRE_URL": sglang_worker.uds_url}
+    own = run(site, tmp_path / "own", SMOKE)
+    assert all(isinstance(r, list) for r in own["results"].values()), own["results"]
+    on = run(site, sglang_worker.outputs / version, SMOKE, **on_env)
+    assert on["results"] == own["results"]
+    assert on["hooked"] == dict.fromkeys(HAS[version], True)
+    assert on["counts"] == {"sglang:routed": 3}  # the pair in one parallel save
+    assert warnings(on["log"]) == []
+
+    # SGLang's module drifted: each drifted target is left to SGLang, with one line
+    # naming the version and the target; the others are still hooked.
+    root = overlay(tmp_path / "overlay", site, UTILS_FILE, *DRIFT)
+    drifted = run(site, sglang_worker.outputs / f"{version}-drift", SMOKE,
+                  FRAMEWIRE_TEST_OVERLAY=str(root), **on_env)  # fmt: skip
+    assert drifted["results"] == own["results"]
+    kept = [n for n in HAS[version] if n not in HOOKED[:2]]
+    assert drifted["hooked"] == dict.fromkeys(kept, True)
+    said = warnings(drifted["log"])
+    assert len(said) == 2 and all(f"SGLang {version}: " in line for line in said), said
+    assert "_try_save_cuda_video_direct is missing" in said[0]
+    assert "_try_save_cuda_videos_direct has the parameters (samples, save_file_paths, *, " \
+        "parallelism=2" in said[1]
+    if version == "0.5.21":  # nothing else to hook: every save is SGLang's own
+        assert drifted["counts"] == {}
+    else:  # the materialized frames go through _save_video_ffmpeg, still hooked
+        assert drifted["counts"] == {"sglang:routed": 3,
+                                     "sglang:engine:audio from a WAV file": 1}  # fmt: skip
+
+
+def test_a_version_outside_the_range_is_left_to_sglang_unless_asked(
+    site, own, sglang_worker, tmp_path
+):
+    newer = [fake_version(tmp_path / "meta", "sglang", "0.5.24"), site]
+    on_env = {"FRAMEWIRE_INTEGRATIONS": "sglang", "FRAMEWIRE_URL": sglang_worker.uds_url}
+    left = run(newer, sglang_worker.outputs / "newer", ["float32"], **on_env)
+    assert left["results"]["float32"] == own["results"]["float32"]
+    assert (left["hooked"], left["counts"]) == ({}, {})
+    [said] = warnings(left["log"])
+    assert "SGLang 0.5.24 is outside the versions verified (0.5.21-0.5.23)" in said
+    # Asked for (the probe finds every target as 0.5.22 and 0.5.23 have them): routed.
+    asked = run(newer, sglang_worker.outputs / "asked", ["float32"],
+                FRAMEWIRE_INTEGRATIONS_UNVERIFIED="1", **on_env)  # fmt: skip
+    assert asked["results"]["float32"] == own["results"]["float32"]
+    assert asked["hooked"] == dict.fromkeys(CHECKED, True)
+    assert asked["counts"] == {"sglang:routed": 1}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_failure_of_framewires_at_any_stage_leaves_sglang_running(
+    site, own, sglang_worker, stage
+):
+    on = run(site, sglang_worker.outputs / stage, ["float32", "two-outputs"],
+             FRAMEWIRE_INTEGRATIONS="sglang", FRAMEWIRE_URL=sglang_worker.uds_url,
+             FRAMEWIRE_TEST_INJECT=stage)  # fmt: skip
+    assert on["results"] == {n: own["results"][n] for n in ("float32", "two-outputs")}
+    said = warnings(on["log"])
+    assert len(said) == 1 and "injected failure\\nframewire: FORGED LINE" in said[0], said
+    assert not lines(on["log"], "Traceback") and not [
+        line for line in on["log"].splitlines() if line.startswith("framewire: FORGED")
+    ]
+    expected = {
+        "probe": ({}, {}),
+        "register": ({}, {}),
+        "check": (dict.fromkeys(CHECKED, True), {"sglang:routed": 2}),
+        # Each save fails in framewire and runs SGLang's own: the direct save, then the
+        # materialized one (1 + 1); the parallel one, then each output's two (1 + 2 + 2).
+        "save": (dict.fromkeys(CHECKED, True),
+                 {"sglang:engine:framewire failed (RuntimeError)": 7}),
+    }  # fmt: skip
+    assert (on["hooked"], on["counts"]) == expected[stage]

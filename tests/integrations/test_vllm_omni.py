@@ -1,17 +1,22 @@
-"""vLLM-omni 0.30.0's own code against a real worker: ``load_omni_general_plugins`` finds
-framewire by its entry point, and its chunked pre-encode (``ChunkedVideoMP4Session``)
-returns the same MP4 bytes through the worker as with its own encoder
-(tests/support/engine_vllm_omni.py runs the cases)."""
+"""vLLM-omni's own code (0.26.0 to 0.30.0) against a real worker:
+``load_omni_general_plugins`` finds framewire by its entry point, and its chunked
+pre-encode (``ChunkedVideoMP4Session``, 0.30) and its one-shot ``_encode_video_bytes``
+return the same MP4 bytes through the worker as with its own encoder
+(tests/support/engine_vllm_omni.py runs the cases). The full set at 0.30.0; at 0.26.0
+and 0.28.0 a smoke set; a module whose targets drifted, a version outside the range and
+a failure of framewire's at each stage all leave vLLM-omni's own code running."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.engine_site import engine_site, run_engine
-from tests.support.worker import free_port
+from tests.support.engine_faults import STAGES
+from tests.support.engine_site import VERSIONS, engine_site, fake_version, overlay, run_engine
+from tests.support.worker import Worker, Workers, free_port
 
 pytestmark = pytest.mark.registry
 
@@ -20,6 +25,13 @@ ROUTED = ["wan-ultrafast", "minimax-fast-2-threads", "batch-with-audio", "mono-d
 BYTES = ["bytes-float32-audio", "bytes-uint8", "bytes-big-no-options", "bytes-tensor",
          "bytes-pil"]  # fmt: skip
 LEFT = ["odd-size", "bytes-crf"]  # libx264 refuses the first in vLLM-omni itself
+MEDIA = "vllm_omni.diffusion.utils.media_utils"
+API = "vllm_omni.entrypoints.openai.video_api_utils"
+API_FILE = "vllm_omni/entrypoints/openai/video_api_utils.py"
+
+
+def warnings(log: str) -> list[str]:
+    return [line for line in log.splitlines() if "framewire.integrations WARNING" in line]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +39,7 @@ def site() -> Path:
     return engine_site("vllm-omni")
 
 
-def run(site: Path, names: list[str], **env: str) -> dict[str, Any]:
+def run(site: Path | list[Path], names: list[str], **env: str) -> dict[str, Any]:
     # VLLM_PLUGINS names framewire: vLLM-omni's own vllm.general_plugins entry point
     # registers its models with vLLM, which is not installed here.
     return run_engine(site, "engine_vllm_omni", *names, **{"VLLM_PLUGINS": "framewire", **env})
@@ -38,8 +50,13 @@ def own(site: Path) -> dict[str, Any]:
     return run(site, ROUTED + BYTES + LEFT)
 
 
+EVERY = {"media": True, "chunked": True, "bytes": True}  # both encoder names, the one-shot
+REPLACED = [f"{MEDIA}.ChunkedMP4Encoder", f"{API}._encode_video_bytes"]
+
+
 def test_not_enabled_nothing_is_replaced(own):
-    assert own["unchanged"] == [True, True, True]  # both encoder names, _encode_video_bytes
+    assert own["unchanged"] == EVERY
+    assert own["hooked"] == {}
     assert own["counts"] == {}
     assert "avcodec_open2" in own["results"]["odd-size"]["error"]
 
@@ -48,7 +65,8 @@ def test_the_chunked_pre_encode_through_the_worker_has_vllm_omnis_bytes(site, ow
     worker = workers.start()
     on = run(site, ROUTED + BYTES + LEFT, FRAMEWIRE_INTEGRATIONS="vllm-omni",
              FRAMEWIRE_URL=worker.uds_url)  # fmt: skip
-    assert on["unchanged"] == [False, False, False]
+    assert on["unchanged"] == dict.fromkeys(EVERY, False)
+    assert on["hooked"] == dict.fromkeys(REPLACED, True)
     assert on["results"] == own["results"]
     # One stream session per batch entry (batch-with-audio has two) and per one-shot
     # encode; the odd size and another crf left to vLLM-omni.
@@ -58,6 +76,7 @@ def test_the_chunked_pre_encode_through_the_worker_has_vllm_omnis_bytes(site, ow
         "vllm-omni:engine:codec options other than preset and threads": 1,
     }
     assert "ChunkedMP4Encoder and _encode_video_bytes encode through the worker" in on["log"]
+    assert warnings(on["log"]) == []
     spool = worker.outputs / ".framewire-tmp-spool"
     assert list(worker.outputs.iterdir()) in ([], [spool]) and list(spool.iterdir()) == []
 
@@ -74,7 +93,7 @@ def test_vllm_plugins_without_framewire_loads_nothing(site, own, workers):
     worker = workers.start()
     on = run(site, ["wan-ultrafast"], FRAMEWIRE_INTEGRATIONS="vllm-omni",
              FRAMEWIRE_URL=worker.uds_url, VLLM_PLUGINS="some-other-plugin")  # fmt: skip
-    assert on["unchanged"] == [True, True, True] and on["counts"] == {}
+    assert on["unchanged"] == EVERY and on["counts"] == {}
     assert on["results"]["wan-ultrafast"] == own["results"]["wan-ultrafast"]
 
 
@@ -88,3 +107,96 @@ def test_a_worker_with_another_pyav_leaves_it_to_vllm_omni(workers):
     on = run(site, cases, FRAMEWIRE_INTEGRATIONS="vllm-omni", FRAMEWIRE_URL=worker.uds_url)
     assert on["results"] == own["results"]
     assert on["counts"] == {"vllm-omni:engine:the worker answered encoder_unavailable": 2}
+
+
+# --- every version of the range, drift, versions outside it, failures of framewire's ---
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Iterator[Worker]:
+    """One worker for the module's runs at every version."""
+    started = Workers(lambda: tmp_path_factory.mktemp("vllm-omni-worker"))
+    yield started.start()
+    started.stop_all()
+
+
+SMOKE = ["bytes-uint8", "bytes-tensor", "bytes-float32-audio"]
+# A copy of video_api_utils whose _encode_video_bytes takes one more parameter: its last
+# parameter (0.26's video_codec_options, then frame_converter) and the new one.
+LAST = {"0.26.0": "    video_codec_options: dict[str, str] | None = None,\n) -> bytes:"}
+DRIFTED_LAST = "    frame_converter: _PlanarFrameConverter | None = None,\n) -> bytes:"
+
+
+def drift(version: str) -> tuple[str, str]:
+    last = LAST.get(version, DRIFTED_LAST)
+    return last, last.replace("\n) -> bytes:", "\n    tune: str | None = None,\n) -> bytes:")
+
+
+@pytest.mark.parametrize("version", VERSIONS["vllm-omni"][:-1])
+def test_an_older_version_routes_what_it_verified(version, shared, tmp_path):
+    """0.26.0 and 0.28.0: no chunked pre-encode; their one-shot encode routed, but 0.26's
+    audio (muxed without the timestamps later versions give it: other bytes)."""
+    site = engine_site("vllm-omni", version)
+    own = run(site, SMOKE)
+    assert all(isinstance(r, list) for r in own["results"].values()), own["results"]
+    on = run(site, SMOKE, FRAMEWIRE_INTEGRATIONS="vllm-omni", FRAMEWIRE_URL=shared.uds_url)
+    assert on["results"] == own["results"]
+    assert on["unchanged"] == {"bytes": False}
+    assert on["hooked"] == {f"{API}._encode_video_bytes": True}
+    if version == "0.26.0":
+        assert on["counts"] == {
+            "vllm-omni:routed": 2,
+            "vllm-omni:engine:audio, which vLLM-omni 0.26 muxes without timestamps": 1,
+        }
+    else:
+        assert on["counts"] == {"vllm-omni:routed": 3}
+    assert warnings(on["log"]) == []
+
+
+@pytest.mark.parametrize("version", VERSIONS["vllm-omni"])
+def test_a_drifted_target_is_left_to_vllm_omni_with_one_warning(version, shared, tmp_path):
+    site = engine_site("vllm-omni", version)
+    root = overlay(tmp_path / "overlay", site, API_FILE, drift(version))
+    cases = ["bytes-uint8", *(["wan-ultrafast"] if version == "0.30.0" else [])]
+    own = run(site, cases)
+    on = run(site, cases, FRAMEWIRE_INTEGRATIONS="vllm-omni", FRAMEWIRE_URL=shared.uds_url,
+             FRAMEWIRE_TEST_OVERLAY=str(root))  # fmt: skip
+    assert on["results"] == own["results"]
+    [said] = warnings(on["log"])
+    assert f"vLLM-omni {version}: {API}._encode_video_bytes has the parameters (" in said
+    assert "tune=None" in said
+    if version == "0.30.0":  # the chunked pre-encode did not drift: still routed
+        assert on["hooked"] == {f"{MEDIA}.ChunkedMP4Encoder": True}
+        assert on["counts"] == {"vllm-omni:routed": 1}
+    else:
+        assert (on["hooked"], on["counts"]) == ({}, {})
+
+
+def test_a_version_outside_the_range_is_left_to_vllm_omni(site, own, shared, tmp_path):
+    newer = [fake_version(tmp_path / "meta", "vllm-omni", "0.31.0"), site]
+    on = run(newer, ["wan-ultrafast", "bytes-uint8"], FRAMEWIRE_INTEGRATIONS="vllm-omni",
+             FRAMEWIRE_URL=shared.uds_url)  # fmt: skip
+    assert on["results"] == {n: own["results"][n] for n in ("wan-ultrafast", "bytes-uint8")}
+    assert (on["hooked"], on["counts"]) == ({}, {})
+    [said] = warnings(on["log"])
+    assert "vLLM-omni 0.31.0 is outside the versions verified (0.26.0-0.30.0)" in said
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_failure_of_framewires_at_any_stage_leaves_vllm_omni_running(site, own, shared, stage):
+    cases = ["wan-ultrafast", "bytes-uint8"]
+    on = run(site, cases, FRAMEWIRE_INTEGRATIONS="vllm-omni", FRAMEWIRE_URL=shared.uds_url,
+             FRAMEWIRE_TEST_INJECT=stage)  # fmt: skip
+    assert on["results"] == {n: own["results"][n] for n in cases}
+    said = warnings(on["log"])
+    assert len(said) == 1 and "injected failure\\nframewire: FORGED LINE" in said[0], said
+    assert "Traceback" not in on["log"]
+    assert not [line for line in on["log"].splitlines() if line.startswith("framewire: FORGED")]
+    expected = {
+        "probe": ({}, {}),
+        "register": ({}, {}),
+        "check": (dict.fromkeys(REPLACED, True), {"vllm-omni:routed": 2}),
+        "save": (dict.fromkeys(REPLACED, True),
+                 {"vllm-omni:engine:framewire failed (RuntimeError)": 2}),
+    }  # fmt: skip
+    assert (on["hooked"], on["counts"]) == expected[stage]

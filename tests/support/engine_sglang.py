@@ -1,5 +1,6 @@
-"""Run in SGLang's own environment (tests/support/engine_site.py): SGLang 0.5.23's
-plugin loader and save functions, on cases named here; prints what came of each.
+"""Run in SGLang's own environment (tests/support/engine_site.py): SGLang's own plugin
+loader and save functions (0.5.21 to 0.5.23), on cases named here; prints what came of
+each.
 
 ``python -m tests.support.engine_sglang OUT_DIR CASE...``. SGLang's packages are
 entered as path-only shells (their ``__init__`` would import the whole runtime)
@@ -11,32 +12,38 @@ hook registry and every save function are SGLang's own files.
 from __future__ import annotations
 
 import contextlib
-import enum
 import hashlib
+import importlib
 import json
 import logging
 import os
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 from typing import Any
 
-from tests.support.engine_site import enter_shells
+from tests.support.engine_faults import inject_failure
+from tests.support.engine_site import enter_shells, use_sites
 
 UTILS = "sglang.multimodal_gen.runtime.entrypoints.utils"
 PLUGINS = "sglang.multimodal_gen.runtime.platforms.plugins"
+TASK_TYPE = "sglang.multimodal_gen.configs.task_type"
 H3_REFERENCE = ("sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages"
                 ".minimax_h3.reference_encoding")  # fmt: skip
+# The functions of SGLang's utils framewire may hook (0.5.21 has the first two only).
 HOOKED = ("_try_save_cuda_video_direct", "_try_save_cuda_videos_direct", "_save_video_ffmpeg",
           "CudaVideoEncoder.open")  # fmt: skip
-# The hooks framewire registers (SGLang's utils, then MiniMax-H3's reference decode).
-CHECKED = (*HOOKED, "minimax_h3_decode_reference_video_frames")
 
 
 def _bound(utils: Any, name: str) -> Any:
-    """The object bound at ``name`` in SGLang's utils (a class's own attribute, as stored)."""
+    """The object bound at ``name`` in SGLang's utils (a class's own attribute, as stored);
+    None where this version has no such name."""
     owner, _, attr = name.rpartition(".")
-    return vars(getattr(utils, owner))[attr] if owner else getattr(utils, attr)
+    if owner:
+        return vars(getattr(utils, owner, object)).get(attr)
+    return getattr(utils, attr, None)
 
 
 SHELLS = (
@@ -75,12 +82,6 @@ class ReplicaGroup:
         return dist.group.WORLD
 
 
-class DataType(enum.Enum):  # sampling_params' (the values save_outputs compares)
-    IMAGE = "image"
-    VIDEO = "video"
-    ACTION = "action"
-
-
 def enter_sglang() -> None:
     enter_shells("sglang", SHELLS)
 
@@ -89,7 +90,9 @@ def enter_sglang() -> None:
         mod.__dict__.update(attrs)
         sys.modules[name] = mod
 
-    stub("sglang.multimodal_gen.configs.sample.sampling_params", DataType=DataType,
+    # sampling_params' DataType is configs/task_type.py's, SGLang's own (it imports enum only).
+    data_type = importlib.import_module(TASK_TYPE).DataType
+    stub("sglang.multimodal_gen.configs.sample.sampling_params", DataType=data_type,
          SamplingParams=object)  # fmt: skip
     stub("sglang.multimodal_gen.runtime.pipelines_core.request_utils",
          expand_request_outputs=None, normalize_output_seeds=None)  # fmt: skip
@@ -104,7 +107,8 @@ def enter_sglang() -> None:
          set_forward_context=lambda **kw: contextlib.nullcontext())  # fmt: skip
     # envs reads the platform override only here; the real one imports zmq and more.
     override = os.environ.get("SGLANG_DIFFUSION_PLATFORM_OVERRIDE", "cpu")
-    stub("sglang.multimodal_gen.envs", SGLANG_DIFFUSION_PLATFORM_OVERRIDE=override)
+    stub("sglang.multimodal_gen.envs", SGLANG_DIFFUSION_PLATFORM_OVERRIDE=override,
+         SGLANG_DIFFUSION_LOGGING_LEVEL="INFO", SGLANG_DIFFUSION_LOGGING_PREFIX="")
 
 
 def _clip(seed: int, t: int, h: int, w: int, dtype: str, spread: float = 1.0) -> Any:
@@ -136,6 +140,9 @@ def cases() -> dict[str, tuple[list[Any], dict[str, Any]]]:
                                  {"fps": 12, "audio": _tone(6, 24000, 2)}),
         "two-outputs": ([_clip(7, 8, 48, 64, "float32"), _clip(8, 8, 48, 64, "float32")],
                         {"fps": 16, "x264_preset": "veryfast"}),
+        # Two outputs at SGLang's own preset (0.5.21 takes no x264_preset).
+        "pair": ([_clip(14, 6, 32, 48, "float32"), _clip(15, 6, 32, 48, "float16")],
+                 {"fps": 12, "output_compression": 60}),
         "materialized": ([_clip(9, 9, 40, 56, "float32")], {"fps": 8, "frames_out": []}),
         "uint8-tensor": ([(_clip(10, 6, 32, 32, "float32") * 255).to(__import__("torch").uint8)],
                          {"fps": 24}),
@@ -168,7 +175,6 @@ def h3_rank(rank: int, world: int, port: int, video: str, report_path: str) -> N
     """One rank of MiniMax-H3's shared reference decode (``share_across_replicas``)."""
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     enter_sglang()
-    import importlib
 
     import torch.distributed as dist
 
@@ -204,6 +210,7 @@ def h3_rank(rank: int, world: int, port: int, video: str, report_path: str) -> N
 
 
 def main() -> None:
+    use_sites()
     if sys.argv[1] == "h3":
         rank, world, port = (int(a) for a in sys.argv[2:5])
         h3_rank(rank, world, port, sys.argv[5], sys.argv[6])
@@ -212,21 +219,25 @@ def main() -> None:
     # A server's logging: SGLang's processes log at INFO.
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     enter_sglang()
-    import importlib
 
     utils = importlib.import_module(UTILS)
     plugins = importlib.import_module(PLUGINS)
-    originals = {name: _bound(utils, name) for name in HOOKED}
+    originals = {name: _bound(utils, name) for name in HOOKED if _bound(utils, name)}
+    inject_failure(os.environ.get("FRAMEWIRE_TEST_INJECT"), plugins)
     plugins.load_plugins()
     plugins.apply_plugin_hooks()
+    for thread in threading.enumerate():  # framewire's check of the hooks, once they applied
+        if thread.name == "framewire-sglang-check":
+            thread.join(timeout=30)
     import framewire.integrations as integrations
     import framewire.integrations.sglang as fw_sglang
 
     report: dict[str, Any] = {
-        "unchanged": {n: _bound(utils, n) is originals[n] for n in HOOKED},
-        "hooked": fw_sglang.check(),
+        "unchanged": {n: _bound(utils, n) is was for n, was in originals.items()},
+        "hooked": fw_sglang.hooked(),
         "ffmpeg": utils._resolve_ffmpeg_exe(),
         "results": {},
+        "seconds": {},
     }
     every = cases()
     if "streamed" in names:  # CPU frames: SGLang's own open says no (None) to them
@@ -236,18 +247,21 @@ def main() -> None:
         report["streamed-cpu"] = streamed(utils, out / "streamed-cpu.mp4", torch.device("cpu"))
         # Only the device check reads the device: a stand-in that says "cuda" lets the
         # rest of the route run on CPU frames (their transport is the host's, not IPC).
-        if report["hooked"]["CudaVideoEncoder.open"]:
+        if report["hooked"].get("CudaVideoEncoder.open"):
             cuda = types.SimpleNamespace(type="cuda")
             report["streamed"] = streamed(utils, out / "streamed.mp4", cuda)
     for name in names:
         outputs, kw = every[name]
         paths = [out / f"{name}-{i}.mp4" for i in range(len(outputs))]
+        started = time.monotonic()
         try:
-            utils.save_outputs(outputs, DataType.VIDEO, kw.pop("fps"), True,
+            video = importlib.import_module(TASK_TYPE).DataType.VIDEO
+            utils.save_outputs(outputs, video, kw.pop("fps"), True,
                                lambda i, paths=paths: str(paths[i]), **kw)  # fmt: skip
             report["results"][name] = [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
         except Exception as exc:
             report["results"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        report["seconds"][name] = time.monotonic() - started
     report["counts"] = integrations.counts()
     print(json.dumps(report))
 

@@ -1,6 +1,7 @@
-"""Run in vLLM-omni's own environment (tests/support/engine_site.py): vLLM-omni 0.30.0's
-plugin loader and its chunked pre-encode (``ChunkedVideoMP4Session``) on cases named
-here; prints the sha256 of each MP4 it returns.
+"""Run in vLLM-omni's own environment (tests/support/engine_site.py): vLLM-omni's own
+plugin loader (0.26.0 to 0.30.0), its chunked pre-encode (``ChunkedVideoMP4Session``,
+0.30 on) and its one-shot ``_encode_video_bytes`` on cases named here; prints the
+sha256 of each MP4 they return.
 
 ``python -m tests.support.engine_vllm_omni CASE...``. vLLM itself is not installed (its
 wheel is a GPU runtime): ``vllm.envs`` (``VLLM_PLUGINS``), ``vllm.logger`` and
@@ -16,11 +17,13 @@ import json
 import logging
 import os
 import sys
+import time
 import types
 from importlib.metadata import entry_points
 from typing import Any
 
-from tests.support.engine_site import enter_shells
+from tests.support.engine_faults import inject_failure
+from tests.support.engine_site import enter_shells, use_sites
 
 SHELLS = ("vllm_omni", "vllm_omni.diffusion", "vllm_omni.diffusion.models",
           "vllm_omni.diffusion.utils", "vllm_omni.entrypoints", "vllm_omni.entrypoints.openai",
@@ -169,46 +172,62 @@ def byte_cases() -> dict[str, tuple[Any, dict[str, Any]]]:
 
 
 def main() -> None:
+    use_sites()
     names = sys.argv[1:]
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     enter_vllm_omni()
     import importlib
 
     media = importlib.import_module(MEDIA)
-    chunked = importlib.import_module(CHUNKED)
-    original = media.ChunkedMP4Encoder
+    api = importlib.import_module(API)
+    # 0.30 on: the chunked pre-encode (0.26 and 0.28 have neither module nor class).
+    chunked = importlib.import_module(CHUNKED) if hasattr(media, "ChunkedMP4Encoder") else None
+    originals = {"bytes": api._encode_video_bytes}
+    if chunked is not None:
+        originals |= {"media": media.ChunkedMP4Encoder, "chunked": chunked.ChunkedMP4Encoder}
+    inject_failure(os.environ.get("FRAMEWIRE_TEST_INJECT"))
     plugins = importlib.import_module("vllm_omni.plugins")
     plugins.load_omni_general_plugins()
     import framewire.integrations as integrations
+    import framewire.integrations.vllm_omni as fw_vllm_omni
 
+    now = {"bytes": api._encode_video_bytes}
+    if chunked is not None:
+        now |= {"media": media.ChunkedMP4Encoder, "chunked": chunked.ChunkedMP4Encoder}
     report: dict[str, Any] = {
-        "unchanged": [m.ChunkedMP4Encoder is original for m in (media, chunked)],
+        "unchanged": {k: now[k] is v for k, v in originals.items()},
+        "hooked": fw_vllm_omni.hooked(),
         "results": {},
+        "seconds": {},
     }
-    api = importlib.import_module(API)
-    report["unchanged"].append(not hasattr(api._encode_video_bytes, "__wrapped__"))
-    for name, (video, kw) in byte_cases().items():
-        if name in names:
-            names.remove(name)
-            try:
-                digest = hashlib.sha256(api._encode_video_bytes(video, **kw)).hexdigest()
-                report["results"][name] = [digest]
-            except Exception as exc:
-                report["results"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-    every = cases()
+    every = {**byte_cases(), **cases()}
     for name in names:
-        chunks, kw = every[name]
-        session = chunked.ChunkedVideoMP4Session(**kw)
+        video, kw = every[name]
+        started = time.monotonic()
         try:
-            for chunk in chunks:
-                session.push(chunk)
-            videos = session.finish()
+            if name.startswith("bytes-"):
+                videos = [api._encode_video_bytes(video, **kw)]
+            else:
+                assert chunked is not None, f"{name}: no chunked pre-encode in this version"
+                videos = chunked_session(chunked, video, kw)
             report["results"][name] = [hashlib.sha256(v).hexdigest() for v in videos]
         except Exception as exc:
-            session.abort()
             report["results"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        report["seconds"][name] = time.monotonic() - started
     report["counts"] = integrations.counts()
     print(json.dumps(report))
+
+
+def chunked_session(chunked: Any, chunks: list[Any], kw: dict[str, Any]) -> list[bytes]:
+    """vLLM-omni's ChunkedVideoMP4Session fed ``chunks``: one MP4 per batch entry."""
+    session = chunked.ChunkedVideoMP4Session(**kw)
+    try:
+        for chunk in chunks:
+            session.push(chunk)
+        return list(session.finish())
+    except BaseException:
+        session.abort()
+        raise
 
 
 if __name__ == "__main__":

@@ -1,0 +1,201 @@
+"""The process's client of the worker: made from the environment, bounded in how long
+it waits for the worker, and holding the worker to the files it says it wrote.
+
+``FRAMEWIRE_URL`` and ``FRAMEWIRE_TOKEN`` name the worker. One client per process, made
+at the first routed save and made again in a forked child (a client's connections and
+fd socket are its parent's). It never encodes locally unless FRAMEWIRE_LOCAL_FALLBACK=1:
+with no worker the engine's own function runs, with its own bytes and dependencies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+import numpy as np
+from framewire.client import Client, FramewireError, OutputResult
+from framewire.integrations._switch import Declined
+
+INFO_TTL_S = 30.0  # the worker's roots, asked again after this long (or a restart)
+TIMEOUT_ENV = "FRAMEWIRE_INTEGRATION_TIMEOUT_S"
+# How long a routed save waits for any answer of the worker (a chunk read, the finish):
+# longer than the worker's own bound on an ffmpeg that makes no progress (60 s), so a
+# worker that is alive says what went wrong first.
+DEFAULT_TIMEOUT_S = 90.0
+CHUNK_FRAMES = 8  # frames of a caller's list stacked at a time
+CHUNK_BYTES = 64 << 20  # a tensor's frames handed over at a time
+
+
+class Mismatch(Exception):
+    """The worker said it wrote an output that is not there, or not as it said."""
+
+
+class Silent(Exception):
+    """The worker did not answer within the bound a moment ago: not asked again yet."""
+
+
+def timeout_s() -> float:
+    try:
+        value = float(os.environ.get(TIMEOUT_ENV, "") or DEFAULT_TIMEOUT_S)
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+    return value if value > 0 else DEFAULT_TIMEOUT_S
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` came of the worker not answering within the bound."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # a cause chain: stream_lost <- unavailable <- httpx's timeout
+        if seen is None:
+            return False
+        if isinstance(seen, httpx.TimeoutException | TimeoutError):  # HTTP, the fd socket
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+class Worker:
+    """The process's client of the worker, and what the worker lets it write."""
+
+    def __init__(self) -> None:
+        self._made_for: tuple[int, str, str | None, bool, float] | None = None
+        self._client: Client | None = None
+        self._roots: list[str] = []
+        self._roots_at = -INFO_TTL_S
+        self._silent_until: dict[str, float] = {}  # by url
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def url() -> str:
+        return os.environ.get("FRAMEWIRE_URL") or "http://127.0.0.1:7700"
+
+    def client(self) -> Client:
+        """The client (the same one until the process forks or the settings change);
+        :class:`Silent` while a worker that timed out is left alone."""
+        url = self.url()
+        if time.monotonic() < self._silent_until.get(url, 0.0):
+            raise Silent(f"the worker did not answer within {timeout_s():g} s a moment ago")
+        token = os.environ.get("FRAMEWIRE_TOKEN") or None
+        bound = timeout_s()
+        wanted = (os.getpid(), url, token, self.local, bound)
+        with self._lock:
+            if self._client is None or self._made_for != wanted:
+                # A forked child drops its parent's client without closing it: closing
+                # would close the parent's fd socket under it.
+                timeout = httpx.Timeout(bound, connect=min(bound, 10.0))
+                self._client = Client(url, token=token, timeout=timeout, local_fallback=self.local)
+                self._made_for, self._roots_at = wanted, -INFO_TTL_S
+            return self._client
+
+    def went_silent(self) -> None:
+        """The worker let a save wait past the bound: the next saves for as long again
+        run the engine's own function without waiting on it."""
+        self._silent_until[self.url()] = time.monotonic() + timeout_s()
+
+    @property
+    def local(self) -> bool:
+        """FRAMEWIRE_LOCAL_FALLBACK=1: with no worker, framewire encodes in this process
+        (its local route, with the engine's own encoder, asked by identity as from a
+        worker) instead of running the engine's function."""
+        return os.environ.get("FRAMEWIRE_LOCAL_FALLBACK", "") == "1"
+
+    def output_roots(self) -> list[str]:
+        """The worker's absolute output roots (asked again every INFO_TTL_S)."""
+        client = self.client()
+        if time.monotonic() - self._roots_at >= INFO_TTL_S:
+            info = client.info()
+            roots = [str(r) for r in info.get("output_roots", [])]
+            self._roots = [os.path.realpath(r) for r in roots if os.path.isabs(r)]
+            self._roots_at = time.monotonic()
+        return self._roots
+
+    def target(self, path: str | os.PathLike[str]) -> str:
+        """``path`` made absolute as the engine would open it (from this process's working
+        directory); Declined unless it lies under one of the worker's output roots."""
+        absolute = os.path.abspath(os.fspath(path))
+        real = os.path.realpath(absolute)
+        try:
+            roots = self.output_roots()
+        except FramewireError:
+            if self.local:
+                return absolute  # no worker to ask: the local route writes where the engine would
+            raise
+        for root in roots:
+            if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+                return absolute
+        raise Declined("the path is outside the worker's output roots")
+
+
+WORKER = Worker()
+
+
+def checked(target: str, result: OutputResult) -> OutputResult:
+    """``result`` once the output it names is as the worker said: the file at ``target``
+    (the bytes it sent back, for a ``memory://`` output) of its size and sha256."""
+    if target.startswith("memory://"):
+        data = result.data
+        if data is None or len(data) != result.bytes:
+            raise Mismatch("the worker sent back other bytes than it encoded")
+        if hashlib.sha256(data).hexdigest() != result.sha256:
+            raise Mismatch("the bytes the worker sent back do not have its sha256")
+        return result
+    digest = hashlib.sha256()
+    try:
+        with open(target, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            while block := f.read(1 << 20):
+                digest.update(block)
+    except OSError as exc:
+        raise Mismatch(f"the worker's file is not at the path ({exc.strerror})") from None
+    if size != result.bytes or digest.hexdigest() != result.sha256:
+        raise Mismatch("the file at the path is not the one the worker reported")
+    return result
+
+
+def save_tensors(
+    targets: Sequence[str],
+    videos: Sequence[Any],
+    options: dict[str, Any],
+    audios: Sequence[Any] | None = None,
+) -> list[OutputResult]:
+    """(3, T, H, W) tensors to ``targets``, each through a stream session CHUNK_BYTES at a
+    time (so every answer of the worker comes within the bound, and this process never
+    holds a copy of a clip), the outputs side by side under the worker's admission;
+    each output checked."""
+    client = WORKER.client()
+    audios = list(audios) if audios is not None else [options.get("audio")] * len(videos)
+    rest = {k: v for k, v in options.items() if k != "audio"}
+    with contextlib.ExitStack() as stack:
+        writers = [
+            stack.enter_context(client.open_video(t, layout="CTHW", audio=a, **rest))
+            for t, a in zip(targets, audios, strict=True)
+        ]
+        step = min(max(1, CHUNK_BYTES // (v[:, 0].numel() * v.element_size())) for v in videos)
+        for t0 in range(0, max(int(v.shape[1]) for v in videos), step):  # round robin
+            for writer, video in zip(writers, videos, strict=True):
+                if t0 < video.shape[1]:
+                    writer.write(video[:, t0 : t0 + step])
+        results = [w.close() for w in writers]
+    return [checked(t, r) for t, r in zip(targets, results, strict=True)]
+
+
+def write_frames(
+    target: str,
+    frames: Sequence[Any],
+    convert: Callable[[Any], np.ndarray] = np.asarray,
+    **options: Any,
+) -> OutputResult:
+    """A list of (H, W, 3) frames to ``target`` through a stream session, CHUNK_FRAMES
+    at a time: the list is never stacked whole (the bytes are save_video's of the stack);
+    the output checked."""
+    with WORKER.client().open_video(target, layout="THWC", **options) as writer:
+        for t0 in range(0, len(frames), CHUNK_FRAMES):
+            writer.write(np.stack([convert(f) for f in frames[t0 : t0 + CHUNK_FRAMES]]))
+    assert writer.result is not None
+    return checked(target, writer.result)
