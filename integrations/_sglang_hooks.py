@@ -18,11 +18,12 @@ import shutil
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 from framewire.client import OutputResult, ffmpeg_identity
 from framewire.client.distributed import decode_reference_shared
+from framewire.client.wire import Preset
 from framewire.integrations._route import failed, route
 from framewire.integrations._switch import Declined
 from framewire.integrations._worker import WORKER, checked, save_tensors, write_frames
@@ -33,18 +34,7 @@ H3_REFERENCE = (
     ".minimax_h3.reference_encoding"
 )
 PARALLEL_STATE = "sglang.multimodal_gen.runtime.distributed.parallel_state"
-PRESETS = (
-    "ultrafast",
-    "superfast",
-    "veryfast",
-    "faster",
-    "fast",
-    "medium",
-    "slow",
-    "slower",
-    "veryslow",
-    "placebo",
-)
+PRESETS = get_args(Preset)  # x264's, as the worker takes them
 FLOATS = ("torch.float32", "torch.float16", "torch.bfloat16")
 log = logging.getLogger("framewire.integrations")
 

@@ -51,6 +51,7 @@ WIRE_API = [
     "MIN_SAMPLE_RATE", "AudioDType", "AudioInfo", "AudioSource", "CudaIpcSource", "DType",
     "DecodeRequest", "EncodeOptions", "EncodeRequest", "EncodeResponse", "ErrorInfo",
     "FdRegister", "FdReply", "FdUnregister", "Layout", "MediaInfo", "OutputResult", "OutputSpec",
+    "Preset",
     "ProbeRequest", "ProbeResponse", "Profile", "RawHandle", "RegionAudio", "RegionSource",
     "RegisterCudaRegion", "RegisterSystemRegion", "ShmAudio", "ShmSource", "Source",
     "StreamChunk", "StreamChunkAck", "StreamOpen", "StreamOpened", "StreamState", "Timings",
