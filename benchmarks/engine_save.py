@@ -5,8 +5,9 @@
 Makes the clip first (not timed, not counted), saves a tiny clip once to warm the
 process up as a serving engine is (imports, the client's connection, the encoder's
 identity: paid once per process, not per save), then runs the engine's own save
-function once (SGLang's ``save_outputs``, vLLM-omni's ``ChunkedVideoMP4Session``,
-diffusers' ``export_to_video``; framewire's integration on or off as the
+function once (SGLang's ``save_outputs``, vLLM-omni's ``ChunkedVideoMP4Session`` and
+its one-shot ``_encode_video_bytes``, diffusers' ``export_to_video``; framewire's
+integration on or off as the
 environment says) and prints one JSON line: wall seconds, the process's peak
 resident memory above its level before the save (VmHWM, reset first), sha256.
 """
@@ -75,6 +76,22 @@ def _vllm_omni(clip: Any, out: Path) -> None:
     _timed(save, out)
 
 
+def _vllm_omni_bytes(clip: Any, out: Path) -> None:
+    from tests.support.engine_vllm_omni import API, enter_vllm_omni
+
+    if "vllm" not in sys.modules:
+        enter_vllm_omni()
+    importlib.import_module("vllm_omni.plugins").load_omni_general_plugins()
+    api = importlib.import_module(API)
+    frames = clip.permute(1, 2, 3, 0).contiguous().numpy()  # (T, H, W, 3) float32 in [0, 1]
+    options = {"preset": "ultrafast", "threads": "0"}  # its serving default
+
+    def save() -> None:
+        out.write_bytes(api._encode_video_bytes(frames, fps=24, video_codec_options=options))
+
+    _timed(save, out)
+
+
 def _diffusers(clip: Any, out: Path) -> None:
     frames = list(clip.permute(1, 2, 3, 0).contiguous().numpy())  # a pipeline's np output
     if enabled("diffusers"):  # the drop-in: the import is the opt-in
@@ -106,7 +123,8 @@ def _timed(save: Any, out: Path) -> None:
 def main() -> None:
     engine, out = sys.argv[1], Path(sys.argv[2])
     frames, width, height = (int(a) for a in sys.argv[3:6])
-    save = {"sglang": _sglang, "vllm-omni": _vllm_omni, "diffusers": _diffusers}[engine]
+    save = {"sglang": _sglang, "vllm-omni": _vllm_omni, "vllm-omni-bytes": _vllm_omni_bytes,
+            "diffusers": _diffusers}[engine]  # fmt: skip
     clip = _clip(frames, width, height)
     warm = out.with_name("warm-" + out.name)
     save(_clip(8, 64, 48), warm)

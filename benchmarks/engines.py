@@ -10,9 +10,10 @@ that has imported torch and numpy, PIL, httpx... in the engine's environment:
 tests/support/zygote.py; FRAMEWIRE_TEST_FORK=0 starts each afresh), on a float32 clip
 made before the timing:
 
-  SGLang      save_outputs of a CPU (3, T, H, W) tensor (the engine materializes it)
-  vLLM-omni   ChunkedVideoMP4Session, 8-frame chunks, ultrafast, threads 0
-  diffusers   export_to_video of T float32 (H, W, 3) frames (the drop-in when on)
+  SGLang            save_outputs of a CPU (3, T, H, W) tensor (the engine materializes it)
+  vLLM-omni         ChunkedVideoMP4Session, 8-frame chunks, ultrafast, threads 0
+  vLLM-omni bytes   _encode_video_bytes of (T, H, W, 3) float32 frames, ultrafast, threads 0
+  diffusers         export_to_video of T float32 (H, W, 3) frames (the drop-in when on)
 
 "off": the engine's own code (the plugin installed, not enabled); "on":
 FRAMEWIRE_INTEGRATIONS names it, against one worker holding SGLang's ffmpeg. Figures,
@@ -48,14 +49,16 @@ from tests.support.zygote import torch_zygote  # noqa: E402
 
 SAVE = HERE / "engine_save.py"
 
-ENGINES = ("sglang", "vllm-omni", "diffusers")
+ENGINES = ("sglang", "vllm-omni", "vllm-omni-bytes", "diffusers")
+SITES = {"vllm-omni-bytes": "vllm-omni"}  # a save of another engine's: its site
 
 
 def one(engine: str, on: bool, worker: Any, args: argparse.Namespace, n: int) -> dict[str, Any]:
-    site = engine_site(engine) if engine != "diffusers" else None
+    site = engine_site(SITES.get(engine, engine)) if engine != "diffusers" else None
     extra = {"VLLM_PLUGINS": "framewire"}  # vLLM-omni's own models' plugin needs vLLM
     if on:
-        extra |= {"FRAMEWIRE_INTEGRATIONS": engine, "FRAMEWIRE_URL": worker.uds_url}
+        extra |= {"FRAMEWIRE_INTEGRATIONS": SITES.get(engine, engine),
+                  "FRAMEWIRE_URL": worker.uds_url}  # fmt: skip
     env = engine_env(site, **extra) if site else {**os.environ, **extra}
     out = worker.outputs / f"{engine}-{'on' if on else 'off'}-{n}.mp4"
     given = [engine, str(out), str(args.frames), str(args.width), str(args.height)]

@@ -3,7 +3,7 @@ worker (its encodes yield) and in the ranks' own processes (the engine's save pa
 
     .venv/bin/python benchmarks/ranks.py [--encodes 2] [--frames 48] [--width 320]
         [--height 192] [--ranks N] [--step-ms 20] [--repeat 3] [--alone-s 4] [--probe-s 3]
-        [--settings NAME ...]
+        [--settings NAME ...] [--placement session|service|container]
         [--json OUT]
 
 One rank per CPU of this process's affinity set (or --ranks N): a process looping over
@@ -19,6 +19,13 @@ is over a window:
                  (what every encode ran at before)
   in-process     N processes converting their clip and calling imageio.mimsave (the
                  engine's own save: ffmpeg at the ranks' priority)
+
+``--placement``: where the workers run. ``session`` (the default): in this process's
+session, the ranks' own; ``service``: each in a session of its own, as a service
+manager starts one (with autogroup on, a session is a scheduling group of its own,
+weighed against the ranks' by its niceness alone); ``container``: each in a container
+as compose.yaml runs the worker, and the ranks in another container (podman, root;
+benchmarks/containers.py builds the image once).
 
 Per window: the ranks' mean and p95 step time, the mean over alone's (the ranks' lost
 throughput), and the N encodes' wall, over their wall without ranks (the same N saves
@@ -48,54 +55,20 @@ sys.path.insert(0, str(HERE))
 import harness  # noqa: E402
 from encode import FPS, clip_chunk, imageio_save  # noqa: E402
 from node_ranks import prober, sha256_of  # noqa: E402
+from rank_loop import calibrate, rank  # noqa: E402
 
 SETTINGS = {
     "yield": (),
     "idle policy": ("--encode-sched", "idle"),
     "no yield": ("--encode-nice", "0", "--encode-sched", "normal"),
 }
+PLACEMENTS = {
+    "session": "the ranks' session",
+    "service": "a session of their own",
+    "container": "a container of their own, the ranks in another (podman, compose.yaml's)",
+}
 ALONE_S, PROBE_IDLE_S, RUN_TIMEOUT_S = 4.0, 3.0, 900.0
 GOAL_STEP, GOAL_TINY, GOAL_HEALTH_MS = 1.05, 2.0, 20.0
-
-
-def _work(size: int = 256) -> tuple[Any, Any]:
-    import torch
-
-    torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
-    return torch.rand(size, size, generator=g), torch.rand(size, size, generator=g) / size
-
-
-def _step(a: Any, w: Any, k: int) -> Any:
-    for _ in range(k):
-        a = (a @ w).tanh_()
-    return a
-
-
-def calibrate(step_ms: float) -> int:
-    """Matmuls a step takes to last ``step_ms`` here (measured before anything else runs)."""
-    a, w = _work()
-    _step(a, w, 50)  # warm
-    t0 = time.perf_counter()
-    _step(a, w, 200)
-    per = (time.perf_counter() - t0) / 200
-    return max(1, round(step_ms / 1e3 / per))
-
-
-def rank(k: int, conn: Connection) -> None:
-    """Steps until told to stop, then sends (end, seconds) of each step."""
-    a, w = _work()
-    ends: list[float] = []
-    took: list[float] = []
-    conn.send("started")
-    while not conn.poll():
-        t0 = time.monotonic()
-        a = _step(a, w, k)
-        t1 = time.monotonic()
-        ends.append(t1)
-        took.append(t1 - t0)
-    conn.recv()
-    conn.send((ends, took))
 
 
 def saver(index: int, spec: dict[str, Any], conn: Connection) -> None:
@@ -185,6 +158,25 @@ def probed(ctx: Any, worker: Any, during: Any, idle_s: float) -> dict[str, list[
         proc.join(30)
 
 
+def start_ranks(ctx: Any, n: int, k: int) -> Any:
+    """``n`` rank processes of ``k`` matmuls a step, started and stepping; a function that
+    stops them and returns each rank's (ends, seconds)."""
+    conns = []
+    for _ in range(n):
+        mine, theirs = ctx.Pipe()
+        ctx.Process(target=rank, args=(k, theirs), daemon=True).start()
+        conns.append(mine)
+    for conn in conns:
+        assert conn.recv() == "started"
+
+    def stop() -> list[Any]:
+        for conn in conns:
+            conn.send("stop")
+        return [conn.recv() for conn in conns]
+
+    return stop
+
+
 def window(ranks: list[tuple[list[float], list[float]]], t0: float, t1: float) -> list[float]:
     """Every rank's step times (ms) that ended within [t0, t1]."""
     return [d * 1e3 for ends, took in ranks
@@ -204,6 +196,9 @@ def main() -> int:
     ap.add_argument("--alone-s", type=float, default=ALONE_S, help="each window of the ranks alone")
     ap.add_argument("--probe-s", type=float, default=PROBE_IDLE_S,
                     help="each probe without saves (idle host, ranks alone)")  # fmt: skip
+    ap.add_argument(
+        "--placement", choices=tuple(PLACEMENTS), default="session", help="where the workers run"
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -218,9 +213,27 @@ def main() -> int:
             "threads": x264_auto_threads(args.height)}  # fmt: skip
     windows: list[dict[str, Any]] = []
     probes: dict[str, list[dict[str, list[float]]]] = {}
+    containers = None
+    if args.placement == "container":
+        from containers import WORKER_UID, Containers, cpu_weight
+
+        containers = Containers()
+        os.environ["FRAMEWIRE_WORKER_UID"] = str(WORKER_UID)  # the savers' and prober's clients
+    applied: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        workers = {name: start_worker(Path(tmp) / name.replace(" ", "-"), *flags, yielding=True)
-                   for name, flags in SETTINGS.items() if name in args.settings}  # fmt: skip
+        workers: dict[str, Any] = {}
+        for name, flags in SETTINGS.items():
+            if name not in args.settings:
+                continue
+            root = Path(tmp) / name.replace(" ", "-")
+            if containers is not None:
+                env = dict(zip(["FRAMEWIRE_" + f[2:].replace("-", "_").upper()
+                                for f in flags[::2]], flags[1::2], strict=True))  # fmt: skip
+                workers[name] = containers.worker(f"framewire-bench-{root.name}", root, env)
+                applied[name] = cpu_weight(containers.podman, workers[name].name)
+            else:
+                new_session = args.placement == "service"
+                workers[name] = start_worker(root, *flags, yielding=True, new_session=new_session)
         first = next(iter(workers.values()))  # where the probes without saves go
         outputs = str(first.outputs)
         savers = Savers(ctx, args.encodes, spec)
@@ -233,13 +246,10 @@ def main() -> int:
                            for _ in range(args.repeat)] for name, w in workers.items()}  # fmt: skip
             bare["in-process"] = [savers.run("imageio", None, outputs)["wall_s"]
                                   for _ in range(args.repeat)]  # fmt: skip
-            conns = []
-            for _ in range(n_ranks):
-                mine, theirs = ctx.Pipe()
-                ctx.Process(target=rank, args=(k, theirs), daemon=True).start()
-                conns.append(mine)
-            for conn in conns:
-                assert conn.recv() == "started"
+            if containers is not None:
+                stop_ranks = containers.ranks(n_ranks, k, Path(tmp))
+            else:
+                stop_ranks = start_ranks(ctx, n_ranks, k)
             time.sleep(2.0)  # the ranks' first steps: imports, caches
             for i in range(args.repeat):
                 for name, w in [*workers.items(), ("in-process", None)]:
@@ -255,13 +265,16 @@ def main() -> int:
             for name, w in workers.items():
                 saves = lambda w=w: savers.run("worker", w, str(w.outputs))  # noqa: E731
                 probes[name] = [probed(ctx, w, saves, args.probe_s)]
-            for conn in conns:
-                conn.send("stop")
-            ranks = [conn.recv() for conn in conns]
+            ranks = stop_ranks()
         finally:
             savers.close()
             for w in workers.values():
                 w.stop()
+            if containers is not None:
+                containers.close()
+    if applied:
+        print("the workers' containers' CPU weight, as applied: "
+              + ", ".join(f"{n} {v}" for n, v in applied.items()), file=sys.stderr)  # fmt: skip
     rows = summarize(windows, ranks, bare)
     same = len({d for w in windows for d in w["sha256"]}) == args.encodes
     report(args, n_ranks, k, rows, probes, same)
@@ -297,7 +310,8 @@ def report(args: argparse.Namespace, n_ranks: int, k: int, rows: list[dict],
            probes: dict[str, list[dict[str, list[float]]]], same: bool) -> None:  # fmt: skip
     print(
         f"{n_ranks} ranks ({k} matmuls a step, {args.step_ms:g} ms alone); {args.encodes} saves of "
-        f"{args.frames} frames {args.width}x{args.height} float32; medians of {args.repeat}"
+        f"{args.frames} frames {args.width}x{args.height} float32; medians of {args.repeat}; "
+        f"the workers in {PLACEMENTS[args.placement]}"
     )
     print(f"{'beside the ranks':>16} {'step mean':>9} {'x alone':>7} {'step p95':>8} "
           f"{'saves wall':>10} {'no ranks':>8} {'x':>6}")  # fmt: skip

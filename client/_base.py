@@ -18,6 +18,8 @@ from framewire.client._calls import (
     per_output,
     unreachable,
 )
+from framewire.client._chunked import chunked
+from framewire.client._chunked import save_plan as chunked_save
 from framewire.client._handover import Handover
 from framewire.client._local import LocalFallback, worker_gone
 from framewire.client._peer import PeerCheck, tls_for
@@ -25,8 +27,10 @@ from framewire.client._plan import Plan, blocking, sent
 from framewire.client._sharing import share
 from framewire.client._sharing.audio import shared_audio
 from framewire.client._sharing.fd import FdRegions
+from framewire.client._stream import StreamPlans
 from framewire.core.errors import Unavailable
 from framewire.core.fdsocket import take_output
+from framewire.core.frames import Frames, describe
 from framewire.core.reference import ReferenceFrames, fetch
 from framewire.core.trust import trust_remote as trust_remote_env
 from framewire.core.trust import worker_uids
@@ -155,6 +159,12 @@ class BaseClient(abc.ABC, Generic[H]):
         yield from self._handover_plan()
         return self._handover.regions
 
+    @abc.abstractmethod
+    def _writer(
+        self, path: str | os.PathLike[str], options: dict[str, Any], layout: Layout | str | None
+    ) -> StreamPlans[Any]:
+        """A stream writer of this client's (its twin's kind) for one output."""
+
     def _save_plan(
         self,
         videos: Sequence[Any],
@@ -164,6 +174,14 @@ class BaseClient(abc.ABC, Generic[H]):
     ) -> Plan[list[OutputResult]]:
         if len(videos) != len(paths):
             raise ValueError(f"{len(videos)} videos for {len(paths)} paths")
+        described = _described(videos, layout)
+        if described is not None and chunked(described):  # never a whole copy of the clip
+            audios = per_output(options["audio"], len(paths), "audio")
+            writers = [
+                self._writer(p, options | {"audio": a}, f.layout)
+                for p, f, a in zip(paths, described, audios, strict=True)
+            ]
+            return (yield from chunked_save(writers, described, [os.fspath(p) for p in paths]))
         try:
             yield from self._handover_plan()
             with contextlib.ExitStack() as stack:  # closed here on a failure or a cancellation
@@ -231,6 +249,14 @@ class BaseClient(abc.ABC, Generic[H]):
             timeout=self.fd_timeout,
             worker_uid=self.worker_uid,
         )
+
+
+def _described(videos: Sequence[Any], layout: Layout | str | None) -> list[Frames] | None:
+    """What each video is; None when one is not a video (the save says why, in its turn)."""
+    try:
+        return [describe(v, layout) for v in videos]
+    except (ValueError, TypeError, AttributeError):
+        return None
 
 
 def save_options(

@@ -117,8 +117,18 @@ class Client(BaseClient[httpx.Client], Closing):
         HLS for any player; the file's bytes stay the same."""
         options = save_options(fps, quality, preset, threads, audio, audio_sample_rate,
                                profile, value_range, presign_s, validate, encoder)  # fmt: skip
-        return VideoWriter(self._send, self._regions_plan, self._local, path, options,
-                           layout=layout, live=live)  # fmt: skip
+        return self._writer(path, options, layout, live=live)
+
+    def _writer(
+        self,
+        path: str | os.PathLike[str],
+        options: dict[str, Any],
+        layout: Layout | str | None,
+        live: bool = False,
+    ) -> VideoWriter:
+        return VideoWriter(
+            self._send, self._regions_plan, self._local, path, options, layout=layout, live=live
+        )
 
     def decode_reference(
         self,
@@ -224,8 +234,18 @@ class AsyncClient(BaseClient[httpx.AsyncClient]):
     ) -> AsyncVideoWriter:
         options = save_options(fps, quality, preset, threads, audio, audio_sample_rate,
                                profile, value_range, presign_s, validate, encoder)  # fmt: skip
-        return AsyncVideoWriter(self._send, self._regions_plan, self._local, path, options,
-                                layout=layout, live=live)  # fmt: skip
+        return self._writer(path, options, layout, live=live)
+
+    def _writer(
+        self,
+        path: str | os.PathLike[str],
+        options: dict[str, Any],
+        layout: Layout | str | None,
+        live: bool = False,
+    ) -> AsyncVideoWriter:
+        return AsyncVideoWriter(
+            self._send, self._regions_plan, self._local, path, options, layout=layout, live=live
+        )
 
     @twin(Client.decode_reference)
     async def decode_reference(

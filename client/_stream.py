@@ -89,6 +89,23 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
     def _drop_unsent(self) -> None:
         """Chunks that have not left yet stay here (the session is ending)."""
 
+    def _let_go(self) -> None:
+        """Let go of the session now, without a step (a cancellation): what has not left
+        stays here, the chunk buffers are released, the worker ends the session by its
+        idle bound."""
+        self._drop_unsent()
+        self._in_flight.clear()
+        self._release()
+
+    def _ready(self) -> bool:
+        """Whether a host chunk written now would not wait on the worker: a chunk buffer
+        is free (the worker answered the chunk that last used it)."""
+        return len(self._in_flight) < 2 or self._in_flight[0].done()
+
+    def _all_read(self) -> bool:
+        """Whether the worker has answered every chunk written (or refused one)."""
+        return all(pending.done() for pending in self._in_flight)
+
     def _write_plan(self, frames: Any) -> Plan[None]:
         self._check_open()
         yield from self._settle(wait=False)
@@ -219,6 +236,10 @@ class VideoWriter(StreamPlans[Send]):
     def _drop_unsent(self) -> None:
         for pending in self._in_flight:
             pending.cancel()  # only one that has not started: a request on its way goes on
+
+    def _let_go(self) -> None:
+        super()._let_go()
+        self._sender.shutdown(wait=False, cancel_futures=True)
 
     def write(self, frames: Any) -> None:
         """Hand over the next chunk of frames, in any form ``save_video`` takes."""

@@ -79,6 +79,15 @@ class Frames:
         """(channels, frames, height, width)."""
         return self.layout.dims(self.shape)
 
+    @property
+    def frame_bytes(self) -> int:
+        _, frames, _, _ = self.dims
+        return self.nbytes // max(1, frames)
+
+    def span(self, t0: int, t1: int) -> Any:
+        """Frames ``[t0, t1)`` of the video, a view in its layout (no copy)."""
+        return self.video[:, t0:t1] if self.layout is Layout.CTHW else self.video[t0:t1]
+
 
 def describe(video: Any, layout: Layout | str | None = None) -> Frames:
     """What ``video`` is; raises ValueError for what cannot be a video."""

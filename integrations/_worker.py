@@ -9,7 +9,6 @@ with no worker the engine's own function runs, with its own bytes and dependenci
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import threading
@@ -164,24 +163,27 @@ def save_tensors(
     options: dict[str, Any],
     audios: Sequence[Any] | None = None,
 ) -> list[OutputResult]:
-    """(3, T, H, W) tensors to ``targets``, each through a stream session CHUNK_BYTES at a
-    time (so every answer of the worker comes within the bound, and this process never
-    holds a copy of a clip), the outputs side by side under the worker's admission;
-    each output checked."""
+    """(3, T, H, W) tensors to ``targets``, each output checked. Host tensors in one save:
+    over two chunks, the client hands them over chunk by chunk (never a copy of a clip
+    here), the outputs side by side under the worker's admission. CUDA tensors one output
+    after another, each a stream session fed CHUNK_BYTES at a time over CUDA IPC: every
+    answer of the worker then comes within the bound, however long the clip."""
     client = WORKER.client()
     audios = list(audios) if audios is not None else [options.get("audio")] * len(videos)
     rest = {k: v for k, v in options.items() if k != "audio"}
-    with contextlib.ExitStack() as stack:
-        writers = [
-            stack.enter_context(client.open_video(t, layout="CTHW", audio=a, **rest))
-            for t, a in zip(targets, audios, strict=True)
-        ]
-        step = min(max(1, CHUNK_BYTES // (v[:, 0].numel() * v.element_size())) for v in videos)
-        for t0 in range(0, max(int(v.shape[1]) for v in videos), step):  # round robin
-            for writer, video in zip(writers, videos, strict=True):
-                if t0 < video.shape[1]:
+    if not any(v.device.type == "cuda" for v in videos):
+        results = client.save_videos(
+            list(videos), list(targets), audio=audios, layout="CTHW", **rest
+        )
+    else:
+        results = []
+        for target, video, audio in zip(targets, videos, audios, strict=True):
+            step = max(1, CHUNK_BYTES // (video[:, 0].numel() * video.element_size()))
+            with client.open_video(target, layout="CTHW", audio=audio, **rest) as writer:
+                for t0 in range(0, int(video.shape[1]), step):
                     writer.write(video[:, t0 : t0 + step])
-        results = [w.close() for w in writers]
+            assert writer.result is not None
+            results.append(writer.result)
     return [checked(t, r) for t, r in zip(targets, results, strict=True)]
 
 

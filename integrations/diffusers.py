@@ -84,14 +84,23 @@ def _rate_spelled_alike(fps: float) -> bool:
     return (major, minor) >= (0, 7)
 
 
+def _scaled(frame: np.ndarray) -> np.ndarray:
+    """diffusers' own conversion of a float32 frame, here as there: ``(frame * 255)``
+    cast to uint8 without a clamp (out-of-range values wrap as numpy casts them)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (frame * 255).astype(np.uint8)
+
+
 def _converter(video_frames: Any) -> Any:
-    """How each frame is handed over: float32 arrays as they are (the profile scales them
-    as diffusers does), PIL images as their 8-bit arrays; Declined for anything else."""
+    """How each frame is handed over: float32 arrays scaled to 8 bits as diffusers scales
+    them (a chunk at a time: a quarter of the bytes to hand over, and never more of the
+    clip held here than diffusers holds), PIL images as their 8-bit arrays; Declined for
+    anything else."""
     first = video_frames[0]
     if isinstance(first, np.ndarray):
         if any(not isinstance(f, np.ndarray) or f.dtype != np.float32 for f in video_frames):
             raise Declined("frames that are not float32 arrays")
-        return np.asarray
+        return _scaled
     if type(first).__module__.startswith("PIL."):
         if np.array(first).dtype != np.uint8:
             raise Declined("images that are not 8-bit")

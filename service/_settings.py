@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from framewire.core.fdsocket import runtime_dir
-from framewire.core.media.process import Priority
+from framewire.core.media.priority import Priority
 from framewire.service._access.urls import check_prefix
 from framewire.service._ops.limits import usable_memory
 from pydantic import Field, field_validator
@@ -69,6 +69,8 @@ class Settings(BaseSettings):
     shutdown_grace: float = Field(default=30.0, ge=0)
     # An ffmpeg run (encode, decode) that makes no progress this long is killed.
     stall_timeout_s: float = Field(default=60.0, gt=0)
+    # The vllm-omni profile's PyAV writers kept started ahead (0: each encode starts its own).
+    pyav_spares: int = Field(default=1, ge=0, le=16)
     # A connection (HTTP or fd socket) that does not complete a request's headers (or
     # line), or stops sending a body, for this long is closed.
     idle_timeout_s: float = Field(default=30.0, gt=0)

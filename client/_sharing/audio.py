@@ -6,13 +6,16 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from framewire.client._sharing.fd import FdRegions, Memfd
 from framewire.core.frames import waveform
 from framewire.core.shm import Segment
-from framewire.core.wire import AudioDType, RegionAudio, ShmAudio
+from framewire.core.wire import AudioDType, RegionAudio, ShmAudio, refusal
+from pydantic import BaseModel, ValidationError
+
+T = TypeVar("T", bound=BaseModel)
 
 
 @contextlib.contextmanager
@@ -39,11 +42,20 @@ def shared_audio(
             memfd.write_bytes(raw)
             held = regions.register(memfd.fd, 0, samples.nbytes)
             try:
-                yield RegionAudio(region=held.name, **fields)
+                yield _wire(RegionAudio, region=held.name, **fields)
             finally:
                 with contextlib.suppress(Exception):  # gone with the connection already
                     regions.unregister(held)
         return
     with Segment(samples.nbytes) as segment:
         segment.write_bytes(raw)
-        yield ShmAudio(key=segment.key, **fields)
+        yield _wire(ShmAudio, key=segment.key, **fields)
+
+
+def _wire(model: type[T], **fields: Any) -> T:
+    """The audio's wire description; what the worker would refuse (a sample rate outside
+    its bounds, say) refused here, with the worker's code."""
+    try:
+        return model(**fields)
+    except ValidationError as exc:
+        raise refusal(exc) from None

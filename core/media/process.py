@@ -29,10 +29,10 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from framewire.core.closing import Closing
 from framewire.core.errors import BadRequest, Stalled, Unavailable
+from framewire.core.media.priority import FULL, Priority, lower_priority
 
 STDERR_TAIL = 4096
 POLL_S = 0.1  # how often a blocked send or a wait looks at cancellation and progress
@@ -204,41 +204,6 @@ def _exit_watch(pid: int) -> _ExitWatch | None:
         return None
 
 
-# The scheduling policies an encoder may yield with: ``batch`` weighs as its niceness says
-# but never preempts a thread on waking; ``idle`` weighs least whatever its niceness.
-POLICIES = {"normal": os.SCHED_OTHER, "batch": os.SCHED_BATCH, "idle": os.SCHED_IDLE}
-
-
-@dataclass(frozen=True)
-class Priority:
-    """How a child yields the CPU: niceness added to this process's, and its threads'
-    scheduling policy (a key of POLICIES)."""
-
-    nice: int = 0
-    policy: str = "normal"
-
-    @property
-    def yields(self) -> bool:
-        return self.nice > 0 or self.policy != "normal"
-
-
-FULL = Priority()
-
-
-def lower_priority(pid: int, priority: Priority) -> None:
-    """Give every thread of ``pid`` ``priority`` (Linux keeps both per thread)."""
-    value = min(19, os.getpriority(os.PRIO_PROCESS, 0) + priority.nice)
-    policy = POLICIES[priority.policy]
-    for _ in range(2):  # a thread made during the first pass by one not yet lowered
-        with contextlib.suppress(OSError):  # gone already: its exit is reported
-            for tid in map(int, os.listdir(f"/proc/{pid}/task")):
-                with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PROCESS, tid, value)
-                if policy != os.SCHED_OTHER:
-                    with contextlib.suppress(OSError):  # a sandbox that forbids it
-                        os.sched_setscheduler(tid, policy, os.sched_param(0))
-
-
 class FfmpegProcess(Closing):
     """One ffmpeg child. ``stdin=True``: frames are fed through :attr:`input`.
 
@@ -246,7 +211,9 @@ class FfmpegProcess(Closing):
     ``file_size_limit``: RLIMIT_FSIZE for the child, so the kernel stops an output
     at that size (set right after the start, before ffmpeg has opened anything).
     ``priority``: how the child yields the CPU, set right after the start too: its
-    encoder's threads, made later, inherit it.
+    encoder's threads, made later, inherit it; a yielding child runs in a session, and
+    so a scheduling group, of its own (``new_session`` says otherwise). ``tracked``:
+    among the children a shutdown kills (a child started ahead is, once it ``begin``s).
     """
 
     def __init__(
@@ -260,6 +227,8 @@ class FfmpegProcess(Closing):
         file_size_limit: int | None = None,
         cwd: str | None = None,
         priority: Priority = FULL,
+        new_session: bool | None = None,
+        tracked: bool = True,
     ):
         self.argv = list(argv)
         self.stall_s = stall_s
@@ -275,6 +244,9 @@ class FfmpegProcess(Closing):
                 close_fds=True,
                 pass_fds=tuple(pass_fds),
                 cwd=cwd,
+                # A yielding encoder is a scheduling group of its own (group_nice): the
+                # worker ends it itself, a terminal's signals are not its to get.
+                start_new_session=priority.yields if new_session is None else new_session,
             )
         except OSError as exc:
             self._close_memfds()
@@ -296,8 +268,23 @@ class FfmpegProcess(Closing):
             self.input = PipeWriter(
                 self.proc.stdin.fileno(), watch=self._watch, progressed=self._progressed
             )
+        if tracked:
+            self._track()
+
+    def _track(self) -> None:
         with _running_lock:
             _running.add(self)
+
+    def begin(self, stall_s: float | None, priority: Priority) -> None:
+        """A child started ahead (``tracked=False``, in a session of its own) begins its
+        work: its stall bound and priority from now, and it is one of the running ones
+        a shutdown stops."""
+        self.stall_s = stall_s
+        if priority.yields:
+            lower_priority(self.proc.pid, priority)
+        self._ticks = cpu_ticks(self.proc.pid)
+        self._progressed()
+        self._track()
 
     def _progressed(self) -> None:
         self._progress_at = time.monotonic()

@@ -115,4 +115,5 @@ def _local(args: argparse.Namespace, live: bool) -> tuple[dict[str, Any], float]
             encoded = encoder.encode(source, Path(args.output), params, progress=fed.set)
     finally:
         source.close()
+        encoder.close()
     return dataclasses.asdict(encoded), meter.elapsed_s

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import signal
 import stat
 import threading
 import time
@@ -24,21 +23,19 @@ import torch
 from framewire.core.errors import (
     BadRequest,
     Cancelled,
-    FramewireError,
-    InsufficientStorage,
     MediaError,
     NotFound,
 )
 from framewire.core.media.argv import (
     encode_argv,
     pyav_argv,
-    refused_input,
     x264_auto_threads,
 )
 from framewire.core.media.inputs import InputFile
 from framewire.core.media.process import FfmpegExited, FfmpegProcess
 from framewire.service._convert.convert import chunk_frames, convert_into
 from framewire.service._convert.staging import ChunkWriter, slot_frames
+from framewire.service._encode.children import Children, cut_short, wait_for
 from framewire.service._encode.encoders import Encoders
 from framewire.service._encode.params import EncodeParams, check_geometry, check_params
 from framewire.service._encode.profiles import PYAV_CHILD, profile_writer
@@ -83,8 +80,10 @@ class Encoder:
         fallback: bool = True,
         stall_s: float | None = 60.0,
         encoders: list[str] | None = None,
+        pyav_spares: int = 0,
     ):
         self.encoders = Encoders(ffmpeg, encoders)
+        self.children = Children(pyav_spares)
         self.ffmpeg = self.encoders.default
         self.chunk_bytes = chunk_bytes
         self.fallback = fallback
@@ -98,6 +97,7 @@ class Encoder:
             fallback=settings.fallback,
             stall_s=settings.stall_timeout_s,
             encoders=settings.encoders,
+            pyav_spares=settings.pyav_spares,
         )
 
     def threads_for(self, height: int, params: EncodeParams) -> int:
@@ -353,47 +353,13 @@ class Encoder:
         # /proc/self/fd, so it opens exactly what was judged.
         fds = [temp.fd] if params.audio is None else [temp.fd, _audio(params).fd]
         fds += [] if live_fd is None else [live_fd]
-        # cwd "/": a child resolves nothing (an empty PYTHONPATH entry) in the worker's.
-        yields = params.priority
-        return FfmpegProcess(argv, pass_fds=fds, stall_s=self.stall_s, cwd="/", priority=yields)
+        return self.children.start(argv, fds, self.stall_s, params.priority)
+
+    def close(self) -> None:
+        """Let go of what the encoder keeps between encodes (its PyAV writers started ahead)."""
+        self.children.close()
 
 
 def _audio(params: EncodeParams) -> InputFile:
     assert isinstance(params.audio, InputFile), "encode() opens an audio path first"
     return params.audio
-
-
-# What ffmpeg prints when the output cannot grow (ENOSPC, EFBIG, EDQUOT).
-_NO_SPACE = ("No space left on device", "File too large", "Disk quota exceeded")
-
-
-def ffmpeg_failure(ff: FfmpegProcess, rc: int, message: str) -> FramewireError:
-    """What an ffmpeg that exited ``rc`` is answered with (its stderr tail as detail)."""
-    tail = ff.stderr_tail()
-    # SIGXFSZ: ffmpeg ran past RLIMIT_FSIZE without ignoring the signal.
-    if rc == -signal.SIGXFSZ or (rc > 0 and any(s in tail for s in _NO_SPACE)):
-        return InsufficientStorage(
-            f"{message}: the output filesystem is full or the file exceeds a size limit",
-            detail=tail,
-        )
-    if rc > 0 and refused_input(tail):
-        return BadRequest(
-            "the audio input is not an audio file of an allowed format: playlists, concat "
-            "lists and image sequences are not read",
-            code="input_format_refused",
-            detail=tail,
-        )
-    return MediaError(message, code="ffmpeg_killed" if rc < 0 else "ffmpeg_failed", detail=tail)
-
-
-def wait_for(ff: FfmpegProcess, check: Callable[[], None]) -> None:
-    """End of frames: wait for ffmpeg to write its trailer and exit; raise if it failed."""
-    rc = ff.wait(check)
-    if rc != 0:
-        raise ffmpeg_failure(ff, rc, f"ffmpeg exited with status {rc}")
-
-
-def cut_short(ff: FfmpegProcess, check: Callable[[], None]) -> FramewireError:
-    """What an ffmpeg that stopped reading before it had every frame is answered with."""
-    rc = ff.wait(check)
-    return ffmpeg_failure(ff, rc, f"ffmpeg exited ({rc}) before it had every frame")

@@ -18,7 +18,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from framewire.core.errors import BadRequest, Cancelled, FramewireError, Unavailable
-from framewire.core.media.process import FULL, kill_running
+from framewire.core.media.priority import FULL
+from framewire.core.media.process import kill_running
 from framewire.core.wire import EncodeRequest, ErrorInfo, OutputResult
 from framewire.service._access.paths import keep_made, remove_made
 from framewire.service._access.peers import TRUSTED, Access

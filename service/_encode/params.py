@@ -10,7 +10,7 @@ import torch
 from framewire.core.errors import BadRequest
 from framewire.core.media.argv import DEFAULT_PRESETS, PROFILES
 from framewire.core.media.inputs import InputFile
-from framewire.core.media.process import FULL, Priority
+from framewire.core.media.priority import FULL, Priority
 from framewire.core.wire import MAX_FPS, MIN_FPS, DType, profile_misfit
 from framewire.service._convert.convert import TORCH_DTYPES
 from framewire.service._probe import require_pyav

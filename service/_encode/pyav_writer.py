@@ -2,6 +2,13 @@
 
     python -P .../framewire/service/_encode/pyav_writer.py --size WxH --rate N/D --crf C
         [--preset P] --threads T [--audio FD,OFFSET,SAMPLES,CHANNELS,RATE] OUTPUT
+    python -P .../framewire/service/_encode/pyav_writer.py --spare FD
+
+``--spare``: started ahead of its encode (service/_encode/spares.py), its imports done,
+it waits on the Unix socket FD for its job: one message, the arguments above as JSON
+and the descriptors they name (``SCM_RIGHTS``), named again by the numbers they have
+here. Then it runs as above, once: an encode never shares a process, nor anything of
+x264's, with another.
 
 vLLM-omni 0.30 encodes with PyAV, not the ffmpeg command line
 (``media_utils.mux_video_audio_bytes`` and ``ChunkedMP4Encoder``): an mp4
@@ -18,8 +25,12 @@ this PyAV build is the engine's (the MP4 carries libavformat's version).
 from __future__ import annotations
 
 import argparse
+import array
+import json
 import os
+import socket
 import sys
+from collections.abc import Iterator
 from fractions import Fraction
 
 import av
@@ -55,6 +66,26 @@ def _samples(spec: str) -> tuple[np.ndarray, int]:
     return np.ascontiguousarray(flat.reshape(samples, channels).T), rate
 
 
+def _frames(width: int, height: int) -> Iterator[av.VideoFrame]:
+    """Each rgb24 frame on stdin, read straight into one frame's buffer, handed to the
+    encoder as a new frame would be (no timestamp: the encoder numbers it). The encoder
+    converts it to yuv420p before it keeps anything of it, so the buffer is free again
+    when ``encode`` returns; the bytes are those of a new frame each time."""
+    frame = av.VideoFrame(width, height, "rgb24")
+    size = width * height * 3
+    plane = frame.planes[0]
+    if plane.line_size == width * 3:  # rows unpadded: the plane is the frame's bytes
+        target = memoryview(plane).cast("B")[:size]
+        while _read_exactly(0, target):
+            frame.pts = None
+            yield frame
+        return
+    raw = bytearray(size)
+    pixels = np.frombuffer(raw, np.uint8).reshape(height, width, 3)
+    while _read_exactly(0, memoryview(raw)):
+        yield av.VideoFrame.from_ndarray(pixels, format="rgb24")
+
+
 def encode(args: argparse.Namespace) -> None:
     width, height = (int(v) for v in args.size.split("x"))
     container = av.open(args.output, mode="w", format="mp4")
@@ -72,10 +103,8 @@ def encode(args: argparse.Namespace) -> None:
         # the file.
         audio_stream = container.add_stream("aac", rate=rate)
         audio_stream.layout = "stereo" if waveform.shape[0] >= 2 else "mono"
-    frame_bytes = bytearray(width * height * 3)
-    pixels = np.frombuffer(frame_bytes, np.uint8).reshape(height, width, 3)
-    while _read_exactly(0, memoryview(frame_bytes)):
-        for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+    for picture in _frames(width, height):
+        for packet in stream.encode(picture):
             container.mux(packet)
     for packet in stream.encode():
         container.mux(packet)
@@ -89,7 +118,55 @@ def encode(args: argparse.Namespace) -> None:
     container.close()
 
 
+JOB_BYTES = 1 << 16  # the job's JSON
+MAX_FDS = 8
+PROC_FD = "/proc/self/fd/"
+
+
+def _renumbered(argv: list[str], numbers: dict[int, int]) -> list[str]:
+    """``argv`` with each descriptor it names (the output's directory, the audio's
+    memfd) given the number it has here."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg.startswith(PROC_FD):
+            fd, _, rest = arg[len(PROC_FD) :].partition("/")
+            out[i] = f"{PROC_FD}{numbers[int(fd)]}/{rest}"
+        elif i > 0 and out[i - 1] == "--audio":
+            fd, _, rest = arg.partition(",")
+            out[i] = f"{numbers[int(fd)]},{rest}"
+    return out
+
+
+def wait_for_job(control: int) -> list[str] | None:
+    """The job a spare was started for: its arguments (naming the descriptors sent along
+    by the numbers they have here); None when the worker let it go."""
+    sock = socket.socket(fileno=control)
+    fds = array.array("i")
+    try:
+        message, ancillary, _, _ = sock.recvmsg(JOB_BYTES, socket.CMSG_LEN(MAX_FDS * fds.itemsize))
+    finally:
+        sock.close()
+    for level, kind, data in ancillary:
+        if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    if not message:
+        for fd in fds:
+            os.close(fd)
+        return None
+    job = json.loads(message)
+    theirs = [int(n) for n in job["fds"]]
+    if len(theirs) != len(fds):
+        raise SystemExit("the job's descriptors did not all come")
+    return _renumbered([str(a) for a in job["argv"]], dict(zip(theirs, fds, strict=True)))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--spare"]:
+        job = wait_for_job(int(argv[1]))
+        if job is None:
+            return 0
+        argv = job
     parser = argparse.ArgumentParser(prog="pyav_writer")
     parser.add_argument("--size", required=True)
     parser.add_argument("--rate", required=True)

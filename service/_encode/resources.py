@@ -49,3 +49,4 @@ class EncodeResources:
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.uploads.close()
+        self.encoder.close()

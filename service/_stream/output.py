@@ -21,13 +21,8 @@ from pathlib import Path
 
 from framewire.core.closing import Closing
 from framewire.core.media.process import FfmpegExited
-from framewire.service._encode.encoder import (
-    Encoded,
-    EncodeParams,
-    Encoder,
-    cut_short,
-    wait_for,
-)
+from framewire.service._encode.children import cut_short, wait_for
+from framewire.service._encode.encoder import Encoded, EncodeParams, Encoder
 from framewire.service._encode.pump import Pump
 from framewire.service._outputs import atomic_output
 from framewire.service._sources.frames import FrameSource, Geometry

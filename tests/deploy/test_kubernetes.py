@@ -303,3 +303,20 @@ def test_the_daemonset_command_serves_outside_a_container(tmp_path):
             result = client.save_video(make_clip(frames=2), "rank/a.mp4", fps=24)
         assert Path(result.path) == tmp_path / "outputs" / "rank" / "a.mp4"
         assert ping(env["FRAMEWIRE_FD_SOCKET"]).ok
+
+
+def test_the_ranks_keep_their_cores_and_the_worker_runs_beside_them():
+    """Encodes yield across pods by where they run: a Guaranteed rank pod (every container's
+    CPU and memory requests equal to its limits, whole CPUs) gets cores of its own under
+    the kubelet's static CPU manager; the worker, Burstable (a CPU request, no CPU limit),
+    runs on the shared pool, weighed there by its request."""
+    rank = pod(the("Pod", EXAMPLE))
+    for c in rank["containers"]:
+        requests, limits = c["resources"]["requests"], c["resources"]["limits"]
+        for kind in ("cpu", "memory"):
+            assert requests[kind] == limits[kind], (c["name"], kind)
+        assert float(requests["cpu"]).is_integer() and int(requests["cpu"]) >= 1
+    worker = container(WORKER, "worker")["resources"]
+    assert "cpu" in worker["requests"] and "cpu" not in worker.get("limits", {})
+    guide = (REPO / "docs" / "deployment.md").read_text()
+    assert "--cpu-manager-policy=static" in guide and "Guaranteed" in guide

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +27,8 @@ import yaml
 
 from tests.support import REPO
 from tests.support.image import LOCK, lockfile
-from tests.support.podman import Podman, install, pip_build_mounts
+from tests.support.podman import BASE, IMAGE, Podman, build_base, build_image, install
 
-BASE = "localhost/framewire-test-base:bookworm"
-IMAGE = "localhost/framewire:0.1.0"  # compose.yaml's and the manifests' framewire:0.1.0
 REBUILT = "localhost/framewire-test:rebuilt"
 TAGS = (BASE, IMAGE, REBUILT)
 PROJECT = "framewire"  # compose.yaml's name: containers framewire_worker_1, volumes framewire_*
@@ -64,27 +61,12 @@ def image(podman: Podman, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     more after a source change (every layer but framewire's own cached)."""
     work = tmp_path_factory.mktemp("build")
     t0 = time.monotonic()
-    # The base: Debian's python3 (what python:3.11-slim-bookworm gives, from Debian packages).
-    subprocess.run(
-        ["mmdebstrap", "--variant=minbase", "--quiet",
-         "--include=python3,python3-venv,python-is-python3,passwd,ca-certificates",
-         "--aptopt=Acquire::Check-Valid-Until false",
-         "bookworm", str(work / "base.tar"), *debian_sources()],
-        check=True, capture_output=True, timeout=600,
-    )  # fmt: skip
-    podman("import", "--change", 'CMD ["/bin/bash"]', str(work / "base.tar"), BASE, timeout=300)
+    build_base(podman, work)
     timings["base image (mmdebstrap + import)"] = time.monotonic() - t0
-    mounts = pip_build_mounts(work)
-    torch = f"torch=={version('torch').split('+')[0]}"
 
     def build(context: Path, tag: str) -> float:
         t = time.monotonic()
-        podman(
-            "build", "--format", "docker", "--network", "host", "--layers",
-            "-f", str(context / "docker" / "Dockerfile"), "-t", tag,
-            "--build-arg", f"PYTHON_IMAGE={BASE}", "--build-arg", f"TORCH_SPEC={torch}",
-            *mounts, str(context), timeout=1800,
-        )  # fmt: skip
+        build_image(podman, work, context, tag)
         return time.monotonic() - t
 
     timings["build, nothing cached"] = build(REPO, IMAGE)
@@ -103,12 +85,6 @@ def image(podman: Podman, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     timings["image size (MB)"] = size / 1e6
     yield IMAGE
     print("\n" + "\n".join(f"  {k}: {v:,.1f}" for k, v in timings.items()))
-
-
-def debian_sources() -> list[str]:
-    """This machine's apt sources, for mmdebstrap (its mirror is the one this machine uses)."""
-    deb822 = Path("/etc/apt/sources.list.d/debian.sources")
-    return [str(deb822)] if deb822.exists() else []
 
 
 def test_the_image_runs_the_locked_versions_and_the_same_ffmpeg(podman, image):
@@ -136,7 +112,7 @@ def test_an_encoder_in_the_image_may_yield(podman, image):
     can give a child its encoders' default priority (niceness 19, SCHED_BATCH), and the
     idle policy: what the worker does to every big encode's ffmpeg."""
     script = (
-        "import subprocess; from framewire.core.media.process import Priority, lower_priority\n"
+        "import subprocess; from framewire.core.media.priority import Priority, lower_priority\n"
         "for policy in ('batch', 'idle'):\n"
         "    child = subprocess.Popen(['sleep', '30'])\n"
         "    lower_priority(child.pid, Priority(19, policy))\n"
@@ -200,6 +176,16 @@ def test_compose_demo_is_byte_exact_with_the_host(podman, compose, workers):
 def test_the_healthcheck_answers(podman, compose):
     assert podman("healthcheck", "run", WORKER, check=False).returncode == 0
     assert podman.inspect(WORKER, ".Config.Healthcheck.Test")  # the image's, as built
+
+
+def test_the_compose_worker_has_the_least_cpu_weight(podman, compose):
+    """compose.yaml's cpu_shares, as the kernel applies it to the worker's container: its
+    cgroup's CPU weight against the ranks' containers (cgroup v1 shares, or v2 weight)."""
+    shares = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]["worker"]["cpu_shares"]
+    assert podman.inspect(WORKER, ".HostConfig.CpuShares") == str(shares) == "2"
+    read = "cat /sys/fs/cgroup/cpu.weight 2>/dev/null || cat /sys/fs/cgroup/cpu/cpu.shares"
+    applied = podman("exec", WORKER, "sh", "-c", read).stdout.strip()
+    assert applied in ("1", "2"), applied  # v2: shares 2 map to weight 1
 
 
 def test_a_killed_worker_is_restarted_and_the_demo_saves_again(podman, compose):

@@ -20,12 +20,13 @@ from tests.support.worker import Worker, Workers
 pytestmark = pytest.mark.registry
 
 TOKEN = "s3cret-token-of-the-engine"
-CHUNK = r"POST /v1/streams/[^/]+/frames"
+# A whole save's request, or a stream session's chunk, finish or opening.
+SENT = r"POST /v1/(videos:encode|streams/[^/]+/frames)"
 FAULTS = {
-    "silent": Fault("silent", CHUNK),
-    "slow": Fault("slow", CHUNK, delay_s=0.5),
-    "lying": Fault("lying", r"POST /v1/streams/[^/]+/finish"),
-    "hostile": Fault("hostile", r"POST /v1/streams"),
+    "silent": Fault("silent", SENT),
+    "slow": Fault("slow", SENT, delay_s=0.5),
+    "lying": Fault("lying", r"POST /v1/(videos:encode|streams/[^/]+/finish)"),
+    "hostile": Fault("hostile", r"POST /v1/(videos:encode|streams)"),
 }
 BOUND_S = {"silent": 3, "slow": 5, "lying": 5, "hostile": 5}  # FRAMEWIRE_INTEGRATION_TIMEOUT_S
 CASES = {

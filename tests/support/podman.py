@@ -150,3 +150,38 @@ def pip_build_mounts(workdir: Path) -> list[str]:
                 seen.add(top)
                 mounts += ["-v", f"{top}:{top}:ro"]
     return mounts
+
+
+BASE = "localhost/framewire-test-base:bookworm"
+IMAGE = "localhost/framewire:0.1.0"  # compose.yaml's and the manifests' framewire:0.1.0
+
+
+def debian_sources() -> list[str]:
+    """This machine's apt sources, for mmdebstrap (its mirror is the one this machine uses)."""
+    deb822 = Path("/etc/apt/sources.list.d/debian.sources")
+    return [str(deb822)] if deb822.exists() else []
+
+
+def build_base(podman: Podman, work: Path) -> None:
+    """The base: Debian's python3 (what python:3.11-slim-bookworm gives, from Debian packages)."""
+    subprocess.run(
+        ["mmdebstrap", "--variant=minbase", "--quiet",
+         "--include=python3,python3-venv,python-is-python3,passwd,ca-certificates",
+         "--aptopt=Acquire::Check-Valid-Until false",
+         "bookworm", str(work / "base.tar"), *debian_sources()],
+        check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    podman("import", "--change", 'CMD ["/bin/bash"]', str(work / "base.tar"), BASE, timeout=300)
+
+
+def build_image(podman: Podman, work: Path, context: Path, tag: str = IMAGE) -> None:
+    """docker/Dockerfile of ``context`` built on the base, with this machine's torch and pip."""
+    from importlib.metadata import version
+
+    torch = f"torch=={version('torch').split('+')[0]}"
+    podman(
+        "build", "--format", "docker", "--network", "host", "--layers",
+        "-f", str(context / "docker" / "Dockerfile"), "-t", tag,
+        "--build-arg", f"PYTHON_IMAGE={BASE}", "--build-arg", f"TORCH_SPEC={torch}",
+        *pip_build_mounts(work), str(context), timeout=1800,
+    )  # fmt: skip

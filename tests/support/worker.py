@@ -95,7 +95,10 @@ def start_worker(
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
     yielding: bool = False,
+    new_session: bool = False,
 ) -> Worker:
+    """A worker serving ``root``'s outputs and inputs; ``new_session``: started in a session
+    of its own, as a service manager starts it (a fresh interpreter, not a fork)."""
     outputs, inputs = root / "outputs", root / "inputs"
     if not yielding:
         env = NOT_YIELDING | dict(os.environ if env is None else env)
@@ -109,12 +112,13 @@ def start_worker(
         "--log-level", "warning", *args,
     ]  # fmt: skip
     proc: subprocess.Popen[bytes] | Forked
-    forks = zygote() if FORK else None
+    forks = zygote() if FORK and not new_session else None
     if forks is not None and forks.can_start(env):
         proc = forks.start(cmd[4:], log, env, cwd)  # what follows "-m framewire.service"
     else:
         with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                    start_new_session=new_session)  # fmt: skip
     worker = Worker(proc, port, uds, outputs, inputs, log)
     deadline = time.monotonic() + 60
     while True:

@@ -1,18 +1,31 @@
 """Encodes yield to the ranks: by default an encoder's threads run at niceness 19 under
-SCHED_BATCH (the settings choose, or turn it off), the worker's own threads never do, and
-an encode beside a load that takes every core still finishes, with its bytes."""
+SCHED_BATCH (the settings choose, or turn it off), in a session and so an autogroup of
+its own whose niceness is the same (the ranks' session is weighed against it, wherever
+the worker runs), the worker's own threads never do, and an encode beside a load that
+takes every core still finishes, with its bytes."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
 import time
+from pathlib import Path
 
 import pytest
 from framewire.client import Client
 
 from tests.service.encode.test_small_lane import priority_of_threads, running_encoder
 from tests.support.media import make_clip, reference_mp4
+
+
+def session_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+
+
+def autogroup_of(pid: int) -> tuple[str, int]:
+    """The autogroup ``pid`` is in, and that group's niceness (/proc/PID/autogroup)."""
+    name, _, nice = Path(f"/proc/{pid}/autogroup").read_text().split()
+    return name, int(nice)
 
 
 @pytest.mark.parametrize(
@@ -37,6 +50,15 @@ def test_an_encoders_threads_run_at_the_priority_the_settings_say(workers, flags
             ffmpeg = running_encoder(w)
             assert priority_of_threads(ffmpeg) == expected, "every thread, x264's included"
             assert priority_of_threads(w.pid) == {(0, "normal")}  # the worker: its loop first
+            [(nice, _)] = expected
+            if nice == 0:  # not yielding: the worker's session, its group
+                assert session_of(ffmpeg) == session_of(w.pid)
+                assert autogroup_of(ffmpeg) == autogroup_of(w.pid)
+            else:  # a session, a scheduling group, of its own, at the encoder's niceness
+                assert session_of(ffmpeg) == ffmpeg != session_of(w.pid)
+                group, group_nice = autogroup_of(ffmpeg)
+                assert group != autogroup_of(w.pid)[0] and group_nice == nice
+                assert autogroup_of(w.pid)[1] == 0  # the worker's own group keeps its weight
         finally:
             writer.abort()
 

@@ -1,0 +1,72 @@
+"""An encode's child process: started (the PyAV writer from those started ahead), waited
+for, and what its exit status means for the request."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Sequence
+
+from framewire.core.errors import BadRequest, FramewireError, InsufficientStorage, MediaError
+from framewire.core.media.argv import refused_input
+from framewire.core.media.priority import Priority
+from framewire.core.media.process import FfmpegProcess
+from framewire.service._encode.profiles import PYAV_CHILD
+from framewire.service._encode.spares import Spares
+
+
+class Children:
+    """Starts each encode's child: ffmpeg, or the ``vllm-omni`` profile's PyAV writer
+    (one of ``pyav_spares`` started ahead, when there is one)."""
+
+    def __init__(self, pyav_spares: int):
+        self.spares = Spares(PYAV_CHILD, pyav_spares) if pyav_spares > 0 else None
+
+    def start(
+        self, argv: Sequence[str], fds: Sequence[int], stall_s: float | None, priority: Priority
+    ) -> FfmpegProcess:
+        """The child running ``argv``, inheriting ``fds``, frames to be fed on its stdin."""
+        pyav = list(argv[: len(PYAV_CHILD)]) == list(PYAV_CHILD)
+        if pyav and self.spares is not None:
+            return self.spares.start(argv[len(PYAV_CHILD) :], fds, stall_s, priority)
+        # cwd "/": a child resolves nothing (an empty PYTHONPATH entry) in the worker's.
+        return FfmpegProcess(argv, pass_fds=fds, stall_s=stall_s, cwd="/", priority=priority)
+
+    def close(self) -> None:
+        if self.spares is not None:
+            self.spares.close()
+
+
+# What ffmpeg prints when the output cannot grow (ENOSPC, EFBIG, EDQUOT).
+_NO_SPACE = ("No space left on device", "File too large", "Disk quota exceeded")
+
+
+def ffmpeg_failure(ff: FfmpegProcess, rc: int, message: str) -> FramewireError:
+    """What an ffmpeg that exited ``rc`` is answered with (its stderr tail as detail)."""
+    tail = ff.stderr_tail()
+    # SIGXFSZ: ffmpeg ran past RLIMIT_FSIZE without ignoring the signal.
+    if rc == -signal.SIGXFSZ or (rc > 0 and any(s in tail for s in _NO_SPACE)):
+        return InsufficientStorage(
+            f"{message}: the output filesystem is full or the file exceeds a size limit",
+            detail=tail,
+        )
+    if rc > 0 and refused_input(tail):
+        return BadRequest(
+            "the audio input is not an audio file of an allowed format: playlists, concat "
+            "lists and image sequences are not read",
+            code="input_format_refused",
+            detail=tail,
+        )
+    return MediaError(message, code="ffmpeg_killed" if rc < 0 else "ffmpeg_failed", detail=tail)
+
+
+def wait_for(ff: FfmpegProcess, check: Callable[[], None]) -> None:
+    """End of frames: wait for ffmpeg to write its trailer and exit; raise if it failed."""
+    rc = ff.wait(check)
+    if rc != 0:
+        raise ffmpeg_failure(ff, rc, f"ffmpeg exited with status {rc}")
+
+
+def cut_short(ff: FfmpegProcess, check: Callable[[], None]) -> FramewireError:
+    """What an ffmpeg that stopped reading before it had every frame is answered with."""
+    rc = ff.wait(check)
+    return ffmpeg_failure(ff, rc, f"ffmpeg exited ({rc}) before it had every frame")

@@ -1,0 +1,128 @@
+"""PyAV writers started ahead: the ``vllm-omni`` profile's encoder without an interpreter's
+start and PyAV's import on the encode's path (about 0.1 s of an encode that may itself
+take 0.1 s).
+
+A spare is the PyAV child (service/_encode/pyav_writer.py ``--spare``) started before its
+encode, in a session of its own, at full priority and without a stall bound: it waits,
+using no CPU, on its end of a socket pair. An encode takes one, gives it the stall
+bound and priority an encode gets (:meth:`FfmpegProcess.begin`), and sends it its
+arguments and the descriptors they name; a new spare is started at once for the next
+encode. Each spare runs one encode and exits, as a child started afresh does: no
+encode shares a process, nor x264's state, with another. A spare that died, or cannot
+take its job, is let go and the encode starts a child afresh; the worker's shutdown
+lets go of those still waiting (they exit on their socket's end).
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import logging
+import socket
+import threading
+from collections.abc import Sequence
+
+from framewire.core.media.priority import Priority
+from framewire.core.media.process import FfmpegProcess
+
+log = logging.getLogger("framewire.encode")
+
+
+class Spare:
+    """One writer started ahead, and the socket its job goes through."""
+
+    def __init__(self, child: Sequence[str]):
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.process = FfmpegProcess([*child, "--spare", str(theirs.fileno())],
+                                         pass_fds=[theirs.fileno()], stall_s=None, cwd="/",
+                                         new_session=True, tracked=False)  # fmt: skip
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        self.control = mine
+
+    def give(self, args: Sequence[str], fds: Sequence[int]) -> bool:
+        """Send the job; False if the spare cannot take it (it died)."""
+        if self.process.proc.poll() is not None:
+            return False
+        message = json.dumps({"argv": list(args), "fds": list(fds)}).encode()
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+        try:
+            self.control.sendmsg([message], ancillary)
+        except OSError:
+            return False
+        finally:
+            self.control.close()
+        return True
+
+    def discard(self) -> None:
+        """Let it go: its socket's end makes it exit; then it is reaped."""
+        self.control.close()
+        self.process.close()
+
+
+class Spares:
+    """Up to ``count`` writers of ``child`` started ahead; none until the first is asked
+    for (a worker that never writes with PyAV starts none)."""
+
+    def __init__(self, child: Sequence[str], count: int):
+        self.child = list(child)
+        self.count = count
+        self._ready: list[Spare] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def start(
+        self,
+        args: Sequence[str],
+        fds: Sequence[int],
+        stall_s: float | None,
+        priority: Priority,
+    ) -> FfmpegProcess:
+        """The writer for ``args`` (its arguments, after the child's command): a spare given
+        the job, else a child started afresh; either way spares are started for the next."""
+        taken = None
+        with self._lock:
+            if self._ready:
+                taken = self._ready.pop(0)
+        process = None
+        if taken is not None:
+            if taken.give(args, fds):
+                process = taken.process
+                process.begin(stall_s, priority)
+            else:
+                taken.discard()
+        self._refill()
+        if process is not None:
+            return process
+        return FfmpegProcess([*self.child, *args], pass_fds=list(fds), stall_s=stall_s,
+                             cwd="/", priority=priority)  # fmt: skip
+
+    def _refill(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or len(self._ready) >= self.count:
+                    return
+            try:
+                spare = Spare(self.child)
+            except Exception as exc:  # the next encode starts its child afresh and says why
+                log.warning("cannot start a PyAV writer ahead: %s", exc)
+                return
+            with self._lock:
+                if self._closed:
+                    spare.discard()
+                    return
+                self._ready.append(spare)
+
+    def close(self) -> None:
+        """Let go of every spare still waiting (a shutdown)."""
+        with self._lock:
+            self._closed = True
+            spares, self._ready = self._ready, []
+        for spare in spares:
+            with contextlib.suppress(Exception):
+                spare.discard()

@@ -1,0 +1,100 @@
+"""The vllm-omni profile's PyAV writers started ahead: an encode takes one that has its
+imports done, it never shares a process with another encode (x264's state with it), its
+bytes are those of a writer started afresh, and none outlives the worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import av
+import pytest
+from framewire.client import Client, pyav_identity
+
+from tests.support.engines import vllm_omni_quantize, vllm_omni_save
+from tests.support.media import make_clip
+from tests.support.worker import Worker
+
+ENCODER = pyav_identity(av.__version__)
+
+
+def spares(w: Worker) -> list[int]:
+    """The worker's PyAV writers started ahead (waiting for a job, or running the one they
+    took)."""
+    found = []
+    for pid in w.children():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--spare" in argv:
+            found.append(pid)
+    return found
+
+
+def wait_for_spare(w: Worker, other_than: set[int]) -> int:
+    """The writer started ahead, not one of ``other_than``."""
+    deadline = time.monotonic() + 30
+    while not (ready := [p for p in spares(w) if p not in other_than]):
+        assert time.monotonic() < deadline, "no writer was started ahead"
+        time.sleep(0.02)
+    [pid] = ready
+    return pid
+
+
+def write(c: Client, name: str, clip, **kw) -> object:
+    with c.open_video(name, fps=24, profile="vllm-omni", encoder=ENCODER, **kw) as writer:
+        writer.write(clip)
+    return writer.result
+
+
+def test_an_encode_takes_the_writer_started_ahead_and_another_is_started(workers, tmp_path):
+    """medium with threads 0: in one long-lived process PyAV's x264 would not give the same
+    bytes twice; each encode's writer is a process of its own, each the bytes of a writer
+    started afresh (vLLM-omni's own encode of the frames, in this process's first run)."""
+    w = workers.start(yielding=True)
+    clip = make_clip(frames=10, height=96, width=128) * 2 - 1
+    kw = {"preset": "medium", "threads": 0}
+    with Client(w.uds_url, local_fallback=False) as c:
+        first = write(c, "a.mp4", clip, **kw)  # no writer ahead yet: one started for it
+        spare = wait_for_spare(w, set())
+        writer = c.open_video("b.mp4", fps=24, profile="vllm-omni", encoder=ENCODER, **kw)
+        writer.write(clip)
+        writer.flush()  # read by the encoder: it runs
+        # The one started ahead took it, at an encode's priority, and one more waits.
+        assert Path(f"/proc/{spare}/autogroup").read_text().split()[-1] == "19"
+        following = wait_for_spare(w, {spare})
+        second = writer.close()
+        third = write(c, "c.mp4", clip, **kw)
+    want = vllm_omni_save(vllm_omni_quantize(clip, (-1.0, 1.0)), tmp_path / "v.mp4", fps=24,
+                          options={"preset": "medium", "threads": "0"})  # fmt: skip
+    assert first.sha256 == second.sha256 == third.sha256 == want
+    assert following != spare and not Path(f"/proc/{spare}").exists()
+    last = wait_for_spare(w, {spare, following})
+    w.stop()  # the writers still waiting go with the worker
+    assert not Path(f"/proc/{last}").exists()
+
+
+@pytest.mark.parametrize("count", ["0", "2"])
+def test_the_writers_started_ahead_are_a_setting(workers, count):
+    w = workers.start("--pyav-spares", count)
+    clip = make_clip(frames=4, height=48, width=64)
+    with Client(w.uds_url, local_fallback=False) as c:
+        write(c, "a.mp4", clip)
+        time.sleep(0.5)
+        assert len(spares(w)) == int(count)
+
+
+def test_a_writer_that_died_waiting_is_let_go_and_the_encode_starts_its_own(workers):
+    w = workers.start()
+    clip = make_clip(frames=6, height=48, width=64)
+    with Client(w.uds_url, local_fallback=False) as c:
+        first = write(c, "a.mp4", clip)
+        dead = wait_for_spare(w, set())
+        os.kill(dead, signal.SIGKILL)
+        again = write(c, "b.mp4", clip)
+        wait_for_spare(w, {dead})
+    assert again.sha256 == first.sha256
+    assert dead not in w.children()  # reaped
