@@ -106,6 +106,7 @@ class Containers:
             os.chown(root / sub, WORKER_UID, WORKER_UID)
         # The savers here run as root: the fd socket lets them in beside the worker's user.
         environment = compose_env | {"FRAMEWIRE_ALLOWED_UIDS": f"{WORKER_UID},0"} | env
+        self.podman("rm", "--force", name, check=False)  # a run that was cut short left it
         argv = ["run", "-d", "--name", name, "--cpu-shares", str(service["cpu_shares"])]
         argv += ["--init"] if service.get("init") else []
         argv += [f"--env={k}={v}" for k, v in environment.items()]

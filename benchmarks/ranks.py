@@ -83,7 +83,7 @@ def saver(index: int, spec: dict[str, Any], conn: Connection) -> None:
     clients: dict[str, Client] = {}
     conn.send("started")
     while (order := conn.recv()) is not None:
-        how, url, outputs = order
+        how, url, fd_socket, outputs = order
         name = f"s{index}.mp4"
         if how == "imageio":
             out = Path(outputs) / name
@@ -91,7 +91,8 @@ def saver(index: int, spec: dict[str, Any], conn: Connection) -> None:
             digest = sha256_of(out)
         else:
             if url not in clients:
-                clients[url] = Client(url, local_fallback=False, timeout=RUN_TIMEOUT_S)
+                clients[url] = Client(url, fd_socket=fd_socket, local_fallback=False,
+                                      timeout=RUN_TIMEOUT_S)  # fmt: skip
             result = clients[url].save_video(clip, name, fps=FPS, threads=spec["threads"])
             assert result.sha256 is not None, result
             digest = result.sha256
@@ -118,9 +119,11 @@ class Savers:
 
     def run(self, how: str, worker: Any | None, outputs: str) -> dict[str, Any]:
         url = worker.uds_url if worker is not None else None
+        # As this host sees it: a container's worker names its own path in /v1/info.
+        fd_socket = str(worker.fd_socket) if worker is not None else None
         go = time.monotonic()
         for conn in self.conns:
-            conn.send((how, url, outputs))
+            conn.send((how, url, fd_socket, outputs))
         done = []
         for conn in self.conns:
             if not conn.poll(RUN_TIMEOUT_S):
@@ -267,11 +270,13 @@ def main() -> int:
                 probes[name] = [probed(ctx, w, saves, args.probe_s)]
             ranks = stop_ranks()
         finally:
-            savers.close()
-            for w in workers.values():
-                w.stop()
-            if containers is not None:
-                containers.close()
+            try:
+                savers.close()
+            finally:
+                for w in workers.values():
+                    w.stop()
+                if containers is not None:
+                    containers.close()
     if applied:
         print("the workers' containers' CPU weight, as applied: "
               + ", ".join(f"{n} {v}" for n, v in applied.items()), file=sys.stderr)  # fmt: skip
