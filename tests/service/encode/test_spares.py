@@ -88,12 +88,18 @@ def test_the_writers_started_ahead_are_a_setting(workers, count):
 
 
 def test_a_writer_that_died_waiting_is_let_go_and_the_encode_starts_its_own(workers):
+    """(Dead before it is taken: one that dies as it takes its job fails that encode, as a
+    child started afresh that dies does.)"""
     w = workers.start()
     clip = make_clip(frames=6, height=48, width=64)
     with Client(w.uds_url, local_fallback=False) as c:
         first = write(c, "a.mp4", clip)
         dead = wait_for_spare(w, set())
         os.kill(dead, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{dead}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the writer did not die"
+            time.sleep(0.01)
         again = write(c, "b.mp4", clip)
         wait_for_spare(w, {dead})
     assert again.sha256 == first.sha256
