@@ -48,10 +48,11 @@ class Parts:
         # on the kernels' lock instead of loading them in its own window.
         threading.Thread(target=kernels.warm, name="framewire-kernels", daemon=True).start()
         encoder = Encoder.from_settings(settings)
-        encoder.encoders.warm()
         metrics = Metrics()
         metrics.show_limits(settings)
         encoder.encoders.on_refusal = metrics.encoder_unavailable.labels("encode").inc
+        metrics.encoders_lost.set_function(encoder.encoders.lost)
+        metrics.encoders_refused.set_function(lambda: len(encoder.encoders.refused))
         cuda = CudaRuntime.start()
         regions = RegionRegistry(
             settings.shm_prefixes,
@@ -66,12 +67,17 @@ class Parts:
             scheduler.gpu_budget = cuda.gpu_budget(scheduler.gpu_held)
         uploads = Uploads(settings)
         uploads.on_upload = lambda result: metrics.uploads.labels(result).inc()
+        metrics.held_outputs.set_function(uploads.handoffs.held)
+        metrics.held_output_bytes.set_function(uploads.handoffs.held_bytes)
+        uploads.handoffs.on_expired = metrics.held_expired.inc
         prepare = Preparer(settings, regions, uploads, encoder.encoders, cuda)
         resources = EncodeResources(encoder, scheduler, uploads, prepare)
         jobs = EncodeJobs(settings, resources, metrics)
         sessions = Sessions(settings, resources, metrics)
-        decode_ffmpeg = resolve_ffmpeg(settings.decode_ffmpeg) if settings.decode_ffmpeg else None
-        decoder = ReferenceDecoder(settings, decode_ffmpeg or encoder.ffmpeg, metrics)
+        decode = encoder.encoders.binaries[0]  # the default encoder's, unless one is named
+        if settings.decode_ffmpeg:
+            decode = encoder.encoders.held(resolve_ffmpeg(settings.decode_ffmpeg))
+        decoder = ReferenceDecoder(settings, decode, metrics)
         instance = secrets.token_hex(8)
         fd_server = FdServer(
             settings, decoder, regions, metrics, instance, resources.uploads.handoffs

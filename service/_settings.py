@@ -84,10 +84,15 @@ class Settings(BaseSettings):
     stream_idle_s: float = Field(default=60.0, gt=0)
     # Open stream sessions; past it, opening one is a 429.
     max_streams: int = Field(default=64, ge=1)
-    # Of the waiting encodes (FRAMEWIRE_MAX_QUEUE), the open stream sessions and the audio
-    # budget, what one uid may take (root and the worker's own uid are not limited), so
-    # no user can have every rank refused; 1: no share.
+    # Of the waiting encodes (FRAMEWIRE_MAX_QUEUE), the open stream sessions, the audio
+    # budget and the memory outputs held, what one uid may take (root and the worker's own
+    # uid are not limited), so no user can have every rank refused; 1: no share.
     user_share: float = Field(default=0.5, gt=0, le=1)
+    # memory:// outputs held for their callers to take, each until taken or for this long;
+    # how many, and their bytes: a limited caller holds its FRAMEWIRE_USER_SHARE of each.
+    held_output_ttl_s: float = Field(default=120.0, gt=0)
+    max_held_outputs: int = Field(default=64, ge=1)
+    held_output_bytes: int = Field(default=1 << 30, ge=64 << 10)
     # Object URL prefixes outputs may be uploaded to (s3://bucket/prefix/); none: no URLs.
     output_urls: CommaList = Field(default_factory=list)
     # Uploads of this size or more go multipart, in parts of this size (S3: >= 5 MiB).

@@ -217,6 +217,9 @@ def live_output(output: str, fd: int, *, mapped: bool) -> list[str]:
     return [*out, f"{_tee_quoted(output)}|{live}pipe:{fd}"]
 
 
+OTHER_PYAV_EXIT = 78  # sysexits' EX_CONFIG: the writer's PyAV is not the one named
+
+
 def pyav_argv(
     child: Sequence[str],
     *,
@@ -228,6 +231,7 @@ def pyav_argv(
     preset: str | None = "ultrafast",
     threads: int | None = None,
     audio: tuple[int, int, int, int, int] | None = None,
+    pyav_version: str | None = None,
 ) -> list[str]:
     """The child that encodes as vLLM-omni 0.30's PyAV writers do (``vllm-omni``
     profile): rgb24 frames on stdin, ``output`` written by PyAV's mp4 muxer. ``child``:
@@ -236,8 +240,12 @@ def pyav_argv(
     ``threads=None`` is vLLM-omni's ``"0"``: x264's own count, in slices, so the
     bytes follow the machine's CPU count; pin it for the same bytes everywhere.
     ``audio``: (fd, data offset, samples, channels, sample_rate) of float32 samples.
+    ``pyav_version``: the PyAV the request's identity names; a child that imports another
+    (PyAV upgraded under the worker) writes nothing and exits :data:`OTHER_PYAV_EXIT`.
     """
     argv = list(child)
+    if pyav_version is not None:
+        argv += ["--pyav-version", pyav_version]
     argv += ["--size", f"{width}x{height}", "--rate", rate_arg("vllm-omni", fps)]
     argv += ["--crf", str(crf_for("vllm-omni", quality))]
     if preset is not None:

@@ -21,12 +21,15 @@ def ffmpeg_identity(exe: str | os.PathLike[str]) -> str:
     """``ffmpeg-sha256:<hex>`` of the executable at ``exe`` (symlinks followed)."""
     real = os.path.realpath(exe)
     st = os.stat(real)
-    return FFMPEG + _file_sha256(real, st.st_size, st.st_mtime_ns)
+    return FFMPEG + _file_sha256(
+        real, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    )
 
 
-@functools.cache
-def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
-    # Keyed by size and mtime too: a binary replaced in place is hashed again.
+@functools.lru_cache(maxsize=64)
+def _file_sha256(path: str, status: tuple[int, ...]) -> str:
+    # Keyed by the file's status too: another file renamed over it (another inode) or a
+    # write into it (a new ctime, which no one can set back) is hashed again.
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 20):

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 
 from framewire.core.closing import Closing
 from framewire.core.errors import BadRequest, Stalled, Unavailable
+from framewire.core.media.binary import exe_fd
 from framewire.core.media.priority import FULL, Priority, lower_priority
 
 STDERR_TAIL = 4096
@@ -235,6 +236,9 @@ class FfmpegProcess(Closing):
         self._stderr = os.memfd_create("framewire-ffmpeg-stderr", os.MFD_CLOEXEC)
         # stdout, when it is wanted (``-version``), goes to a memfd too, for the same reason.
         self._stdout = os.memfd_create("framewire-ffmpeg-stdout", os.MFD_CLOEXEC) if stdout else -1
+        run_from = exe_fd(self.argv[0])  # a binary run from its descriptor: the child's too
+        if run_from is not None:
+            pass_fds = [*pass_fds, run_from]
         try:
             self.proc = subprocess.Popen(
                 self.argv,
@@ -347,6 +351,12 @@ class FfmpegProcess(Closing):
     def stdout_text(self, limit: int = STDERR_TAIL) -> str:
         """The end of what ffmpeg printed on stdout (``stdout=True``)."""
         return _tail(self._stdout, limit)
+
+    def stdout_bytes(self, limit: int = 1 << 20) -> bytes:
+        """What ffmpeg wrote on stdout (``stdout=True``), its first ``limit`` bytes."""
+        if self._stdout < 0:
+            return b""
+        return os.pread(self._stdout, min(limit, os.fstat(self._stdout).st_size), 0)
 
     def _close_memfds(self) -> None:
         for name in ("_stderr", "_stdout"):

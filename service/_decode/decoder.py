@@ -21,7 +21,7 @@ from pathlib import Path
 
 from framewire.core.decode import Decoded, DecodeRun
 from framewire.core.errors import Conflict, MediaError, NotFound, Overloaded, Unavailable
-from framewire.core.media.identity import ffmpeg_identity
+from framewire.core.media.binary import Binary
 from framewire.core.media.inputs import InputFile
 from framewire.core.wire import DecodeRequest
 from framewire.service._access.paths import open_input, real_roots
@@ -117,9 +117,10 @@ class _Flight:
 
 
 class ReferenceDecoder:
-    def __init__(self, settings: Settings, ffmpeg: str, metrics: Metrics):
+    def __init__(self, settings: Settings, binary: Binary, metrics: Metrics):
         self.settings = settings
-        self.ffmpeg = ffmpeg
+        self.binary = binary  # run from its descriptor (core/media/binary.py)
+        self.ffmpeg = binary.path  # as /v1/info names it
         self.metrics = metrics
         self.cache = DecodeCache(settings.decode_cache_bytes, metrics)
         self.slots = max(1, settings.cpu_slots)
@@ -139,7 +140,7 @@ class ReferenceDecoder:
             return path, source.identity()
 
     def _check_decoder(self, asked: str) -> None:
-        held = ffmpeg_identity(self.ffmpeg)  # hashed once per binary
+        held = self.binary.identity()
         if asked != held:
             self.metrics.encoder_unavailable.labels("decode").inc()
             raise Conflict(
@@ -257,7 +258,7 @@ class ReferenceDecoder:
             if self._closed:
                 raise Unavailable("the worker is shutting down")
             run = DecodeRun(
-                self.ffmpeg,
+                self.binary.exe,
                 source,
                 request,
                 max_bytes=self.settings.max_decode_bytes,

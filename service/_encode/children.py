@@ -6,8 +6,14 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable, Sequence
 
-from framewire.core.errors import BadRequest, FramewireError, InsufficientStorage, MediaError
-from framewire.core.media.argv import refused_input
+from framewire.core.errors import (
+    BadRequest,
+    Conflict,
+    FramewireError,
+    InsufficientStorage,
+    MediaError,
+)
+from framewire.core.media.argv import OTHER_PYAV_EXIT, refused_input
 from framewire.core.media.priority import Priority
 from framewire.core.media.process import FfmpegProcess
 from framewire.service._encode.profiles import PYAV_CHILD
@@ -49,6 +55,8 @@ def ffmpeg_failure(ff: FfmpegProcess, rc: int, message: str) -> FramewireError:
             f"{message}: the output filesystem is full or the file exceeds a size limit",
             detail=tail,
         )
+    if rc == OTHER_PYAV_EXIT:  # PyAV upgraded under the worker: not the build named
+        return Conflict(f"{message}: {tail.strip()}", code="encoder_unavailable", detail=tail)
     if rc > 0 and refused_input(tail):
         return BadRequest(
             "the audio input is not an audio file of an allowed format: playlists, concat "

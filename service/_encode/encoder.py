@@ -250,6 +250,7 @@ class Encoder:
                 **common,  # type: ignore[arg-type]
                 threads=params.threads,
                 audio=audio.pyav_spec() if isinstance(audio, MemoryAudio) else None,
+                pyav_version=self.encoders.pyav_version(),
             )
         return encode_argv(
             params.ffmpeg or self.ffmpeg,
@@ -356,8 +357,10 @@ class Encoder:
         return self.children.start(argv, fds, self.stall_s, params.priority)
 
     def close(self) -> None:
-        """Let go of what the encoder keeps between encodes (its PyAV writers started ahead)."""
+        """Let go of what the encoder keeps between encodes (its PyAV writers started ahead,
+        its binaries' descriptors)."""
         self.children.close()
+        self.encoders.close()
 
 
 def _audio(params: EncodeParams) -> InputFile:

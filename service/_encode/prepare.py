@@ -45,7 +45,7 @@ from framewire.service._sources.audio_store import AudioStore
 from framewire.service._sources.frames import FileSource, FrameSource, Geometry, MappedSource
 from framewire.service._sources.regions import CudaRegion, FdRegion, RegionRegistry, SystemRegion
 from framewire.service._sources.shm import open_shm
-from framewire.service._store.spool import discard, open_spool
+from framewire.service._store.spool import discard
 
 if TYPE_CHECKING:
     from framewire.service._sources.cuda_ipc import CudaRuntime
@@ -261,7 +261,7 @@ class Preparer:
         with ``stack``."""
         roots = self.settings.output_roots
         if spooled:
-            directory = await asyncio.to_thread(open_spool, roots)
+            directory = await asyncio.to_thread(self.uploads.spool.open)
         else:
             directory = await asyncio.to_thread(open_output_dir, path, roots, made, access.peer)
         stack.callback(os.close, directory)

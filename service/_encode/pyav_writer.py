@@ -36,6 +36,9 @@ from fractions import Fraction
 import av
 import numpy as np
 
+# core.media.argv.OTHER_PYAV_EXIT, spelled here: this child imports nothing of framewire.
+OTHER_PYAV_EXIT = 78
+
 
 def _read_exactly(stream: int, buffer: memoryview) -> bool:
     """Fill ``buffer`` from ``stream``; False at a clean end of input before the first byte."""
@@ -174,8 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default=None)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--audio", default=None)
+    parser.add_argument("--pyav-version", default=None)
     parser.add_argument("output")
     args = parser.parse_args(argv)
+    if args.pyav_version not in (None, av.__version__):
+        # Its bytes would be another build's than the identity the request named.
+        print(
+            f"framewire: this writer imports PyAV {av.__version__}, not {args.pyav_version}",
+            file=sys.stderr,
+        )
+        return OTHER_PYAV_EXIT
     try:
         encode(args)
     except av.FFmpegError as exc:

@@ -206,7 +206,8 @@ class FdServer:
             if isinstance(request, FdUnregister):
                 return self._unregister(request, state), None, op
             if isinstance(request, FdTake):
-                fd, size = self.handoffs.take(request.ticket)
+                assert state.peer is not None  # only allowed peers get here
+                fd, size = self.handoffs.take(request.ticket, state.peer.uid)
                 return FdReply(ok=True, byte_size=size), fd, op
             assert isinstance(request, DecodeRequest)
             return await self._decode(request, state.access)

@@ -10,7 +10,6 @@ from framewire.core.media.argv import PROFILES
 from framewire.service._convert import kernels
 from framewire.service._http.deps import WorkerParts
 from framewire.service._ops.limits import cgroup_cpu_limit
-from framewire.service._ops.versions import ffmpeg_runs, ffmpeg_version
 from framewire.service._parts import Parts
 from framewire.service._probe import pyav_build
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -25,9 +24,16 @@ async def healthz() -> dict[str, str]:
 
 
 async def is_ready(parts: Parts) -> bool:
-    """Whether the worker can encode now: its ffmpeg runs (asked on a thread, not cached).
-    ``/readyz`` and Triton's ``/v2/health/ready`` both answer this."""
-    return await anyio.to_thread.run_sync(ffmpeg_runs, parts.encoder.ffmpeg)
+    """Whether the worker can encode now: its default ffmpeg runs. ``/readyz`` and
+    Triton's ``/v2/health/ready`` both answer this, as cheaply as ``/healthz`` while the
+    last answer holds (RUNS_TTL_S); then one ``-version`` runs on a thread for every
+    caller, however many ask."""
+    encoders = parts.encoder.encoders
+    default = encoders.binaries[0]
+    answer = encoders.check(default).fresh()
+    if answer is not None:
+        return answer
+    return await anyio.to_thread.run_sync(encoders.runs, default)
 
 
 @router.get("/readyz")
@@ -39,14 +45,16 @@ async def readyz(parts: WorkerParts) -> JSONResponse:
 @router.get("/v1/info")
 def info(parts: WorkerParts) -> dict[str, object]:
     settings, cuda = parts.settings, parts.cuda
+    # Every encoder a request may name by its identity (docs/engines.md): each ffmpeg
+    # binary (the default first) and PyAV, with the libx264 build each runs, and whether
+    # it still runs.
+    encoders = parts.encoder.encoders.describe()
     return {
         "version": __version__,
         "instance": parts.instance,
-        "ffmpeg": parts.encoder.ffmpeg,
-        "ffmpeg_version": ffmpeg_version(parts.encoder.ffmpeg),
-        # Every encoder a request may name by its identity (docs/engines.md): each ffmpeg
-        # binary (the default first) and PyAV, with the libx264 build each runs.
-        "encoders": parts.encoder.encoders.describe(),
+        "ffmpeg": parts.encoder.encoders.default_path,
+        "ffmpeg_version": encoders[0].get("version"),
+        "encoders": encoders,
         "decode_ffmpeg": parts.fd_server.decoder.ffmpeg,
         "device": "cuda" if cuda else "cpu",
         "cuda": cuda.info() if cuda else None,  # devices and their memory figures
@@ -75,6 +83,7 @@ def info(parts: WorkerParts) -> dict[str, object]:
 @router.get("/metrics")
 def prometheus(parts: WorkerParts) -> PlainTextResponse:
     # Readiness as a scrape sees it (a thread of the pool: this route is sync).
-    parts.metrics.ready.set(1 if ffmpeg_runs(parts.encoder.ffmpeg) else 0)
+    encoders = parts.encoder.encoders
+    parts.metrics.ready.set(1 if encoders.runs(encoders.binaries[0]) else 0)
     registry = parts.metrics.registry
     return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -28,8 +28,8 @@ from framewire.service._stream.hls import (
     Media,
     check_reload,
     complete_segments,
-    media_bytes,
     media_named,
+    media_pieces,
     media_state,
     playlist,
     reload_ready,
@@ -43,6 +43,7 @@ PLAYLIST_TYPE = "application/vnd.apple.mpegurl"
 CORS = {"access-control-allow-origin": "*", "x-content-type-options": "nosniff"}
 MEDIA_MAX_AGE_S = 86_400
 NUMBER = re.compile(r"[0-9]{1,10}")
+MEDIA_SLICE = 64 << 10  # what one media response holds of its own while a reader is slow
 
 
 class HeldResponse(Response):
@@ -55,6 +56,35 @@ class HeldResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+class MediaResponse(Response):
+    """Media sent from the history's own bytes, which every request shares, a slice at a
+    time: the server waits for the connection to take each before the next (its flow
+    control), so a reader that never reads holds a slice, not a copy of the segment.
+    Holds what its request took until it is sent, as :class:`HeldResponse` does."""
+
+    def __init__(self, pieces: list[bytes], release: Callable[[], None], headers: dict[str, str]):
+        self.pieces = pieces
+        self._release = release
+        self.status_code = 200
+        self.media_type = "video/mp4"
+        self.background = None
+        size = sum(len(p) for p in pieces)
+        self.init_headers(headers | {"content-length": str(size)})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+            await send(start)
+            for piece in self.pieces:
+                view = memoryview(piece)
+                for at in range(0, len(view), MEDIA_SLICE):
+                    body = bytes(view[at : at + MEDIA_SLICE])
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self._release()
 
@@ -125,9 +155,9 @@ async def live_media(
             raise NotFound(f"stream {stream_id} has no {name}", code="segment_not_found")
         _, expires = _signed(request, parts, stream_id)
         headers = CORS | {"cache-control": _media_cache(expires)}
-        body = media_bytes(feed.history, media)
+        pieces = media_pieces(feed.history, media)
         release = held.pop_all().close
-    return HeldResponse(body, release, media_type="video/mp4", headers=headers)
+    return MediaResponse(pieces, release, headers)
 
 
 def _media_state(feed: LiveFeed, media: Media) -> str:

@@ -28,7 +28,7 @@ def memfds_open() -> int:
 # The settings exported as framewire_limit{setting}, so that alerts can read a gauge's
 # share of its bound rather than a threshold copied from the defaults.
 LIMITS = ("cpu_slots", "max_queue", "max_streams", "max_viewers", "max_regions",
-          "decode_cache_bytes")  # fmt: skip
+          "decode_cache_bytes", "max_held_outputs", "held_output_bytes")  # fmt: skip
 
 
 class Metrics:
@@ -47,6 +47,16 @@ class Metrics:
             "framewire_store_uploads",
             "Object-store uploads by result: ok, or the error code",
             ["result"],
+        )
+        self.held_outputs = gauge(
+            "framewire_held_outputs", "memory:// outputs held for their callers to take"
+        )
+        self.held_output_bytes = gauge(
+            "framewire_held_output_bytes", "Bytes of the memory:// outputs held"
+        )
+        self.held_expired = counter(
+            "framewire_held_outputs_expired",
+            "memory:// outputs dropped untaken (FRAMEWIRE_HELD_OUTPUT_TTL_S)",
         )
         self.requests = counter(
             "framewire_requests", "HTTP requests by route and status", ["route", "status"]
@@ -123,6 +133,14 @@ class Metrics:
             "framewire_encoder_unavailable",
             "Requests refused for an encoder identity this worker does not hold",
             ["kind"],
+        )
+        self.encoders_refused = gauge(
+            "framewire_encoders_refused",
+            "Encoders left out at the start: their colour check failed (core/media/colours.py)",
+        )
+        self.encoders_lost = gauge(
+            "framewire_encoders_lost",
+            "Encoder binaries held that no longer run (their requests are refused)",
         )
         self.decode_failures = counter("framewire_decode_failures", "Reference decodes that failed")
         self.decode_cache_hits = counter(

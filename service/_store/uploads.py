@@ -25,10 +25,10 @@ from framewire.service._access.urls import judge_url
 from framewire.service._ops.threads import in_thread
 from framewire.service._settings import Settings
 from framewire.service._store.handoff import SCHEME as MEMORY
-from framewire.service._store.handoff import Handoffs, MemoryTarget, parse_memory
+from framewire.service._store.handoff import Handoffs, MemoryTarget, judge_memory
 from framewire.service._store.owners import OwnedUrl, judge_owner
 from framewire.service._store.s3 import S3Store, Uploaded
-from framewire.service._store.spool import discard, spool_path
+from framewire.service._store.spool import Spool, discard
 
 Target = OwnedUrl | MemoryTarget
 
@@ -39,7 +39,14 @@ class Uploads:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.store = S3Store(settings)
-        self.handoffs = Handoffs()  # memory:// outputs, until the caller takes them
+        self.spool = Spool(settings.output_roots)  # where they are encoded first
+        # memory:// outputs, until their callers take them.
+        self.handoffs = Handoffs(
+            settings.held_output_ttl_s,
+            max_held=settings.max_held_outputs,
+            max_bytes=settings.held_output_bytes,
+            per_user=settings.per_user,
+        )
         self.pool = ThreadPoolExecutor(
             max(4, settings.cpu_slots * 2), thread_name_prefix="framewire-upload"
         )
@@ -50,11 +57,12 @@ class Uploads:
         """The object or memory output ``raw`` names, judged for ``access``'s caller (an
         object: by its prefix and its owner), and the spool file it is encoded to first."""
         if raw.startswith(MEMORY):
-            memory = parse_memory(raw)
-            return memory, spool_path(self.settings.output_roots, memory.suffix)
+            memory = judge_memory(raw, access, self.settings)
+            self.handoffs.admit(memory)
+            return memory, self.spool.file(memory.suffix)
         allowed = judge_url(raw, self.settings.output_urls)
         # What is judged here first: a spool that is not the worker's asks no store.
-        spooled = spool_path(self.settings.output_roots, allowed.suffix)
+        spooled = self.spool.file(allowed.suffix)
         try:
             found = self.store.found(allowed)
         except (Unavailable, Stalled):
@@ -106,17 +114,17 @@ class Uploads:
         self, result: OutputResult, spool: int, name: str, url: MemoryTarget
     ) -> OutputResult:
         try:
-            result.handoff, _ = await asyncio.to_thread(self._hold_file, spool, name, url.name)
+            result.handoff, _ = await asyncio.to_thread(self._hold_file, spool, name, url)
         finally:
             await asyncio.to_thread(discard, spool, name)
         result.path = result.url = str(url)
         result.timings.finished_at = time.time()
         return result
 
-    def _hold_file(self, spool: int, name: str, shown: str) -> tuple[str, int]:
+    def _hold_file(self, spool: int, name: str, target: MemoryTarget) -> tuple[str, int]:
         fd = _open_spooled(spool, name)
         try:
-            return self.handoffs.hold(fd, shown)
+            return self.handoffs.hold(fd, target)
         finally:
             os.close(fd)
 
@@ -141,6 +149,7 @@ class Uploads:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.store.close()
         self.handoffs.close()
+        self.spool.close()
 
 
 def _open_spooled(spool: int, name: str) -> int:

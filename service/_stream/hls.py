@@ -176,12 +176,14 @@ def media_state(history: History, media: Media, *, ended: bool) -> str:
     return "wait" if hinted and not ended else "missing"
 
 
-def media_bytes(history: History, media: Media) -> bytes:
+def media_pieces(history: History, media: Media) -> list[bytes]:
+    """What ``media`` is made of: the history's own bytes (shared by every request, never
+    copied: a segment is its fragments, in order)."""
     if media.msn is None:
         assert history.init is not None
-        return history.init
+        return [history.init]
     if media.part is None:
-        return b"".join(f.data for f in history.segments[media.msn])
+        return [f.data for f in history.segments[media.msn]]
     fragment = history.fragment(media.msn, media.part)
     assert fragment is not None
-    return fragment.data
+    return [fragment.data]

@@ -1,4 +1,4 @@
-"""The decode, routes and objects benchmarks run on clips small enough for CI.
+"""The decode, routes, objects and flood benchmarks run on clips small enough for CI.
 
 See tests/support/benchruns.py for what is asserted and what is not."""
 
@@ -33,3 +33,12 @@ def test_objects_benchmark(tmp_path: Path) -> None:
     assert "framewire s" in r.stdout and "16 MiB file" in r.stdout
     assert [row["same"] for row in rows] == [True, True]
     assert rows[1]["bytes"] == 16 << 20
+
+
+def test_flood_benchmark(tmp_path: Path) -> None:
+    r, rows = bench_json(tmp_path, "flood.py", "--frames", "4", "--width", "64", "--height", "48",
+                         "--repeat", "1", "--clients", "2")  # fmt: skip
+    assert [row["condition"] for row in rows] == ["quiet", "healthz", "readiness", "metrics"]
+    assert all(len(row["encode_s"]) == 1 for row in rows)
+    assert all(row["answers_per_s"] > 0 for row in rows[1:])
+    assert "readiness flood / healthz flood:" in r.stdout

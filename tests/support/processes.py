@@ -30,14 +30,23 @@ def _daemon(pid: int) -> bool:
     return comm.startswith("torch_shm_manag") or any(d in cmdline for d in daemons)
 
 
-SPOOL = ".framewire-tmp-spool"  # the worker's upload spool: it stays, its contents may not
+SPOOL = ".framewire-tmp-spool"  # a worker's upload spool is this and "-<pid>-<hex>"
+
+
+def is_spool(path: Path) -> bool:
+    return path.name == SPOOL or path.name.startswith(SPOOL + "-")
+
+
+def spools(root: Path) -> list[Path]:
+    """The upload spools in ``root``: a worker's stays while it runs, its contents may not."""
+    return sorted(p for p in root.iterdir() if is_spool(p))
 
 
 def framewire_temps(root: Path) -> list[Path]:
     return [
         p
         for p in root.rglob("*")
-        if (p.name.startswith(".framewire-tmp-") and p.name != SPOOL) or p.parent.name == SPOOL
+        if (p.name.startswith(".framewire-tmp-") and not is_spool(p)) or is_spool(p.parent)
     ]
 
 

@@ -362,7 +362,10 @@ def _preload(what: str) -> None:
         # What a worker works out once per process, as it starts or on its first /v1/info,
         # kept in per-process caches: PyAV imported, the default ffmpeg's identity (the
         # sha256 of its 170 MB, about 0.4 s of CPU), version and libx264 build, PyAV's.
-        Encoders().describe()
+        # And each encoder's colour check (core/media/colours.py), kept by identity.
+        encoders = Encoders()
+        encoders.describe()
+        encoders.close()  # its descriptors: no fork inherits them
         try:  # the store's client library, which a worker writing object URLs imports
             import boto3  # noqa: F401
         except ImportError:

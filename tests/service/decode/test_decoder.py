@@ -238,6 +238,7 @@ os.write(int(sys.argv[-1].removeprefix("pipe:")), bytes(int(os.environ.get("FAKE
 
 @pytest.fixture
 def slow_decoder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from framewire.core.media.binary import Binary
     from framewire.service._decode.decoder import ReferenceDecoder
     from framewire.service._settings import Settings
 
@@ -250,9 +251,11 @@ def slow_decoder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         (inputs / name).write_bytes(b"stands for a video")
     settings = Settings(input_roots=[str(inputs)], cpu_slots=1, max_queue=0)
     metrics = Metrics()
-    decoder = ReferenceDecoder(settings, str(fake), metrics)
+    binary = Binary(str(fake))
+    decoder = ReferenceDecoder(settings, binary, metrics)
     yield decoder, inputs, monkeypatch
     asyncio.run(decoder.close())
+    binary.close()
 
 
 def _req(path: Path, **kw: object) -> DecodeRequest:

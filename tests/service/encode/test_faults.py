@@ -53,16 +53,18 @@ def test_ffmpeg_executable_missing(tmp_path):
     assert err.value.code == "ffmpeg_missing"
 
 
-def test_ffmpeg_disappears_before_encode(tmp_path):
+def test_ffmpeg_removed_after_the_start_still_runs_the_bytes_it_was_hashed_from(tmp_path):
+    # The worker runs the descriptor it hashed, not the path: an environment removed or
+    # upgraded under it changes nothing an encode writes.
     exe = tmp_path / "ffmpeg"
     shutil.copy(FFMPEG, exe)
     encoder = Encoder(ffmpeg=str(exe))
     exe.unlink()
-    out = tmp_path / "a.mp4"
-    with pytest.raises(Unavailable) as err:
-        encoder.encode(TensorSource(make_clip()), out, EncodeParams(fps=24))
-    assert err.value.code == "ffmpeg_missing"
-    assert_nothing_at(out)
+    clip = make_clip()
+    got = encoder.encode(TensorSource(clip), tmp_path / "a.mp4", EncodeParams(fps=24))
+    want = Encoder().encode(TensorSource(clip), tmp_path / "b.mp4", EncodeParams(fps=24))
+    assert got.sha256 == want.sha256
+    encoder.close()
 
 
 def test_ffmpeg_killed_mid_stream_falls_back_to_same_bytes(tmp_path):

@@ -11,6 +11,7 @@ from framewire.client import BadRequest, Client, NotFound
 from framewire.core.fdsocket import take_output
 
 from tests.support.media import make_clip
+from tests.support.processes import is_spool, spools
 
 
 def test_a_memory_output_is_the_files_bytes_taken_once(worker, tmp_path):
@@ -34,6 +35,5 @@ def test_a_memory_output_is_the_files_bytes_taken_once(worker, tmp_path):
             with pytest.raises(BadRequest) as refused:
                 fw.save_video(np.zeros((2, 16, 16, 3), np.uint8), bad, fps=24)
             assert refused.value.code == "bad_url"
-    spool = worker.outputs / ".framewire-tmp-spool"
-    assert not spool.exists() or list(spool.iterdir()) == []
-    assert sorted(p.name for p in worker.outputs.iterdir() if p.name != spool.name) == ["a.mp4"]
+    assert all(list(spool.iterdir()) == [] for spool in spools(worker.outputs))
+    assert sorted(p.name for p in worker.outputs.iterdir() if not is_spool(p)) == ["a.mp4"]

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from framewire.service._store.spool import SPOOL, spool_path, sweep
+from framewire.service._store.spool import SPOOL, Spool
 
 from tests.support.identity import NOBODY
 
@@ -16,8 +16,10 @@ from tests.support.identity import NOBODY
 def test_a_dead_workers_spool_files_are_swept_and_a_live_ones_kept(tmp_path):
     root = tmp_path / "outputs"
     root.mkdir()
-    mine = spool_path([str(root)], ".mp4")  # makes the spool, mode 0700
-    assert mine.parent == root / SPOOL and (mine.parent.stat().st_mode & 0o777) == 0o700
+    spool = Spool([str(root)])
+    mine = spool.file(".mp4")  # makes the spool, mode 0700, under a name of its own
+    assert mine.parent.name.startswith(f"{SPOOL}-{os.getpid()}-")
+    assert (mine.parent.stat().st_mode & 0o777) == 0o700
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     gone = mine.parent / f"{dead.stdout.strip()}-{'0' * 16}.mp4"
@@ -25,10 +27,42 @@ def test_a_dead_workers_spool_files_are_swept_and_a_live_ones_kept(tmp_path):
     other = mine.parent / "not-ours.mp4"
     for path in (gone, live, other):
         path.write_bytes(b"x")
-    assert sweep([str(root)]) == [gone]
+    # Swept as the next worker (of another pid) would sweep it while this one runs.
+    assert _sweep_as_another(root) == [str(gone)]
     assert not gone.exists() and live.exists() and other.exists()
     live.unlink()
     other.unlink()
+    spool.close()
+    # The spool of a worker that is gone goes too, once empty; an older worker's bare one too.
+    old = root / SPOOL
+    old.mkdir(mode=0o700)
+    pid = _dead_pid()
+    dead = root / f"{SPOOL}-{pid}-{'2' * 16}"
+    dead.mkdir(mode=0o700)
+    (dead / f"{pid}-{'3' * 16}.mp4").write_bytes(b"x")
+    swept = _sweep_as_another(root)
+    assert sorted(swept) == sorted(map(str, [old, dead, dead / f"{pid}-{'3' * 16}.mp4"]))
+    assert [p.name for p in root.iterdir()] == [mine.parent.name]  # the live one's stays
+
+
+def _sweep_as_another(root) -> list[str]:
+    code = "import sys; from framewire.service._store.spool import sweep; "
+    code += "print('\\n'.join(map(str, sweep([sys.argv[1]]))))"
+    done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    return done.stdout.split()
+
+
+def test_a_spool_removed_under_the_worker_is_made_again(tmp_path):
+    spool = Spool([str(tmp_path)])
+    first = spool.file(".mp4").parent
+    first.rmdir()
+    again = spool.file(".mp4").parent
+    assert again != first and again.is_dir()
+    fd = spool.open()
+    assert os.fstat(fd).st_ino == again.stat().st_ino
+    os.close(fd)
+    spool.close()
 
 
 def _dead_pid() -> str:

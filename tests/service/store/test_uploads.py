@@ -40,7 +40,7 @@ from tests.support.objstore import (
     proxy_to,
     store_env,
 )
-from tests.support.processes import SPOOL, framewire_temps
+from tests.support.processes import SPOOL, framewire_temps, spools
 from tests.support.requests import post_raw
 from tests.support.segments import Segments
 from tests.support.worker import Worker, Workers
@@ -434,28 +434,39 @@ def open_base() -> Iterator[Path]:
     shutil.rmtree(base, ignore_errors=True)
 
 
+def _swap(spool: Path, kind: str) -> None:
+    """Another local user who may write the output root: the worker's spool renamed away,
+    theirs put at its name."""
+    os.rename(spool, spool.with_name("moved-away"))
+    _squat(spool, kind)
+
+
 @pytest.mark.parametrize("kind", ["directory", "file", "link"])
-def test_a_spool_made_by_another_user_is_refused_and_left_alone(
-    workers, moto, proxy, segments, open_base, kind
-):
+def test_another_user_cannot_take_the_spools_place(workers, moto, proxy, segments, open_base, kind):
     w = workers.start(*ARGS, root=open_base, env=store_env(proxy.endpoint))
     w.outputs.chmod(0o777)  # another local user may write the output root
-    spool = w.outputs / SPOOL
-    assert as_nobody(_squat, spool, kind) is None
+    squat = w.outputs / SPOOL  # the one name a spool had; now each worker makes its own
+    assert as_nobody(_squat, squat, kind) is None
     for path in (f"s3://{BUCKET}/ok/squat.mp4", "memory://squat.mp4"):
         r, _ = encode(w, segments, path, SMALL)
-        assert r.status_code == 503, r.text
-        assert r.json()["code"] == "spool_not_private"
-    assert spool.lstat().st_uid == NOBODY
-    assert kind != "directory" or list(spool.iterdir()) == []  # nothing of ours went in
-    assert proxy.seen == [] and moto.leftovers(BUCKET) == ([], [])
-    # Once it is gone the worker makes its own, and serves.
-    (spool.rmdir if kind == "directory" else spool.unlink)()
-    r, _ = encode(w, segments, f"s3://{BUCKET}/ok/squat.mp4", SMALL)
-    assert r.status_code == 200, r.text
+        assert r.status_code == 200, r.text
+    [spool] = [p for p in spools(w.outputs) if p != squat]
     st = spool.lstat()
     assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700
-    assert_nothing_left_but(moto, w, ["ok/squat.mp4"])
+    # Swapped once made: the worker reaches its spool through the descriptor it holds.
+    assert as_nobody(_swap, spool, kind) is None
+    r, _ = encode(w, segments, f"s3://{BUCKET}/ok/swapped.mp4", SMALL)
+    assert r.status_code == 200, r.text
+    for theirs in (squat, spool):
+        assert theirs.lstat().st_uid == NOBODY
+        assert kind != "directory" or list(theirs.iterdir()) == []  # nothing of ours went in
+    assert list((w.outputs / "moved-away").iterdir()) == []
+    # Removed while empty: the worker makes another.
+    (w.outputs / "moved-away").rmdir()
+    r, _ = encode(w, segments, f"s3://{BUCKET}/ok/again.mp4", SMALL)
+    assert r.status_code == 200, r.text
+    assert len(spools(w.outputs)) == 3  # theirs at both names, and the worker's new one
+    assert_nothing_left_but(moto, w, ["ok/again.mp4", "ok/squat.mp4", "ok/swapped.mp4"])
 
 
 def assert_nothing_left_but(moto: Moto, w: Worker, keys: list[str]) -> None:
@@ -474,7 +485,8 @@ def test_the_bytes_uploaded_are_the_bytes_encoded_or_nothing_is_stored(
     proxy.plan = lambda m, t, n: "stall" if part_number(t) == 1 else "pass"
     thread, answer = _upload_in_background(w, segments, "ok/changed.mp4")
     _wait_for_part(proxy, 1)
-    [spooled] = (w.outputs / SPOOL).iterdir()
+    [spool] = spools(w.outputs)
+    [spooled] = spool.iterdir()
     assert spooled.stat().st_size > 4 * 1024  # 5 parts or more: 4 go out before part 1 ends
     with open(spooled, "r+b") as f:
         f.seek(-8, os.SEEK_END)

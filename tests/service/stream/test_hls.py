@@ -332,3 +332,45 @@ def test_another_user_without_the_signature_finds_no_playlist(worker, segments):
 
         assert as_user(NOBODY, peek) == [(404, "stream_not_found"), (403, "view_url_invalid")] * 3
         assert h.delete(f"/v1/streams/{sid}").status_code == 204
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_slow_readers_of_a_segment_share_one_copy_of_it(worker, segments):
+    """Thirty readers ask for one large segment and never read: each holds a slice of it
+    at most, not a copy (the segment is sent from the history's own bytes)."""
+    import socket
+
+    clip = torch.randint(0, 256, (3, 260, 256, 256), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(4))  # fmt: skip
+    with worker.http() as h:
+        opened = open_stream(h, clip, "slow-readers.mp4", fps=FPS, live=True, dtype="uint8")
+        for t0 in range(0, 260, 20):
+            send(h, segments, opened["id"], clip, t0, min(t0 + 20, 260))
+        assert h.post(f"/v1/streams/{opened['id']}/finish").status_code == 200
+    url = opened["hls_url"].replace("live.m3u8", "live/0.m4s")
+    size = len(http_get(url).content)
+    assert size > 2 << 20, size  # noise: some 15 KB a frame, 250 frames to the segment
+    time.sleep(0.5)
+    before = _rss_kib(worker.pid)
+    target = urlsplit(url)
+    readers = []
+    for _ in range(30):
+        reader = socket.socket()
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        reader.connect((target.hostname, target.port))
+        reader.sendall(f"GET {target.path}?{target.query} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        readers.append(reader)
+    time.sleep(1.5)  # what the worker sends, it has sent: the rest waits on each reader
+    grown = (_rss_kib(worker.pid) - before) << 10
+    for reader in readers:
+        reader.close()
+    # Thirty copies would be 30 segments; a slice each (and the kernel's buffers) is not.
+    assert grown < 2 * size, (grown, size)
+    with worker.http() as h:  # and every slot they held is free again
+        _until(lambda: "framewire_live_viewers 0.0" in h.get("/metrics").text, "viewers held")
