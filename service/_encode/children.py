@@ -19,13 +19,32 @@ from framewire.core.media.process import FfmpegProcess
 from framewire.service._encode.profiles import PYAV_CHILD
 from framewire.service._encode.spares import Spares
 
+Explain = Callable[[str, FramewireError], FramewireError]
+
 
 class Children:
     """Starts each encode's child: ffmpeg, or the ``vllm-omni`` profile's PyAV writer
-    (one of ``pyav_spares`` started ahead, when there is one)."""
+    (one of ``pyav_spares`` started ahead, when there is one), and tells what its end
+    means. ``explain(exe, failure)``: the answer to a failure of the child running
+    ``exe`` (Encoders.explain: that the binary does not run any more, where it does not)."""
 
-    def __init__(self, pyav_spares: int):
+    def __init__(self, pyav_spares: int, explain: Explain = lambda exe, failure: failure):
         self.spares = Spares(PYAV_CHILD, pyav_spares) if pyav_spares > 0 else None
+        self.explain = explain
+
+    def wait_for(self, ff: FfmpegProcess, check: Callable[[], None]) -> None:
+        """End of frames: wait for the child to write its trailer and exit; raise if it
+        failed."""
+        rc = ff.wait(check)
+        if rc != 0:
+            failure = ffmpeg_failure(ff, rc, f"ffmpeg exited with status {rc}")
+            raise self.explain(ff.argv[0], failure)
+
+    def cut_short(self, ff: FfmpegProcess, check: Callable[[], None]) -> FramewireError:
+        """What a child that stopped reading before it had every frame is answered with."""
+        rc = ff.wait(check)
+        failure = ffmpeg_failure(ff, rc, f"ffmpeg exited ({rc}) before it had every frame")
+        return self.explain(ff.argv[0], failure)
 
     def start(
         self, argv: Sequence[str], fds: Sequence[int], stall_s: float | None, priority: Priority
@@ -65,16 +84,3 @@ def ffmpeg_failure(ff: FfmpegProcess, rc: int, message: str) -> FramewireError:
             detail=tail,
         )
     return MediaError(message, code="ffmpeg_killed" if rc < 0 else "ffmpeg_failed", detail=tail)
-
-
-def wait_for(ff: FfmpegProcess, check: Callable[[], None]) -> None:
-    """End of frames: wait for ffmpeg to write its trailer and exit; raise if it failed."""
-    rc = ff.wait(check)
-    if rc != 0:
-        raise ffmpeg_failure(ff, rc, f"ffmpeg exited with status {rc}")
-
-
-def cut_short(ff: FfmpegProcess, check: Callable[[], None]) -> FramewireError:
-    """What an ffmpeg that stopped reading before it had every frame is answered with."""
-    rc = ff.wait(check)
-    return ffmpeg_failure(ff, rc, f"ffmpeg exited ({rc}) before it had every frame")

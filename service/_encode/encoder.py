@@ -35,7 +35,7 @@ from framewire.core.media.inputs import InputFile
 from framewire.core.media.process import FfmpegExited, FfmpegProcess
 from framewire.service._convert.convert import chunk_frames, convert_into
 from framewire.service._convert.staging import ChunkWriter, slot_frames
-from framewire.service._encode.children import Children, cut_short, wait_for
+from framewire.service._encode.children import Children
 from framewire.service._encode.encoders import Encoders
 from framewire.service._encode.params import EncodeParams, check_geometry, check_params
 from framewire.service._encode.profiles import PYAV_CHILD, profile_writer
@@ -83,7 +83,7 @@ class Encoder:
         pyav_spares: int = 0,
     ):
         self.encoders = Encoders(ffmpeg, encoders)
-        self.children = Children(pyav_spares)
+        self.children = Children(pyav_spares, self.encoders.explain)
         self.ffmpeg = self.encoders.default
         self.chunk_bytes = chunk_bytes
         self.fallback = fallback
@@ -289,8 +289,8 @@ class Encoder:
                     with Pump(pipe, g.height, g.width, per_chunk) as pump:
                         pump.send(source, check, self.writer(source, params), progress=progress)
             except FfmpegExited as exc:
-                raise cut_short(ff, check) from exc
-            wait_for(ff, check)
+                raise self.children.cut_short(ff, check) from exc
+            self.children.wait_for(ff, check)
 
     def _fallback_route(
         self,
@@ -339,7 +339,7 @@ class Encoder:
                 send_in_pieces(g.frames, self.frames_per_chunk(g), send, progress)
             except FfmpegExited:
                 pass  # wait_for reports ffmpeg's exit status and stderr
-            wait_for(ff, check)
+            self.children.wait_for(ff, check)
 
     def writer(self, source: FrameSource, params: EncodeParams) -> ChunkWriter | None:
         """The profile's converter for ``source``; None: the standard conversion."""

@@ -149,10 +149,10 @@ class Encoders:
             found = self._checks.setdefault(binary.path, RunCheck(binary.exe))
         return found
 
-    def runs(self, binary: Binary) -> bool:
-        """Whether ``binary`` runs now (asked at most once per RUNS_TTL_S); logs each
-        change of answer once."""
-        ok = self.check(binary).runs() and self._colours_known(binary)
+    def runs(self, binary: Binary, *, again: bool = False) -> bool:
+        """Whether ``binary`` runs now (asked at most once per RUNS_TTL_S, or now:
+        ``again``); logs each change of answer once."""
+        ok = self.check(binary).runs(again=again) and self._colours_known(binary)
         if ok == (binary.path not in self._lost):
             return ok
         if ok:
@@ -205,18 +205,34 @@ class Encoders:
             binary = binaries[asked]
         else:
             self._refuse(asked, list(binaries))
-        if not self.runs(binary) and asked is None:  # the worker is not ready: 503
-            raise Unavailable(
+        # Only one known not to run is asked again (has it come back?): a healthy encode
+        # starts no process but its own. One that stops running is found by its encode's
+        # failure (explain).
+        known_lost = binary.path in self._lost or binary.path in self._unchecked
+        if known_lost and not self.runs(binary):
+            raise self._not_running(binary)
+        return binary.exe
+
+    def _not_running(self, binary: Binary) -> FramewireError:
+        if binary is self.binaries[0]:  # the worker is not ready: 503
+            return Unavailable(
                 f"the default encoder {binary.path} does not run: {self.why(binary)}",
                 code="ffmpeg_missing",
             )
-        if not self.runs(binary):
-            self.on_refusal()
-            raise Conflict(
-                f"the encoder {binary.identity()} ({binary.path}) does not run: {self.why(binary)}",
-                code="encoder_unavailable",
-            )
-        return binary.exe
+        self.on_refusal()
+        return Conflict(
+            f"the encoder {binary.identity()} ({binary.path}) does not run: {self.why(binary)}",
+            code="encoder_unavailable",
+        )
+
+    def explain(self, exe: str, failure: FramewireError) -> FramewireError:
+        """What an encode whose ``exe`` failed with ``failure`` is answered with: that the
+        encoder does not run (asked now: 409, or 503 for the default) where it no longer
+        does, else ``failure`` itself."""
+        binary = next((b for b in self.binaries if b.exe == exe), None)
+        if binary is None or failure.code != "ffmpeg_failed" or self.runs(binary, again=True):
+            return failure
+        return self._not_running(binary)
 
     @staticmethod
     def pyav_version() -> str | None:

@@ -59,16 +59,17 @@ class RunCheck:
             return None
         return self._ok
 
-    def runs(self) -> bool:
-        """Whether it runs (blocks on a ``-version`` at most once per ``ttl_s``)."""
-        answer = self.fresh()
+    def runs(self, *, again: bool = False) -> bool:
+        """Whether it runs (blocks on a ``-version`` at most once per ``ttl_s``).
+        ``again``: ask now whatever the last answer (a run of it just failed)."""
+        answer = None if again else self.fresh()
         if answer is not None:
             return answer
-        # Only the first ask ever waits on one in flight: later ones have an answer.
-        if not self._asking.acquire(blocking=self._at is None):
+        # Only the first ask ever, or one asked again, waits on one in flight.
+        if not self._asking.acquire(blocking=again or self._at is None):
             return self._ok
         try:
-            answer = self.fresh()
+            answer = None if again else self.fresh()
             if answer is None:
                 try:
                     version_line(self.exe)

@@ -21,7 +21,6 @@ from pathlib import Path
 
 from framewire.core.closing import Closing
 from framewire.core.media.process import FfmpegExited
-from framewire.service._encode.children import cut_short, wait_for
 from framewire.service._encode.encoder import Encoded, EncodeParams, Encoder
 from framewire.service._encode.pump import Pump
 from framewire.service._outputs import atomic_output
@@ -79,7 +78,7 @@ class StreamOutput(Closing):
         try:
             self._pump.send(source, check, self._encoder.writer(source, self._params))
         except FfmpegExited as exc:
-            raise cut_short(self._ff, check) from exc
+            raise self._encoder.children.cut_short(self._ff, check) from exc
         self.frames += source.geometry.frames
 
     def finish(
@@ -88,7 +87,7 @@ class StreamOutput(Closing):
         """End of frames: wait for ffmpeg, check the file (``inspect``), put it in place."""
         try:
             self._pump.close()
-            wait_for(self._ff, check)
+            self._encoder.children.wait_for(self._ff, check)
             encode_ms = (time.perf_counter() - self._started) * 1e3
             size, sha256 = self._staged.digest()
             if inspect is not None:

@@ -117,12 +117,16 @@ def test_ffmpeg_refusing_is_not_retried_on_the_reference_route(tmp_path, monkeyp
         runs.append(argv)
         real(self, argv, **kw)
 
+    encoder = Encoder()  # its colour check's runs before the spy
     monkeypatch.setattr(FfmpegProcess, "__init__", spy)
     out = tmp_path / "a.notacontainer"
     with pytest.raises(MediaError) as err:
-        Encoder().encode(TensorSource(make_clip()), out, EncodeParams(fps=24))
+        encoder.encode(TensorSource(make_clip()), out, EncodeParams(fps=24))
     assert err.value.code == "ffmpeg_failed"
-    assert len(runs) == 1
+    # One encode, and the one -version that tells a refusal from a binary that no longer
+    # runs (it runs: the refusal stands).
+    assert [run[1:] for run in runs if "-version" in run] == [["-hide_banner", "-version"]]
+    assert len(runs) == 2
     assert_nothing_at(out)
 
 

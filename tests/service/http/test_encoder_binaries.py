@@ -112,14 +112,16 @@ def test_an_encoder_that_stops_running_is_refused_by_name_while_the_others_serve
     (lib / "ffmpeg").unlink()
     with Client(w.uds_url) as fw:
         for _ in range(2):
-            about = encoder(fw, exe)
-            assert (about["id"], about["available"]) == (held, False)
-            assert "exited" in about["why"]
-            assert fw.info()["encoders"][0]["available"] is True
+            # Found by the first encode that fails (a healthy encode starts no check),
+            # then refused before any encode.
             with pytest.raises(Conflict) as refused:
                 fw.save_video(FRAMES, w.outputs / "lost.mp4", fps=24, encoder=held)
             assert refused.value.code == "encoder_unavailable"
             assert "does not run" in refused.value.message
+            about = encoder(fw, exe)
+            assert (about["id"], about["available"]) == (held, False)
+            assert "exited" in about["why"]
+            assert fw.info()["encoders"][0]["available"] is True
             assert fw.save_video(FRAMES, w.outputs / "default.mp4", fps=24).ok
     with w.http() as h:
         assert metric(h, "framewire_encoders_lost") == 1
