@@ -11,7 +11,6 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from framewire.client._base import DEFAULT_URL
 from framewire.client._http import AsyncClient, Client
 from framewire.client._stream import AsyncVideoWriter, VideoWriter
 from framewire.client._version import __version__
@@ -35,10 +34,6 @@ from framewire.core.reference import ReferenceFrames, decode_reference
 from framewire.core.wire import Layout, MediaInfo, OutputResult
 
 
-def _default_url(url: str | None) -> str:
-    return url or os.environ.get("FRAMEWIRE_URL", DEFAULT_URL)
-
-
 def save_videos(
     videos: Sequence[Any],
     paths: Sequence[str | os.PathLike[str]],
@@ -48,7 +43,7 @@ def save_videos(
 ) -> list[OutputResult]:
     """One-shot :meth:`Client.save_videos` against ``url`` (default: FRAMEWIRE_URL, else
     the worker's default address)."""
-    with Client(_default_url(url)) as client:
+    with Client(url) as client:
         return client.save_videos(videos, paths, **kw)
 
 

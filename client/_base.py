@@ -53,7 +53,7 @@ class BaseClient(abc.ABC, Generic[H]):
 
     def __init__(
         self,
-        url: str = DEFAULT_URL,
+        url: str | None = None,
         *,
         fd_socket: str | os.PathLike[str] | None = None,
         token: str | None = None,
@@ -63,6 +63,7 @@ class BaseClient(abc.ABC, Generic[H]):
         worker_uid: int | None = None,
         trust_remote: bool = False,
     ):
+        url = url or os.environ.get("FRAMEWIRE_URL", DEFAULT_URL)  # the CLI's default too
         self.url = url
         self.fd_socket = fd_socket  # None: FRAMEWIRE_FD_SOCKET, else the worker's default
         # One knob for both sockets: an fd-socket request may wait as long as an HTTP read.

@@ -27,7 +27,9 @@ log = logging.getLogger("framewire.client")
 
 # What says no worker can take the call now: none reached (a transport failure), or one
 # that is shutting down (a rolling update). Anything else is the worker's answer.
-WORKER_GONE = frozenset({"unavailable", "shutting_down"})
+# What sends a save to the local fallback: no worker, one stopping, or one whose GPU a
+# sticky CUDA error made unusable until it restarts (the rank's own GPU still works).
+WORKER_GONE = frozenset({"unavailable", "shutting_down", "cuda_device_unusable"})
 
 
 def worker_gone(exc: BaseException) -> bool:

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import BinaryIO, Literal, Protocol
 
 from framewire.core.errors import Conflict, FramewireError, MediaError, host_error
 from framewire.core.shm import pid_alive
@@ -73,6 +73,16 @@ class TempOutput:
             raise changed("cannot read back the output") from exc
         with open(fd, "rb") as f:
             return sha256_of(f)
+
+
+class Follower(Protocol):
+    """What follows an output while it is written (an object's early upload:
+    service/_store/early.py): told where the file is, asked between pieces of the encode
+    whether to go on (it raises to stop it)."""
+
+    def writing(self, temp: TempOutput) -> None: ...
+
+    def check(self) -> None: ...
 
 
 def sha256_of(f: BinaryIO) -> tuple[int, str]:

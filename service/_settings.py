@@ -28,8 +28,11 @@ class Settings(BaseSettings):
     port: int = Field(default=7700, ge=0, le=65535)
     uds: Path = Field(default_factory=lambda: runtime_dir() / "api.sock")
     fd_socket: Path = Field(default_factory=lambda: runtime_dir() / "fd.sock")
-    output_roots: CommaList = Field(default_factory=lambda: ["./outputs"])
-    input_roots: CommaList = Field(default_factory=lambda: ["./inputs"])
+    # Roots are absolute from here on (a relative one is taken from the directory the
+    # worker starts in): /v1/info, and every client, name them as the worker does. The
+    # defaults are made when the worker starts; a root set here must exist.
+    output_roots: CommaList = Field(default_factory=lambda: [os.path.abspath("outputs")])
+    input_roots: CommaList = Field(default_factory=lambda: [os.path.abspath("inputs")])
     shm_prefixes: CommaList = Field(default_factory=lambda: ["/framewire", "/torch_"])
     token: str | None = None
     ffmpeg: str | None = None
@@ -97,6 +100,9 @@ class Settings(BaseSettings):
     output_urls: CommaList = Field(default_factory=list)
     # Uploads of this size or more go multipart, in parts of this size (S3: >= 5 MiB).
     upload_part_bytes: int = Field(default=8 << 20, ge=1024, le=5 << 30)
+    # An object's parts go to the store while it is encoded (all but the first and the
+    # rest at the end); false: the whole upload once the file is complete.
+    upload_while_encoding: bool = True
     # An attempt at a request to the object store that takes longer as a whole (plus its
     # body's time at _store/deadline.MIN_RATE) is cut: a timeout.
     store_timeout_s: float = Field(default=30.0, gt=0)
@@ -139,6 +145,11 @@ class Settings(BaseSettings):
         if isinstance(v, str):
             return [p.strip() for p in v.split(",") if p.strip()]
         return v
+
+    @field_validator("output_roots", "input_roots", mode="after")
+    @classmethod
+    def _absolute(cls, v: list[str]) -> list[str]:
+        return [os.path.abspath(p) for p in v]
 
     @field_validator("output_urls", mode="before")
     @classmethod

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 from framewire.core.shm import remove_abandoned_segments
+from framewire.service._access.paths import make_missing_roots
 from framewire.service._http.app import create_app
 from framewire.service._http.server import Server, StopSignals, uvicorn_config
 from framewire.service._ops.limits import cpu_quota_note, exposure_note, raise_open_files_limit
@@ -71,6 +72,18 @@ class Worker:
     async def start(self) -> None:
         """Sweep what killed workers and clients left, warn about the host, open the fd socket."""
         parts, settings = self._built(), self.settings
+        defaults = [
+            root
+            for name in ("output_roots", "input_roots")
+            if name not in settings.model_fields_set
+            for root in getattr(settings, name)
+        ]
+        for root in make_missing_roots(defaults):
+            log.info(
+                "made %s (a default root: FRAMEWIRE_OUTPUT_ROOTS, FRAMEWIRE_INPUT_ROOTS)", root
+            )
+        log.info("outputs go under %s; inputs are read from under %s",
+                 ", ".join(settings.output_roots), ", ".join(settings.input_roots))  # fmt: skip
         held: list[Path] = []
         swept = remove_stale_temps(settings.output_roots, held=held)
         for path in swept + spool.sweep(settings.output_roots):

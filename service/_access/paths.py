@@ -57,6 +57,18 @@ def _real_root(root: str) -> str:
     return os.path.realpath(root)
 
 
+def make_missing_roots(roots: list[str]) -> list[str]:
+    """Make each of ``roots`` that is missing, as the worker's user makes any directory;
+    returns those made. Only for roots left at their defaults: a root that was set must
+    exist already (a mistyped path is not made)."""
+    made = []
+    for root in roots:
+        if not os.path.isdir(root):
+            os.makedirs(root, mode=0o755, exist_ok=True)
+            made.append(root)
+    return made
+
+
 def real_roots(roots: list[str]) -> list[str]:
     """The roots as the paths this module judges against (symlinks resolved)."""
     return [_real_root(r) for r in roots]

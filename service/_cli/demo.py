@@ -304,11 +304,12 @@ def run_demo(opts: DemoOptions) -> int:
         else:
             table.add("worker", f"framewire {info['version']} at {url}")
         fd_socket = opts.fd_socket or info["sockets"]["fd_socket"]
-        inputs = opts.inputs or Path(info["input_roots"][0])
-        if not inputs.is_absolute():
+        inputs = opts.inputs or Path(info["input_roots"][0])  # absolute, as the worker's
+        if not os.access(inputs, os.W_OK | os.X_OK):
             raise FramewireError(
-                f"the worker's input root {str(inputs)!r} is relative to its own directory; "
-                "pass --inputs with its absolute path",
+                f"this process cannot write the worker's input root {inputs} (where the "
+                "demo puts its reference video): pass --inputs DIR, a directory under one "
+                "of the worker's input roots that this process can write",
                 code="demo_failed",
             )
         client = stack.enter_context(Client(url, token=opts.token))

@@ -40,7 +40,13 @@ from framewire.service._encode.encoders import Encoders
 from framewire.service._encode.params import EncodeParams, check_geometry, check_params
 from framewire.service._encode.profiles import PYAV_CHILD, profile_writer
 from framewire.service._encode.pump import Progress, Pump, chunk_spans, send_in_pieces
-from framewire.service._outputs import TempOutput, atomic_output, open_directory, sha256_of
+from framewire.service._outputs import (
+    Follower,
+    TempOutput,
+    atomic_output,
+    open_directory,
+    sha256_of,
+)
 from framewire.service._sources.audio import MemoryAudio
 from framewire.service._sources.frames import FrameSource, Geometry
 
@@ -125,6 +131,7 @@ class Encoder:
         directory: int | None = None,
         inspect: Callable[[str], None] | None = None,
         progress: Progress | None = None,
+        follower: Follower | None = None,
     ) -> Encoded:
         """Encode ``source`` to ``path``.
 
@@ -133,7 +140,8 @@ class Encoder:
         ``inspect`` runs on the finished file (by its path in the private directory) before it is
         renamed into place, and may raise to refuse it. ``progress`` is told the
         frames fed to ffmpeg so far, piece by piece (from 0 again if the reference
-        route redoes the output).
+        route redoes the output). ``follower`` is told where the file is written and
+        checked between pieces (an object's early upload).
         """
         check_params(params)
         g = source.geometry
@@ -155,6 +163,7 @@ class Encoder:
                     directory=directory,
                     inspect=inspect,
                     progress=progress,
+                    follower=follower,
                 )
             finally:
                 audio.close()
@@ -167,7 +176,9 @@ class Encoder:
                     f"output directory {path.parent} does not exist", code="output_dir_missing"
                 ) from exc
         try:
-            return self._encode(source, path, params, cancel, directory, inspect, progress)
+            return self._encode(
+                source, path, params, cancel, directory, inspect, progress, follower
+            )
         finally:
             if own:
                 os.close(directory)
@@ -181,6 +192,7 @@ class Encoder:
         directory: int,
         inspect: Callable[[str], None] | None,
         progress: Progress | None,
+        follower: Follower | None,
     ) -> Encoded:
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISDIR(os.stat(path.name, dir_fd=directory, follow_symlinks=False).st_mode):
@@ -189,6 +201,8 @@ class Encoder:
         def check() -> None:
             if cancel is not None and cancel.is_set():
                 raise Cancelled("the encode was cancelled")
+            if follower is not None:
+                follower.check()
 
         g = source.geometry
         threads = self.threads_for(g.height, params)
@@ -196,6 +210,8 @@ class Encoder:
         route: Route = "stream"
         fast_error: str | None = None
         with atomic_output(directory, path.name) as temp:
+            if follower is not None:
+                follower.writing(temp)
             try:
                 self._stream(source, temp, params, threads, check, progress)
             except (Cancelled, BadRequest):

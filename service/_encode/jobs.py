@@ -61,6 +61,7 @@ class EncodeJobs:
             cancel=cancel,
             directory=job.directory,
             inspect=check,
+            follower=job.early,
         )
         return written(encoded, job.params.fps, check, started, self.metrics)
 
@@ -170,18 +171,26 @@ class EncodeJobs:
     async def _run_one(
         self, job: Prepared, validate: bool, cancel: threading.Event, admission: Admission
     ) -> tuple[int, OutputResult]:
-        status, result = await self._encode_held(job, validate, cancel, admission)
-        if job.url is not None and result.ok:
-            # The CPU slots are free again: the upload waits on the network.
-            try:
-                presign_s = job.spec.presign_s
-                result = await self.resources.uploads.deliver(
-                    result, job.directory, job.path.name, job.url, presign_s, cancel
-                )
-            except Cancelled:
-                raise
-            except FramewireError as exc:
-                status, result = exc.status, failed(job.shown, exc, result.timings.queue_ms)
+        # An object's parts go to the store while it is encoded, all but what is left
+        # when the encode ends.
+        job.early = self.resources.uploads.early(job.url, cancel)
+        try:
+            status, result = await self._encode_held(job, validate, cancel, admission)
+            if job.url is not None and result.ok:
+                # The CPU slots are free again: the rest waits on the network.
+                try:
+                    presign_s = job.spec.presign_s
+                    result = await self.resources.uploads.deliver(
+                        result, job.directory, job.path.name, job.url, presign_s, cancel,
+                        job.early,
+                    )  # fmt: skip
+                except Cancelled:
+                    raise
+                except FramewireError as exc:
+                    status, result = exc.status, failed(job.shown, exc, result.timings.queue_ms)
+        finally:
+            if job.early is not None:  # nothing of an upload not completed remains
+                await asyncio.to_thread(job.early.close)
         self.metrics.outputs.labels("ok" if result.ok else "error").inc()
         return status, result
 

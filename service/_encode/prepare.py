@@ -45,6 +45,7 @@ from framewire.service._sources.audio_store import AudioStore
 from framewire.service._sources.frames import FileSource, FrameSource, Geometry, MappedSource
 from framewire.service._sources.regions import CudaRegion, FdRegion, RegionRegistry, SystemRegion
 from framewire.service._sources.shm import open_shm
+from framewire.service._store.early import EarlyUpload
 from framewire.service._store.spool import discard
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ class Prepared:
     url: Target | None = None  # an object or memory output: ``path`` is its spool file
     directory: int = -1  # fd of path's directory, opened without following links
     made: list[Path] = field(default_factory=list)  # directories made for it, outermost first
+    early: EarlyUpload | None = None  # an object output's parts sent while it is encoded
 
     @property
     def shown(self) -> str:  # the output as its caller named it
@@ -201,7 +203,10 @@ class Preparer:
     ) -> FrameSource:
         """The frames ``src`` names, opened for the caller (closed with ``stack``)."""
         source = await self._open_source(src, access, stack)
-        stack.callback(source.close)
+        if source.close_in_thread:
+            stack.push_async_callback(asyncio.to_thread, source.close)
+        else:
+            stack.callback(source.close)
         return source
 
     async def _open_source(

@@ -12,22 +12,38 @@ from framewire.service._http.deps import WorkerParts
 from framewire.service._ops.limits import cgroup_cpu_limit
 from framewire.service._parts import Parts
 from framewire.service._probe import pyav_build
+from framewire.service._sources.cuda_faults import HEALTH
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 router = APIRouter()
 
 
 @router.get("/healthz")
-async def healthz() -> dict[str, str]:
+async def healthz() -> JSONResponse:
     # On the event loop, needing no thread: it answers while every pool thread is busy.
-    return {"status": "ok"}
+    return JSONResponse(*_health())
+
+
+def _health() -> tuple[dict[str, object], int]:
+    """Alive, unless a sticky CUDA error poisoned a GPU's context: then 503, so that the
+    supervisor restarts the worker (service/_sources/cuda_faults.py)."""
+    lost = HEALTH.lost()
+    if lost:
+        return {
+            "status": "cuda_device_unusable",
+            "devices": {f"cuda:{i}": why for i, why in lost.items()},
+        }, 503
+    return {"status": "ok"}, 200
 
 
 async def is_ready(parts: Parts) -> bool:
-    """Whether the worker can encode now: its default ffmpeg runs. ``/readyz`` and
+    """Whether the worker can encode now: no GPU of its is poisoned, its default ffmpeg
+    runs. ``/readyz`` and
     Triton's ``/v2/health/ready`` both answer this, as cheaply as ``/healthz`` while the
     last answer holds (RUNS_TTL_S); then one ``-version`` runs on a thread for every
     caller, however many ask."""
+    if HEALTH.lost():
+        return False
     encoders = parts.encoder.encoders
     default = encoders.binaries[0]
     answer = encoders.check(default).fresh()
@@ -84,6 +100,7 @@ def info(parts: WorkerParts) -> dict[str, object]:
 def prometheus(parts: WorkerParts) -> PlainTextResponse:
     # Readiness as a scrape sees it (a thread of the pool: this route is sync).
     encoders = parts.encoder.encoders
-    parts.metrics.ready.set(1 if encoders.runs(encoders.binaries[0]) else 0)
+    parts.metrics.ready.set(1 if encoders.runs(encoders.binaries[0]) and not HEALTH.lost() else 0)
+    parts.metrics.gpus_unusable.set(len(HEALTH.lost()))
     registry = parts.metrics.registry
     return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

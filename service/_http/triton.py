@@ -23,6 +23,7 @@ from framewire.core.wire import RegisterCudaRegion, RegisterSystemRegion
 from framewire.service._http.deps import Caller, WorkerParts
 from framewire.service._http.errors import error_body
 from framewire.service._http.health import is_ready
+from framewire.service._sources.cuda_faults import HEALTH
 from framewire.service._sources.regions import CudaRegion, Region, SystemRegion
 from starlette.datastructures import Headers
 
@@ -67,8 +68,9 @@ async def server_metadata() -> dict[str, object]:
 
 @router.get("/v2/health/live")
 async def live() -> Response:
-    # Triton's answer: the status alone (200: live), with an empty body.
-    return Response(status_code=200)
+    # Triton's answer: the status alone (200: live), with an empty body; as /healthz,
+    # not live once a sticky CUDA error poisoned a GPU (a restart recovers it).
+    return Response(status_code=200 if not HEALTH.lost() else 503)
 
 
 @router.get("/v2/health/ready")
@@ -76,7 +78,8 @@ async def ready(parts: WorkerParts) -> Response:
     if await is_ready(parts):
         return Response(status_code=200)
     # Triton's protocol says "not ready" with a 4xx; Triton itself answers 400.
-    return JSONResponse(error_body("not_ready", "the worker's ffmpeg does not run"), 400)
+    why = "a GPU is unusable until a restart" if HEALTH.lost() else "its ffmpeg does not run"
+    return JSONResponse(error_body("not_ready", f"the worker is not ready: {why}"), 400)
 
 
 @router.post("/v2/systemsharedmemory/region/{name}/register")

@@ -42,6 +42,9 @@ class Metrics:
         ProcessCollector(registry=self.registry)
         gauge("framewire_memfds", "memfds the worker holds open").set_function(memfds_open)
         self.ready = gauge("framewire_ready", "1 while the worker can encode (/readyz)")
+        self.gpus_unusable = gauge(
+            "framewire_gpus_unusable", "GPUs a sticky CUDA error made unusable until a restart"
+        )
         self.limits = gauge("framewire_limit", "The worker's bounds, by setting", ["setting"])
         self.uploads = counter(
             "framewire_store_uploads",

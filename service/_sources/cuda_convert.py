@@ -26,6 +26,7 @@ from framewire.core.wire import (
 )
 from framewire.service._convert.convert import slice_frames, to_thwc
 from framewire.service._convert.staging import ChunkWriter, Staging
+from framewire.service._sources.cuda_faults import classified
 from framewire.service._sources.frames import FrameSource, tensor_geometry
 
 log = logging.getLogger("framewire.cuda")
@@ -44,6 +45,8 @@ def first_line(exc: BaseException) -> str:
 
 class CudaTensorSource(FrameSource):
     """A CUDA tensor, read where it lies. ``event``: producer work to wait for first."""
+
+    close_in_thread = True  # unmapping a producer's memory is driver work
 
     def __init__(
         self,
@@ -79,7 +82,7 @@ class CudaTensorSource(FrameSource):
         x = slice_frames(self.frames(), g.layout, t0, t1)
         if not (r0 == 0 and r1 in (None, g.height)):
             x = x[:, :, r0:r1] if g.layout is not Layout.THWC else x[:, r0:r1]
-        with torch.cuda.device(self.device):
+        with classified(self.gpu_index), torch.cuda.device(self.device):
             if self.event is not None:
                 torch.cuda.current_stream().wait_event(self.event)
             return x.to("cpu"), True
@@ -114,7 +117,7 @@ class CudaWriter(ChunkWriter):
     def open(self, staging: Staging | None, frames: int) -> None:
         src, g = self.source, self.source.geometry
         samples = 3 * frames * g.height * g.width
-        with torch.cuda.device(src.device):
+        with classified(src.gpu_index), torch.cuda.device(src.device):
             self.stream = torch.cuda.Stream(src.device)
             if src.event is not None:
                 self.stream.wait_event(src.event)
@@ -134,7 +137,11 @@ class CudaWriter(ChunkWriter):
     def write(self, take: Callable[[], torch.Tensor], t0: int, t1: int) -> None:
         src, g = self.source, self.source.geometry
         assert self.stream is not None, "open() first"
-        with torch.cuda.device(src.device), torch.cuda.stream(self.stream):
+        with (
+            classified(src.gpu_index),
+            torch.cuda.device(src.device),
+            torch.cuda.stream(self.stream),
+        ):
             x = slice_frames(src.frames(), g.layout, t0, t1)
             if self.scaled is not None:
                 scaled = self.scaled[: x.numel()].view(x.shape)
@@ -154,13 +161,18 @@ class CudaWriter(ChunkWriter):
                 del out
 
     def close(self) -> None:
-        if self.stream is not None:
-            # Nothing of ours may still read the producer's memory or write the staging.
-            self.stream.synchronize()
-        if self._pinned_at is not None:
-            unpin_host(self._pinned_at, self.source.device)
-            self._pinned_at = None
-        self.scaled = self.packed = None
+        """Wait for our stream (nothing of ours may still read the producer's memory or
+        write the staging), then unpin and free, whatever the wait raised."""
+        try:
+            if self.stream is not None:
+                with classified(self.source.gpu_index, refuse=False):
+                    self.stream.synchronize()
+        finally:
+            pinned, self._pinned_at = self._pinned_at, None
+            self.stream = self.scaled = self.packed = None
+            if pinned is not None:
+                with classified(self.source.gpu_index, refuse=False):
+                    unpin_host(pinned, self.source.device)
 
 
 # ----------------------------------------------------------------------------- pinning

@@ -22,6 +22,7 @@ from framewire.core.wire import (
     IPC_HANDLE_BYTES,
     CudaIpcSource,
     DType,
+    Layout,
     RegionSource,
     contiguous_strides,
     normalize_uuid,
@@ -33,6 +34,8 @@ from framewire.service._sources.cuda_convert import (
     cuda_available,
     first_line,
 )
+from framewire.service._sources.cuda_faults import HEALTH
+from framewire.service._sources.cuda_handles import HandleLocks
 from framewire.service._sources.regions import CudaRegion
 
 log = logging.getLogger("framewire.cuda")
@@ -171,11 +174,37 @@ def tensor_on(
 # ----------------------------------------------------------------------------- the runtime
 
 
+class IpcTensorSource(CudaTensorSource):
+    """A producer's tensor opened from its IPC handle: let go of under the handle's lock
+    (service/_sources/cuda_handles.py)."""
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        layout: Layout | str,
+        *,
+        event: torch.cuda.Event | None,
+        handle: tuple[HandleLocks, bytes],
+    ):
+        super().__init__(tensor, layout, event=event)
+        self._handle: tuple[HandleLocks, bytes] | None = handle
+
+    def close(self) -> None:
+        held, self._handle = self._handle, None
+        if held is None:
+            return
+        locks, handle = held
+        locks.close(handle, super().close)
+
+
 class CudaRuntime:
     """The worker's GPUs, found and warmed once at start, matched by UUID."""
 
+    handles: HandleLocks  # the IPC handles open now, each opened and let go one step at a time
+
     def __init__(self) -> None:
         torch.cuda.init()
+        self.handles = HandleLocks()
         self.devices: dict[str, int] = {
             normalize_uuid(torch.cuda.get_device_properties(i).uuid): i
             for i in range(torch.cuda.device_count())
@@ -228,6 +257,7 @@ class CudaRuntime:
     def open_ipc(self, src: CudaIpcSource) -> CudaTensorSource:
         """The producer's tensor, mapped on the same GPU here."""
         index = self.device_index(src.device_uuid)
+        HEALTH.check(index)  # a context a sticky error poisoned is not touched again
         event = None
         event_handle = src.event_bytes
         if event_handle is not None:
@@ -241,11 +271,14 @@ class CudaRuntime:
                     f"cannot open the producer's CUDA event: {first_line(exc)}",
                     code="cuda_handle_invalid",
                 ) from None
-        storage = open_storage(
-            index, src.handle_bytes, src.storage_size_bytes, src.storage_offset_bytes
-        )
-        tensor = tensor_on(storage, src.dtype, src.tensor_offset, src.shape, src.strides)
-        return CudaTensorSource(tensor, src.layout, event=event)
+        handle = src.handle_bytes
+
+        def opened() -> IpcTensorSource:
+            storage = open_storage(index, handle, src.storage_size_bytes, src.storage_offset_bytes)
+            tensor = tensor_on(storage, src.dtype, src.tensor_offset, src.shape, src.strides)
+            return IpcTensorSource(tensor, src.layout, event=event, handle=(self.handles, handle))
+
+        return self.handles.open(handle, opened)
 
     def open_region(self, handle: bytes, device_id: int, byte_size: int) -> torch.UntypedStorage:
         """A Triton-style CUDA region: ``byte_size`` bytes from the start of the allocation."""
@@ -254,6 +287,7 @@ class CudaRuntime:
                 f"no CUDA device {device_id} (the worker sees {torch.cuda.device_count()})",
                 code="cuda_device_not_found",
             )
+        HEALTH.check(device_id)
         return open_storage(device_id, handle, byte_size)
 
     def region_source(self, region: CudaRegion, src: RegionSource) -> CudaTensorSource:

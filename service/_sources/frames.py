@@ -87,6 +87,7 @@ class FrameSource:
 
     geometry: Geometry
     gpu_index = 0  # the CUDA device that ``gpu_bytes`` are held on
+    close_in_thread = False  # close() blocks (driver work holding the GIL): not on the loop
 
     def read(
         self, t0: int, t1: int, r0: int = 0, r1: int | None = None

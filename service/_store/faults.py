@@ -9,6 +9,8 @@ never the store's own message, the endpoint or anything from the credentials.
 
 from __future__ import annotations
 
+from typing import Any
+
 from framewire.core.errors import Conflict, FramewireError, Stalled, StoreError, Unavailable
 
 _DENIED = {
@@ -75,3 +77,21 @@ def store_error(exc: Exception, op: str, *, late: bool = False) -> FramewireErro
         f"the object store could not be reached for {op} ({type(exc).__name__})",
         code="store_unavailable",
     )
+
+
+def changed_file() -> StoreError:
+    """The spooled file's bytes are not the encode's: nothing may be stored."""
+    return StoreError(
+        "the spooled file is not what was encoded; nothing was stored", code="upload_failed"
+    )
+
+
+def answered(answer: dict[str, Any], name: str, op: str) -> str:
+    """``name`` of a successful answer: a store (or something posing as one) that leaves
+    it out answered nothing an upload can go on with."""
+    value = answer.get(name)
+    if not isinstance(value, str) or not value:
+        raise StoreError(
+            f"the object store answered {op} without its {name}", code="store_bad_answer"
+        )
+    return value

@@ -43,6 +43,11 @@ class OwnedUrl(ObjectUrl):
     etag: str | None = None  # the object that may be replaced; None: none may be there
 
 
+def condition(url: OwnedUrl) -> dict[str, str]:
+    """The condition of a write: over the judged object, or where none is."""
+    return {"IfNoneMatch": "*"} if url.etag is None else {"IfMatch": url.etag}
+
+
 def judge_owner(url: ObjectUrl, access: Access, found: Found | None) -> OwnedUrl:
     """``url`` as ``access``'s caller may write it, given what is stored there now."""
     caller = access.owner(str(url))

@@ -24,10 +24,12 @@ from framewire.service._access.peers import Access
 from framewire.service._access.urls import judge_url
 from framewire.service._ops.threads import in_thread
 from framewire.service._settings import Settings
+from framewire.service._store.early import EarlyUpload
 from framewire.service._store.handoff import SCHEME as MEMORY
 from framewire.service._store.handoff import Handoffs, MemoryTarget, judge_memory
+from framewire.service._store.multipart import Upload, Uploaded
 from framewire.service._store.owners import OwnedUrl, judge_owner
-from framewire.service._store.s3 import S3Store, Uploaded
+from framewire.service._store.s3 import S3Store
 from framewire.service._store.spool import Spool, discard
 
 Target = OwnedUrl | MemoryTarget
@@ -71,6 +73,23 @@ class Uploads:
             found = None
         return judge_owner(allowed, access, found), spooled
 
+    def early(
+        self,
+        url: Target | None,
+        cancel: threading.Event,
+        on_failure: Callable[[FramewireError], None] = lambda exc: None,
+    ) -> EarlyUpload | None:
+        """What sends an object output's parts while it is encoded (None for any other
+        output); its owner closes it when the output ends."""
+        if not isinstance(url, OwnedUrl) or not self.settings.upload_while_encoding:
+            return None
+        try:
+            client = self.store.client()
+        except FramewireError:
+            return None  # the upload after the encode says why
+        up = Upload(client, url, cancel)
+        return EarlyUpload(self.store.multipart, up, on_failure)
+
     async def deliver(
         self,
         result: OutputResult,
@@ -79,16 +98,20 @@ class Uploads:
         url: Target,
         presign_s: int | None,
         cancel: threading.Event,
+        early: EarlyUpload | None = None,
     ) -> OutputResult:
         """The result once the encoded file ``name`` in the spool open at ``spool`` is
         stored at ``url`` (raises what failed: nothing stored); it is removed either way.
-        The file is reached through the spool's fd, never by path."""
+        The file is reached through the spool's fd, never by path. ``early``: what sent
+        its parts while it was encoded."""
         if isinstance(url, MemoryTarget):
             return await self._hold(result, spool, name, url)
         t0 = time.perf_counter()
         try:
             try:
-                await in_thread(self.pool, cancel, self._upload, spool, name, result, url, cancel)
+                await in_thread(
+                    self.pool, cancel, self._upload, spool, name, result, url, cancel, early
+                )
             except FramewireError as exc:  # Cancelled's code is "cancelled"
                 self.on_upload(exc.code)
                 raise
@@ -129,12 +152,21 @@ class Uploads:
             os.close(fd)
 
     def _upload(
-        self, spool: int, name: str, result: OutputResult, url: OwnedUrl, cancel: threading.Event
+        self,
+        spool: int,
+        name: str,
+        result: OutputResult,
+        url: OwnedUrl,
+        cancel: threading.Event,
+        early: EarlyUpload | None,
     ) -> Uploaded:
         assert result.bytes is not None and result.sha256 is not None
         fd = _open_spooled(spool, name)
         try:
-            return self.store.upload(fd, result.bytes, result.sha256, url, cancel)
+            # From here the upload its early parts went to is the final upload's: it
+            # completes it, or aborts it. Raises what stopped the early parts.
+            started = None if early is None else early.handover()
+            return self.store.upload(fd, result.bytes, result.sha256, url, cancel, started)
         finally:
             os.close(fd)
 

@@ -23,7 +23,7 @@ from framewire.core.closing import Closing
 from framewire.core.media.process import FfmpegExited
 from framewire.service._encode.encoder import Encoded, EncodeParams, Encoder
 from framewire.service._encode.pump import Pump
-from framewire.service._outputs import atomic_output
+from framewire.service._outputs import Follower, atomic_output
 from framewire.service._sources.frames import FrameSource, Geometry
 from framewire.service._stream.live import LiveFeed
 
@@ -43,6 +43,7 @@ class StreamOutput(Closing):
         geometry: Geometry,
         directory: int,
         live: LiveFeed | None = None,
+        follower: Follower | None = None,
     ):
         self.path = path
         self.geometry = geometry
@@ -53,6 +54,8 @@ class StreamOutput(Closing):
         self._stack = contextlib.ExitStack()
         try:
             self._staged = self._stack.enter_context(atomic_output(directory, path.name))
+            if follower is not None:
+                follower.writing(self._staged)
             g = geometry
             live_fd = None if live is None else live.open_pipe()
             argv = encoder.argv(

@@ -13,6 +13,7 @@ from framewire.core.errors import Cancelled, Conflict, FramewireError
 from framewire.core.wire import StreamOpen, StreamStateName
 from framewire.service._encode.params import EncodeParams
 from framewire.service._sources.frames import Geometry
+from framewire.service._store.early import EarlyUpload
 from framewire.service._store.uploads import Target
 from framewire.service._stream.live import LiveFeed
 from framewire.service._stream.output import StreamOutput
@@ -46,6 +47,7 @@ class Session:
     aborted_by: str | None = None  # why it is being aborted, while a request still runs
     waiting_since: float | None = None  # monotonic, while its first chunk waits for slots
     live: LiveFeed | None = None  # its live view, when it asked for one
+    early: EarlyUpload | None = None  # an object output's parts sent while it is encoded
 
     def stop(self, cause: str) -> None:
         """Abort from outside the request in progress: it stops at its next step, or
@@ -72,6 +74,9 @@ class Session:
         return not self.lock.locked() and self.idle_s() > idle
 
     def check(self) -> None:
-        """Between pieces of blocking work: stop if the session is being aborted."""
+        """Between pieces of blocking work: stop if the session is being aborted, or its
+        object's parts can no longer be sent."""
         if self.cancel.is_set():
             raise Cancelled(f"stream {self.id} was aborted")
+        if self.early is not None:
+            self.early.check()

@@ -11,9 +11,10 @@ request of a session runs at a time.
 Ends: ``finish`` (the file or object appears, whole), ``abort`` (``DELETE``,
 nothing remains), idle for ``FRAMEWIRE_STREAM_IDLE_S`` (aborted; a first chunk
 that has waited that long for admission counts as idle: nothing of it was read),
-a failed chunk (the session fails with that code), a client gone in the middle
-of a chunk (aborted), or the worker stopping (aborted once the drain's grace is
-over).
+a failed chunk (the session fails with that code), an object's part the store
+will not take (it fails with the store's code, at once), a client gone in the
+middle of a chunk (aborted), or the worker stopping (aborted once the drain's
+grace is over).
 """
 
 from __future__ import annotations
@@ -44,16 +45,15 @@ from framewire.service._access.signed import ViewSigner
 from framewire.service._encode.params import check_geometry
 from framewire.service._encode.resources import EncodeResources
 from framewire.service._encode.results import check_for, failed, written
-from framewire.service._encode.scheduler import Admission
 from framewire.service._ops.disconnect import watch_caller
 from framewire.service._ops.metrics import Metrics
 from framewire.service._ops.shares import Share
 from framewire.service._settings import Settings
-from framewire.service._sources.frames import FrameSource, Geometry
+from framewire.service._sources.frames import Geometry
 from framewire.service._stream.live import EndedViews, LiveFeed, ViewerSlots, check_live_profile
 from framewire.service._stream.misfit import refuse_misfit
-from framewire.service._stream.output import StreamOutput
 from framewire.service._stream.session import Session, not_open
+from framewire.service._stream.start import start
 
 log = logging.getLogger("framewire.streams")
 
@@ -73,6 +73,7 @@ class Sessions:
         self._ended_views = EndedViews()
         self._owners: dict[str, int | None] = {}  # of the open and the remembered sessions
         self._reaper: asyncio.Task[None] | None = None
+        self._failing: set[asyncio.Future[None]] = set()  # sessions whose store failed
         self.signer = ViewSigner()
         self.viewer_slots = ViewerSlots(settings.max_viewers)  # of open and ended sessions
         self._share = Share(
@@ -189,7 +190,8 @@ class Sessions:
                     source = await self.resources.prepare.open_source(chunk.source, access, held)
                     if session.output is None:
                         assert admission is not None
-                        await self._start(session, source, admission)
+                        await start(session, source, admission, self.resources, self.metrics,
+                                    self._store_failed)  # fmt: skip
                     assert session.output is not None
                     if session.live is not None:
                         session.live.handed(session.received + source.geometry.frames)
@@ -211,47 +213,6 @@ class Sessions:
             self.metrics.stream_chunks.inc()
             self.metrics.stream_bytes.inc(source.geometry.nbytes)
             return session.received
-
-    async def _start(self, session: Session, source: FrameSource, admission: Admission) -> None:
-        """The first chunk: admission (held until the session ends), then ffmpeg."""
-        encoder = self.resources.encoder
-        threads = encoder.threads_for(session.geometry.height, session.params)
-        gpu = encoder.gpu_bytes(source)
-        slots = self.resources.scheduler.hold(threads, gpu, source.gpu_index, admission=admission)
-        await self._admitted(session, slots)
-        session.started = time.time()
-        session.output = await asyncio.to_thread(
-            StreamOutput,
-            encoder,
-            session.path,
-            session.params,
-            session.geometry,
-            session.directory,
-            session.live,
-        )
-
-    async def _admitted(
-        self, session: Session, slots: contextlib.AbstractAsyncContextManager[float]
-    ) -> None:
-        """Wait for the session's slots (held until it ends) unless it is stopped first:
-        an abort must not wait for another session to let go of the CPU."""
-        session.waiting_since = time.monotonic()
-        self.metrics.queue_waiting.inc()
-        entered = asyncio.ensure_future(session.admission.enter_async_context(slots))
-        stopped = asyncio.ensure_future(session.stopped.wait())
-        try:
-            await asyncio.wait((entered, stopped), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            session.waiting_since = None
-            self.metrics.queue_waiting.dec()
-            stopped.cancel()
-            if not entered.done():
-                entered.cancel()  # leaves the queue; nothing was taken
-            await asyncio.gather(entered, stopped, return_exceptions=True)
-        if entered.cancelled():
-            session.check()  # stopped: Cancelled, and the session ends as aborted
-        entered.result()  # granted (released by the session's end), or its error
-        session.check()
 
     # --- the end ------------------------------------------------------------------------------
 
@@ -292,6 +253,7 @@ class Sessions:
                         session.url,
                         session.spec.presign_s,
                         session.cancel,
+                        session.early,
                     )
             except asyncio.CancelledError as exc:
                 await self._end_by(session, exc)
@@ -311,6 +273,19 @@ class Sessions:
             if session.state in ("open", "streaming", "finishing"):
                 await self._end(session, "aborted", cause, None)
 
+    def _store_failed(self, session: Session, exc: FramewireError) -> None:
+        """The session's object can no longer be stored: it fails now, with the store's
+        code (on the loop; a request in progress ends it first, by the same error)."""
+
+        async def fail() -> None:
+            async with session.lock:
+                if session.state in ("open", "streaming"):
+                    await self._end(session, "failed", "error", exc)
+
+        task = asyncio.ensure_future(fail())
+        self._failing.add(task)
+        task.add_done_callback(self._failing.discard)
+
     async def _end_by(self, session: Session, exc: BaseException) -> None:
         """A request of the session failed, or was stopped by an abort."""
         if session.aborted_by is not None:
@@ -329,6 +304,8 @@ class Sessions:
             self.metrics.stream_aborts.labels(cause).inc()
         if session.output is not None and state != "done":
             await asyncio.to_thread(session.output.abort)
+        if session.early is not None:  # nothing of an upload not completed remains
+            await asyncio.to_thread(session.early.close)
         await session.admission.aclose()  # the slots
         if session.live is not None:  # ffmpeg is gone: what it wrote goes out, then the end
             await session.live.close("finished" if state == "done" else state)

@@ -1,4 +1,5 @@
-"""The decode, routes, objects and flood benchmarks run on clips small enough for CI.
+"""The decode, routes, objects, flood and early-upload benchmarks run on clips small enough
+for CI.
 
 See tests/support/benchruns.py for what is asserted and what is not."""
 
@@ -42,3 +43,14 @@ def test_flood_benchmark(tmp_path: Path) -> None:
     assert all(len(row["encode_s"]) == 1 for row in rows)
     assert all(row["answers_per_s"] > 0 for row in rows[1:])
     assert "readiness flood / healthz flood:" in r.stdout
+
+
+def test_early_upload_benchmark(tmp_path: Path) -> None:
+    r, rows = bench_json(tmp_path, "early_upload.py", "--rates", "50", "--frames", "8", "16",
+                         "--width", "64", "--height", "48", "--repeat", "1",
+                         "--pace", "0")  # fmt: skip
+    assert [row["case"] for row in rows] == ["8 frames", "16 frames"]
+    for row in rows:
+        assert set(row["runs"]) == {"after", "while"}
+        assert all(run["finish_s"] > 0 for runs in row["runs"].values() for run in runs)
+    assert "while / after:" in r.stdout

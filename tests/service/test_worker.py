@@ -201,3 +201,38 @@ def test_a_stopped_worker_removes_the_socket_files_it_made(workers):
     # worker takes them over.
     assert (root / "api.sock.lock").exists() and (root / "fd.sock.lock").exists()
     assert workers.start(root=root).stop() == 0
+
+
+def test_sigterm_lets_a_clients_save_over_64_mib_finish_through_the_worker(workers, tmp_path):
+    """A host save over 64 MiB goes as a stream session, chunk by chunk (each over the fd
+    socket): SIGTERM once its encoder runs, and the rest of its chunks still reach the
+    worker within the grace; the file is the worker's, byte-exact, the worker exits 0."""
+    import threading
+
+    from framewire.client import Client
+
+    from tests.support.media import reference_mp4
+    from tests.support.requests import RUNNING, wait_for
+
+    w = workers.start("--shutdown-grace", "60")
+    clip = make_clip(frames=72, height=480, width=640)  # 265 MB of float32: many chunks
+    out: dict[str, Any] = {}
+
+    def save() -> None:
+        try:
+            with Client(w.uds_url, local_fallback=False) as c:
+                out["result"] = c.save_video(clip, "drain.mp4", fps=24, preset="slow")
+        except Exception as exc:  # shown below
+            out["error"] = exc
+
+    thread = threading.Thread(target=save)
+    thread.start()
+    wait_for(w, RUNNING, 1)
+    w.proc.send_signal(signal.SIGTERM)
+    thread.join(timeout=120)
+    assert "error" not in out, out
+    assert w.proc.wait(timeout=60) == 0
+    result = out["result"]
+    assert result.route != "local" and (w.outputs / "drain.mp4").exists()
+    assert result.sha256 == reference_mp4(clip, tmp_path / "ref.mp4", preset="slow")
+    assert framewire_temps(w.outputs) == []

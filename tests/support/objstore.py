@@ -116,6 +116,11 @@ class Proxy:
     upstream: str
     plan: Plan = always_pass
     seen: list[tuple[str, str]] = field(default_factory=list)
+    at: list[float] = field(default_factory=list)  # when each of ``seen`` came (monotonic)
+    # Requests the store answered: (method, target, body bytes, when the answer came).
+    answered: list[tuple[str, str, int, float]] = field(default_factory=list)
+    rate: float | None = None  # bytes a second through the link, all requests together
+    _link_free: float = 0.0  # when the link has sent what it was given (monotonic)
     trickled: list[float] = field(default_factory=list)  # when each trickled answer ended
     server: ThreadingHTTPServer | None = None
     release: threading.Event = field(default_factory=threading.Event)
@@ -128,10 +133,33 @@ class Proxy:
     def count(self, method: str, fragment: str) -> int:
         return sum(1 for m, t in self.seen if m == method and fragment in t)
 
+    def reset(self) -> None:
+        """Pass everything, forget what was seen."""
+        self.plan = always_pass
+        self.seen[:], self.at[:], self.trickled[:], self.answered[:] = [], [], [], []
+        self.release.clear()
+
+    def carry(self, size: int, lock: threading.Lock) -> None:
+        """Hold a request's body as long as the link (``rate``) takes to carry it, behind
+        what it carries already: concurrent requests share the bandwidth."""
+        if self.rate is None:
+            return
+        with lock:
+            start = max(time.monotonic(), self._link_free)
+            self._link_free = start + size / self.rate
+            until = self._link_free
+        time.sleep(max(0.0, until - time.monotonic()))
+
+    def parts_before(self, when: float) -> list[int]:
+        """The part numbers of the UploadPart requests that came before ``when``."""
+        return [part_number(t) for (m, t), at in zip(self.seen, self.at, strict=True)
+                if m == "PUT" and part_number(t) and at < when]  # fmt: skip
+
 
 def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
     host, port = proxy.upstream.removeprefix("http://").split(":")
     lock = threading.Lock()
+    link = threading.Lock()  # the bandwidth's schedule
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keeps botocore's connections, answers 100-continue
@@ -144,6 +172,7 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
             body = self.rfile.read(length) if length else b""
             with lock:
                 proxy.seen.append((self.command, self.path))
+                proxy.at.append(time.monotonic())
                 n = len(proxy.seen)
             action = proxy.plan(self.command, self.path, n)
             if action == "reset":
@@ -167,6 +196,7 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(text)
                 return
             headers = {k: v for k, v in self.headers.items() if k.lower() != "expect"}
+            proxy.carry(len(body), link)
             conn = http.client.HTTPConnection(host, int(port), timeout=60)
             try:
                 conn.request(self.command, self.path, body=body, headers=headers)
@@ -174,6 +204,8 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
                 got: Answer = (answer.status, answer.getheaders(), answer.read())
             finally:
                 conn.close()
+            with lock:
+                proxy.answered.append((self.command, self.path, len(body), time.monotonic()))
             if callable(action):
                 got = action(got)
             status, kept, data = got

@@ -23,8 +23,13 @@ def session_of(pid: int) -> int:
 
 
 def autogroup_of(pid: int) -> tuple[str, int]:
-    """The autogroup ``pid`` is in, and that group's niceness (/proc/PID/autogroup)."""
-    name, _, nice = Path(f"/proc/{pid}/autogroup").read_text().split()
+    """The autogroup ``pid`` is in, and that group's niceness (/proc/PID/autogroup). The
+    kernel prints nothing for the root group, where every session not made since boot
+    stays (a CI runner's processes, started without ``setsid``): named "root" here, at 0."""
+    fields = Path(f"/proc/{pid}/autogroup").read_text().split()
+    if not fields:
+        return "root", 0
+    name, _, nice = fields
     return name, int(nice)
 
 

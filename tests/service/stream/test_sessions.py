@@ -424,3 +424,21 @@ def test_many_chunks_keep_the_worker_flat(worker, segments, tmp_path):
     assert result["sha256"] == reference_mp4(clip, tmp_path / "ref.mp4")
     (worker.outputs / "s.mp4").unlink()
     settle(worker, baseline, keep=set(segments.keys))
+
+
+def test_a_sessions_encode_counts_as_in_flight_from_its_first_chunk_to_its_end(worker, segments):
+    """framewire_encodes_in_flight is what a drain and a dashboard watch: a session's encoder
+    runs from its first chunk's admission until the session ends, finished or deleted."""
+    clip = make_clip(frames=4, height=48, width=64)
+    with worker.http() as h:
+        assert metric(h, "framewire_encodes_in_flight") == 0
+        finished, deleted = open_stream(h, clip, path="f.mp4"), open_stream(h, clip, path="d.mp4")
+        assert metric(h, "framewire_encodes_in_flight") == 0  # nothing sent: nothing runs
+        for sid in (finished, deleted):
+            assert send_frames(h, segments, sid, clip, 0, 2).status_code == 200
+        assert metric(h, "framewire_encodes_in_flight") == 2
+        assert send_frames(h, segments, finished, clip, 2, 4).status_code == 200
+        assert h.post(f"/v1/streams/{finished}/finish").status_code == 200
+        assert metric(h, "framewire_encodes_in_flight") == 1
+        assert h.delete(f"/v1/streams/{deleted}").status_code == 204
+        assert metric(h, "framewire_encodes_in_flight") == 0

@@ -1,0 +1,160 @@
+"""CUDA errors get stable codes; one allocation's handle is opened and let go of one step
+at a time; a sticky one (the context is poisoned for good) marks its
+GPU unusable: later CUDA work for it is refused before anything touches it, /healthz and
+Triton's liveness answer 503 so that a supervisor restarts the worker, and a writer's
+cleanup still runs when the wait for its stream fails. CUDA's errors are raised here as
+torch raises them (their messages); what only a GPU shows is in scripts/gpu-check."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from framewire.core.errors import FramewireError, Overloaded, Unavailable
+from framewire.core.wire import CudaIpcSource, Layout
+from framewire.service._http import health, triton
+from framewire.service._sources import cuda_convert
+from framewire.service._sources.cuda_faults import HEALTH, classified
+from framewire.service._sources.cuda_handles import HandleLocks
+from framewire.service._sources.cuda_ipc import CudaRuntime
+
+from tests.service.sources.test_cuda import GPU_UUID, CpuStandIn, descriptor
+
+ILLEGAL = (
+    "CUDA error: an illegal memory access was encountered\n"
+    "CUDA kernel errors might be asynchronously reported at some other API call"
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh_health() -> Iterator[None]:
+    HEALTH.clear()
+    yield
+    HEALTH.clear()
+
+
+def test_a_sticky_error_marks_its_gpu_and_later_work_on_it_is_refused():
+    with pytest.raises(FramewireError) as failed, classified(1):
+        raise RuntimeError(ILLEGAL)
+    assert (failed.value.status, failed.value.code) == (500, "cuda_error")
+    assert "illegal memory access" in failed.value.message
+    assert list(HEALTH.lost()) == [1]
+    ran = []
+    with pytest.raises(Unavailable) as refused, classified(1):
+        ran.append(1)  # never: refused before the block
+    assert (refused.value.status, refused.value.code) == (503, "cuda_device_unusable")
+    assert ran == []
+    with classified(0):  # another GPU is untouched
+        ran.append(0)
+    assert ran == [0]
+
+
+def test_errors_that_leave_the_context_usable_mark_nothing():
+    with pytest.raises(Overloaded) as oom, classified(0):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert oom.value.code == "gpu_out_of_memory"
+    with pytest.raises(FramewireError) as other, classified(0):
+        raise RuntimeError("CUDA error: invalid argument")
+    assert other.value.code == "cuda_error"
+    with pytest.raises(ValueError, match="not CUDA"), classified(0):
+        raise ValueError("not CUDA: passes through as it is")
+    assert HEALTH.lost() == {}
+
+
+def test_a_writers_cleanup_runs_when_the_wait_for_its_stream_fails(monkeypatch):
+    unpinned: list[int] = []
+    monkeypatch.setattr(cuda_convert, "unpin_host", lambda at, device: unpinned.append(at))
+
+    class Poisoned:
+        def synchronize(self) -> None:
+            raise RuntimeError(ILLEGAL)
+
+    writer = cuda_convert.CudaWriter(CpuStandIn(torch.zeros(3, 2, 4, 4), Layout.CTHW))
+    writer.stream, writer._pinned_at = Poisoned(), 4096  # type: ignore[assignment]
+    writer.scaled = torch.zeros(4)
+    with pytest.raises(FramewireError) as failed:
+        writer.close()
+    assert failed.value.code == "cuda_error"
+    assert unpinned == [4096]  # the staging is unpinned all the same
+    assert writer.scaled is None and writer.stream is None
+    writer.close()  # again: nothing left to do
+    assert unpinned == [4096]
+
+
+def test_health_and_liveness_say_a_gpu_is_unusable():
+    app = FastAPI()
+    app.include_router(health.router)
+    app.include_router(triton.router)
+    with TestClient(app) as http:
+        assert http.get("/healthz").json() == {"status": "ok"}
+        assert http.get("/v2/health/live").status_code == 200
+        with pytest.raises(FramewireError), classified(0):
+            raise RuntimeError(ILLEGAL)
+        r = http.get("/healthz")
+        assert r.status_code == 503
+        assert r.json()["status"] == "cuda_device_unusable"
+        assert "illegal memory access" in r.json()["devices"]["cuda:0"]
+        assert http.get("/v2/health/live").status_code == 503
+
+
+def test_a_handle_for_an_unusable_gpu_is_not_opened(monkeypatch):
+    """Refused by UUID before torch is asked to map anything on that GPU."""
+    runtime = object.__new__(CudaRuntime)
+    runtime.devices = {GPU_UUID: 0}
+    opened: list[object] = []
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", lambda *a: opened.append(a))
+    with pytest.raises(FramewireError), classified(0):
+        raise RuntimeError(ILLEGAL)
+    with pytest.raises(Unavailable) as refused:
+        runtime.open_ipc(
+            CudaIpcSource.model_validate(
+                descriptor() | {"event_handle": None, "event_sync_required": False}
+            )
+        )
+    assert refused.value.code == "cuda_device_unusable"
+    assert opened == []
+
+
+def test_opens_and_drops_of_one_handle_run_one_at_a_time():
+    """Eight threads open and drop sources over one allocation (SGLang's parallel save:
+    views of one batch) and over another: never an open of a handle while a drop of it
+    runs, or two of either at once; the other handle is not held back; nothing is left
+    counted at the end."""
+    locks = HandleLocks()
+    busy: dict[bytes, list[str]] = {b"A": [], b"B": []}
+    overlaps: list[tuple[bytes, list[str]]] = []
+    ran_beside: list[bool] = []
+
+    def step(handle: bytes, what: str) -> None:
+        busy[handle].append(what)
+        if len(busy[handle]) > 1:
+            overlaps.append((handle, list(busy[handle])))
+        ran_beside.append(bool(busy[b"A" if handle == b"B" else b"B"]))
+        time.sleep(0.002)
+        busy[handle].remove(what)
+
+    def rank(handle: bytes) -> None:
+        for _ in range(20):
+            locks.open(handle, lambda: step(handle, "open"))
+            locks.close(handle, lambda: step(handle, "drop"))
+
+    threads = [threading.Thread(target=rank, args=(h,)) for h in [b"A"] * 6 + [b"B"] * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert overlaps == []
+    assert any(ran_beside)  # one handle's steps ran while the other's did
+    assert len(locks) == 0
+
+
+def test_a_failed_open_leaves_its_handle_uncounted():
+    locks = HandleLocks()
+    with pytest.raises(FramewireError):
+        locks.open(b"A", lambda: (_ for _ in ()).throw(FramewireError("no", code="x")))
+    assert len(locks) == 0
