@@ -24,8 +24,10 @@ from framewire.client._handover import Handover
 from framewire.client._local import LocalFallback, worker_gone
 from framewire.client._peer import PeerCheck, tls_for
 from framewire.client._plan import Plan, blocking, sent
+from framewire.client._release import DeferredReleases
 from framewire.client._sharing import share
 from framewire.client._sharing.audio import shared_audio
+from framewire.client._sharing.cuda import NotShareable
 from framewire.client._sharing.fd import FdRegions
 from framewire.client._stream import StreamPlans
 from framewire.core.errors import Unavailable
@@ -91,6 +93,10 @@ class BaseClient(abc.ABC, Generic[H]):
         self._local = LocalFallback(output_root) if local_fallback else None
         self.instance: str | None = None  # the worker process that answered last
         self._http: H = self._open_http()
+        # CUDA shares a call left without an answer: released once the worker has let go.
+        self._release_later = DeferredReleases(
+            lambda: httpx.Client(transport=self._peer.transport(self._uds), **self._client_args)
+        )
 
     @abc.abstractmethod
     def _open_http(self) -> H:
@@ -177,12 +183,7 @@ class BaseClient(abc.ABC, Generic[H]):
             raise ValueError(f"{len(videos)} videos for {len(paths)} paths")
         described = _described(videos, layout)
         if described is not None and chunked(described):  # never a whole copy of the clip
-            audios = per_output(options["audio"], len(paths), "audio")
-            writers = [
-                self._writer(p, options | {"audio": a}, f.layout)
-                for p, f, a in zip(paths, described, audios, strict=True)
-            ]
-            return (yield from chunked_save(writers, described, [os.fspath(p) for p in paths]))
+            return (yield from self._chunked_plan(described, paths, options))
         try:
             yield from self._handover_plan()
             with contextlib.ExitStack() as stack:  # closed here on a failure or a cancellation
@@ -193,11 +194,31 @@ class BaseClient(abc.ABC, Generic[H]):
                 )  # fmt: skip
                 results = yield from sent(self._encode_call(sources, audios, paths, options))
                 return (yield from blocking(self._end_save, stack, results))
+        except NotShareable:
+            if described is None:
+                raise
+            # CUDA frames torch will not share (nothing was sent): through the host, a
+            # chunk at a time, as stream sessions (each chunk counted by the worker).
+            return (yield from self._chunked_plan(described, paths, options))
         except Unavailable as exc:
             local = self._falls_back(exc)
             if local is None:
                 raise
             return (yield from blocking(local.save_videos, exc, videos, paths, options, layout))
+
+    def _chunked_plan(
+        self,
+        described: list[Frames],
+        paths: Sequence[str | os.PathLike[str]],
+        options: dict[str, Any],
+    ) -> Plan[list[OutputResult]]:
+        """Each output a stream session, written a chunk at a time (client/_chunked.py)."""
+        audios = per_output(options["audio"], len(paths), "audio")
+        writers = [
+            self._writer(p, options | {"audio": a}, f.layout)
+            for p, f, a in zip(paths, described, audios, strict=True)
+        ]
+        return (yield from chunked_save(writers, described, [os.fspath(p) for p in paths]))
 
     def _share_videos(
         self, stack: contextlib.ExitStack, videos: Sequence[Any], layout: Layout | str | None
@@ -207,7 +228,12 @@ class BaseClient(abc.ABC, Generic[H]):
         for video in videos:
             # share() runs here, where the caller's CUDA stream is current; entering it
             # (the copy into shared memory, the stream wait) is a blocking step.
-            shared = share(video, layout=layout, regions=self._handover.regions)
+            shared = share(
+                video,
+                layout=layout,
+                regions=self._handover.regions,
+                release_later=self._release_later,
+            )
             sources.append((yield from blocking(stack.enter_context, shared)))
         return sources
 

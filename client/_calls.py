@@ -58,7 +58,7 @@ INSTANCE_HEADER = "framewire-instance"  # which worker process answered (every a
 # Failures that prove the worker never had the whole request: no connection was made,
 # or it went away while the request was still being written (a worker acts on a request
 # only once its body is complete). Any request may be sent again after one of these.
-_UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.WriteError)
+UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.WriteError)
 # The worker took the request and did not answer within the bound.
 _UNANSWERED = (httpx.ReadTimeout, httpx.WriteTimeout)
 
@@ -103,7 +103,7 @@ class Call(Generic[T]):
         is the caller's whole wait."""
         if isinstance(exc, _UNANSWERED):
             return False
-        return self.idempotent or isinstance(exc, _UNSENT)
+        return self.idempotent or isinstance(exc, UNSENT)
 
     def answer(self, response: httpx.Response) -> T:
         if self.instance is not None:

@@ -37,9 +37,7 @@ POLL_S = 0.005  # while every output waits on the worker's answers
 def chunked(videos: Sequence[Frames]) -> bool:
     """Whether a save of ``videos`` goes as stream sessions: every video in host memory
     (a CUDA tensor goes as an IPC handle, never copied), one at least over WHOLE_BYTES."""
-    return not any(is_cuda(f.video) for f in videos) and any(
-        f.nbytes > WHOLE_BYTES for f in videos
-    )
+    return not any(is_cuda(f.video) for f in videos) and any(f.nbytes > WHOLE_BYTES for f in videos)
 
 
 def frames_per_chunk(videos: Sequence[Frames]) -> int:

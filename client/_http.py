@@ -127,7 +127,14 @@ class Client(BaseClient[httpx.Client], Closing):
         live: bool = False,
     ) -> VideoWriter:
         return VideoWriter(
-            self._send, self._regions_plan, self._local, path, options, layout=layout, live=live
+            self._send,
+            self._regions_plan,
+            self._local,
+            path,
+            options,
+            layout=layout,
+            live=live,
+            release_later=self._release_later,
         )
 
     def decode_reference(
@@ -244,7 +251,14 @@ class AsyncClient(BaseClient[httpx.AsyncClient]):
         live: bool = False,
     ) -> AsyncVideoWriter:
         return AsyncVideoWriter(
-            self._send, self._regions_plan, self._local, path, options, layout=layout, live=live
+            self._send,
+            self._regions_plan,
+            self._local,
+            path,
+            options,
+            layout=layout,
+            live=live,
+            release_later=self._release_later,
         )
 
     @twin(Client.decode_reference)

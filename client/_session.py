@@ -81,6 +81,8 @@ class WriterBase:
         self.hls_url: str | None = None  # the same view as an HLS playlist, signed alike
         self.result: OutputResult | None = None
         self.frames_sent = 0
+        # A CUDA tensor torch would not share: its chunks go through the host from then on.
+        self._through_host = False
         # Frames the worker has answered for (read into its encoder): a progress count
         # the worker reports, updated as each answer arrives (on the sender's thread).
         self.frames_received = 0
@@ -140,7 +142,9 @@ class WriterBase:
 
     def _chunk_call(self, source: Any, frames: Frames) -> Call[StreamChunkAck]:
         assert self.id is not None
-        chunk = StreamChunk(first_frame=self.frames_sent, source=source)
+        chunk = StreamChunk(
+            first_frame=self.frames_sent, source=source, copied_from_gpu=self._through_host
+        )
         self.frames_sent += frames.dims[1]
         body = chunk.model_dump(mode="json", exclude_none=True)
         path = f"/v1/streams/{self.id}/frames"

@@ -27,6 +27,7 @@ import abc
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 from collections import deque
 from collections.abc import Callable
@@ -48,11 +49,13 @@ from framewire.client._plan import (
     waited,
 )
 from framewire.client._session import WriterBase
+from framewire.client._sharing.cuda import NotShareable
 from framewire.client._sharing.fd import FdRegions
 from framewire.core.errors import Unavailable
-from framewire.core.frames import Frames, is_cuda
+from framewire.core.frames import Frames, is_cuda, on_host
 from framewire.core.wire import Layout, OutputResult, StreamChunkAck
 
+log = logging.getLogger("framewire.client")
 T = TypeVar("T")
 S = TypeVar("S", Send, AsyncSend)
 Chunk = Call[StreamChunkAck]
@@ -72,9 +75,11 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
         *,
         layout: Layout | str | None,
         live: bool = False,
+        release_later: Callable[[Any], None] | None = None,
     ):
         super().__init__(local, path, options, layout=layout, live=live)
         self._send: S = send  # the client's
+        self._release_later = release_later  # the client's: CUDA chunks left unanswered
         self._regions_of = regions  # the client's fd handover, brought up to date
         # Host chunks on their way, oldest first; the oldest uses this turn's buffer.
         self._in_flight: deque[Pending[StreamChunkAck]] = deque()
@@ -115,9 +120,15 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
         if self._local is not None:
             yield from blocking(self._write_here, chunk)
             return
+        if is_cuda(chunk.video) and not self._through_host:
+            try:
+                yield from self._cuda_chunk(chunk)
+                return
+            except NotShareable as exc:  # nothing was sent: every chunk goes by the host
+                log.warning("%s; its frames go through host memory a chunk at a time", exc)
+                self._through_host = True
         if is_cuda(chunk.video):
-            yield from self._cuda_chunk(chunk)
-            return
+            chunk = yield from blocking(on_host, chunk)
         if len(self._in_flight) == 2:
             yield from self._settle(wait=True, keep=1)  # the worker read the buffer's last chunk
         source = yield from blocking(self._stage, chunk)
@@ -137,12 +148,17 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
         from framewire.client._sharing.cuda import CudaShare  # imports torch
 
         yield from self._settle(wait=True)  # the chunks before it go first, in order
-        share = CudaShare(chunk.video, layout=chunk.layout)  # here: the producer's stream
+        # Made here, on the producer's thread: its stream is the one waited for.
+        share = CudaShare(chunk.video, layout=chunk.layout, release_later=self._release_later)
+        ended: BaseException | None = None
         try:
             source = yield from blocking(share.__enter__)
             yield from self._chunk_plan(self._chunk_call(source, chunk))
+        except BaseException as exc:
+            ended = exc
+            raise
         finally:
-            share.release()
+            share.end(ended)
 
     def _chunk_plan(self, call: Chunk) -> Plan[StreamChunkAck]:
         if self._error is not None:  # one before it was refused or lost: this one stays here

@@ -3,6 +3,7 @@ and its audio as samples."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +88,11 @@ class Frames:
     def span(self, t0: int, t1: int) -> Any:
         """Frames ``[t0, t1)`` of the video, a view in its layout (no copy)."""
         return self.video[:, t0:t1] if self.layout is Layout.CTHW else self.video[t0:t1]
+
+
+def on_host(frames: Frames) -> Frames:
+    """``frames`` copied from their GPU to host memory (one chunk: a bounded copy)."""
+    return dataclasses.replace(frames, video=frames.video.to("cpu"))
 
 
 def describe(video: Any, layout: Layout | str | None = None) -> Frames:

@@ -21,6 +21,7 @@ from framewire.service._encode.scheduler import Scheduler
 from framewire.service._fdsocket.server import FdServer
 from framewire.service._ops.metrics import Metrics
 from framewire.service._settings import Settings
+from framewire.service._sources.cuda_faults import HEALTH
 from framewire.service._sources.cuda_ipc import CudaRuntime
 from framewire.service._sources.regions import RegionRegistry
 from framewire.service._store.uploads import Uploads
@@ -53,6 +54,7 @@ class Parts:
         encoder.encoders.on_refusal = metrics.encoder_unavailable.labels("encode").inc
         metrics.encoders_lost.set_function(encoder.encoders.lost)
         metrics.encoders_refused.set_function(lambda: len(encoder.encoders.refused))
+        metrics.gpus_unusable.set_function(lambda: len(HEALTH.lost()))
         cuda = CudaRuntime.start()
         regions = RegionRegistry(
             settings.shm_prefixes,

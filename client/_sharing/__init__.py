@@ -9,6 +9,7 @@ Nothing is pickled: the worker gets a JSON descriptor.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 from framewire.client._sharing.fd import FdRegions, fd_shared
@@ -18,17 +19,22 @@ from framewire.core.wire import CudaIpcSource, Layout, RegionSource, ShmSource
 
 
 def share(
-    video: Any, *, layout: Layout | str | None = None, regions: FdRegions | None = None
+    video: Any,
+    *,
+    layout: Layout | str | None = None,
+    regions: FdRegions | None = None,
+    release_later: Callable[[Any], None] | None = None,
 ) -> contextlib.AbstractContextManager[ShmSource | RegionSource | CudaIpcSource]:
     """A context manager yielding the descriptor the worker reads ``video`` through.
 
     Call it on the thread that produced a CUDA tensor (that thread's stream is the one
-    waited for); entering it may happen on another.
+    waited for); entering it may happen on another. ``release_later`` takes a CUDA share
+    whose call ended without the worker's answer (client/_release.py).
     """
     if is_cuda(video):
         from framewire.client._sharing.cuda import CudaShare  # imports torch
 
-        return CudaShare(video, layout=layout)
+        return CudaShare(video, layout=layout, release_later=release_later)
     if regions is not None:
         return fd_shared(video, regions, layout=layout)
     return shared(video, layout=layout)

@@ -224,6 +224,11 @@ class CudaIpcSource(_TensorFields):
     stride: list[Annotated[int, Strict(), Field(ge=0)]] | None = Field(
         default=None, min_length=4, max_length=4
     )
+    # The producer's name for this share: when its call ends without the worker's
+    # answer, it has the worker let go of it before releasing the memory (docs/api.md).
+    share_id: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
+    # The producer's torch.__version__: its handle's format is that torch's.
+    torch_version: str | None = Field(default=None, max_length=64)
 
     @field_validator("device_uuid")
     @classmethod

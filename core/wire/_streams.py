@@ -54,6 +54,9 @@ class StreamChunk(WireModel):
 
     first_frame: Int = Field(ge=0, le=MAX_FRAMES)
     source: Source
+    # Frames of a CUDA tensor the client could not share over IPC (one it received over
+    # IPC itself, or memory torch's allocator did not make), copied to the host: counted.
+    copied_from_gpu: Flag = False
 
 
 class StreamChunkAck(BaseModel):

@@ -10,6 +10,7 @@ file.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import os
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ from framewire.service._encode.params import EncodeParams, check_geometry, check
 from framewire.service._settings import Settings
 from framewire.service._sources.audio import MemoryAudio
 from framewire.service._sources.audio_store import AudioStore
+from framewire.service._sources.cuda_shares import Shares
+from framewire.service._sources.cuda_versions import importable
 from framewire.service._sources.frames import FileSource, FrameSource, Geometry, MappedSource
 from framewire.service._sources.regions import CudaRegion, FdRegion, RegionRegistry, SystemRegion
 from framewire.service._sources.shm import open_shm
@@ -108,6 +111,7 @@ class Preparer:
     encoders: Encoders  # which binary a request's encoder identity names
     cuda: CudaRuntime | None = None  # None: no usable GPU, cuda_ipc sources are refused
     claims: OutputClaims = field(default_factory=OutputClaims, init=False)
+    shares: Shares = field(default_factory=Shares)  # the producers' CUDA shares open now
 
     def __post_init__(self) -> None:
         budget = self.settings.audio_budget_bytes
@@ -228,13 +232,26 @@ class Preparer:
             assert isinstance(region, CudaRegion) and self.cuda is not None
             return self.cuda.region_source(region, src)
         assert isinstance(src, CudaIpcSource)
+        handle = importable(src.handle_bytes, src.torch_version)  # before any CUDA call
+        if handle != src.handle_bytes:
+            src = src.model_copy(update={"handle": base64.b64encode(handle).decode()})
+        self.shares.opening(src.share_id)  # refused if its producer was told to release it
+        stack.callback(self.shares.closed, src.share_id)  # after the source's own close
         if self.cuda is None:
             raise BadRequest(
                 "this worker has no CUDA device; send host memory instead",
                 code="cuda_unavailable",
             )
-        # Opening a handle is driver work (milliseconds): off the event loop.
-        return await asyncio.to_thread(self.cuda.open_ipc, src)
+        # Opening a handle is driver work (milliseconds): off the event loop. A request
+        # cancelled meanwhile waits for the open, and closes what it opened, before its
+        # share counts as closed: a release must never be answered while a thread maps it.
+        opening = asyncio.ensure_future(asyncio.to_thread(self.cuda.open_ipc, src))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread((await opening).close)
+            raise
 
     def _open_shm(self, src: ShmSource, access: Access) -> FileSource:
         fd = open_shm(src.key, self.settings.shm_prefixes)

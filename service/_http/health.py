@@ -101,6 +101,5 @@ def prometheus(parts: WorkerParts) -> PlainTextResponse:
     # Readiness as a scrape sees it (a thread of the pool: this route is sync).
     encoders = parts.encoder.encoders
     parts.metrics.ready.set(1 if encoders.runs(encoders.binaries[0]) and not HEALTH.lost() else 0)
-    parts.metrics.gpus_unusable.set(len(HEALTH.lost()))
     registry = parts.metrics.registry
     return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

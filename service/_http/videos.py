@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
+import time
 from pathlib import Path
 
 import anyio
@@ -22,6 +25,7 @@ from framewire.service._http.errors import error_body
 from framewire.service._probe import probe
 
 router = APIRouter()
+SHARE_ID = re.compile(r"[0-9a-f]{32}")
 
 
 @router.post("/v1/videos:encode", response_model=EncodeResponse)
@@ -51,3 +55,20 @@ async def probe_files(body: ProbeRequest, parts: WorkerParts, caller: Caller) ->
         return ProbeResponse(results=[probe_one(p) for p in body.paths])
 
     return await anyio.to_thread.run_sync(run)
+
+
+RELEASE_WAIT_S = 60.0  # the longest a release waits for a share to be closed
+
+
+@router.post("/v1/cuda/shares/{share_id}/release")
+async def release_share(share_id: str, parts: WorkerParts, wait_s: float = 30.0) -> JSONResponse:
+    """Let go of the producer's CUDA share ``share_id`` for good, once nothing here holds
+    it open (service/_sources/cuda_shares.py): ``released`` false if it still was after
+    ``wait_s``."""
+    if not SHARE_ID.fullmatch(share_id):
+        return JSONResponse(error_body("bad_share_id", "a share id is 32 hex digits"), 400)
+    shares = parts.resources.prepare.shares
+    deadline = time.monotonic() + min(max(wait_s, 0.0), RELEASE_WAIT_S)
+    while not (released := shares.release(share_id)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return JSONResponse({"released": released})

@@ -42,6 +42,10 @@ class Metrics:
         ProcessCollector(registry=self.registry)
         gauge("framewire_memfds", "memfds the worker holds open").set_function(memfds_open)
         self.ready = gauge("framewire_ready", "1 while the worker can encode (/readyz)")
+        self.cuda_host_copies = counter(
+            "framewire_cuda_host_copied_chunks",
+            "Stream chunks of CUDA tensors the client could not share over IPC, sent by host",
+        )
         self.gpus_unusable = gauge(
             "framewire_gpus_unusable", "GPUs a sticky CUDA error made unusable until a restart"
         )

@@ -211,6 +211,8 @@ class Sessions:
             session.state = "streaming"
             session.touch()
             self.metrics.stream_chunks.inc()
+            if chunk.copied_from_gpu:
+                self.metrics.cuda_host_copies.inc()
             self.metrics.stream_bytes.inc(source.geometry.nbytes)
             return session.received
 

@@ -42,6 +42,7 @@ from framewire.service._sources.frames import Geometry
 from framewire.service._stream.output import StreamOutput
 from pydantic import ValidationError
 
+from tests.service.sources.conftest import GPU_UUID, Noop
 from tests.support import REPO
 from tests.support.cuda_producer import clip_for
 from tests.support.media import FFMPEG, make_clip, reference_mp4, sha256
@@ -52,7 +53,6 @@ gpu_only = pytest.mark.skipif(
     not HAS_CUDA, reason="needs an NVIDIA GPU: torch.cuda.is_available() is False"
 )
 MIB = 1 << 20
-GPU_UUID = str(uuid.UUID(int=0x1234))
 
 
 def share_fields(
@@ -165,6 +165,8 @@ class FakeStorage:
         self.calls = calls
 
     def _share_cuda_(self) -> tuple:
+        if self.fields is None:  # as torch refuses a storage received over IPC itself
+            raise RuntimeError("Attempted to send CUDA tensor received from another process")
         self.calls.append("share")
         return self.fields
 
@@ -174,15 +176,23 @@ class FakeCudaTensor:
 
     __module__ = "torch.fake"
 
-    def __init__(self, like: torch.Tensor, calls: list[str], fields: tuple | None = None):
+    def __init__(
+        self, like: torch.Tensor, calls: list[str], fields: tuple | None = None, shared=True
+    ):
         self.like = like
         self.calls = calls
-        self.fields = fields or share_fields(like.untyped_storage().nbytes())
+        self.fields = fields or (share_fields(like.untyped_storage().nbytes()) if shared else None)
+        self.shared = shared
         self.device = torch.device("cuda", 0)
         self.dtype, self.shape, self.layout = like.dtype, like.shape, like.layout
 
     def __getitem__(self, index: int) -> FakeCudaTensor:
-        return FakeCudaTensor(self.like[index], self.calls, self.fields)
+        return FakeCudaTensor(self.like[index], self.calls, self.fields, self.shared)
+
+    def to(self, device: str) -> torch.Tensor:
+        assert device == "cpu"
+        self.calls.append("to host")
+        return self.like.clone()
 
     def stride(self) -> tuple[int, ...]:
         return self.like.stride()
@@ -194,38 +204,6 @@ class FakeCudaTensor:
         return FakeStorage(self.fields, self.calls)
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Stands in for the CUDA calls the client makes; records them in order."""
-    calls: list[str] = []
-
-    class Stream:
-        def synchronize(self) -> None:
-            calls.append("synchronize")
-
-    class Props:
-        uuid = uuid.UUID(GPU_UUID)
-
-    stream = Stream()
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: _Noop())
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
-    monkeypatch.setattr(
-        torch.UntypedStorage,
-        "_release_ipc_counter_cuda",
-        lambda handle, offset: calls.append(f"release {handle.decode()} {offset}"),
-    )
-    return calls
-
-
-class _Noop:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 def test_client_describes_a_cuda_tensor_and_releases_once(fake_cuda):
     batch = torch.stack([make_clip(frames=4, seed=1), make_clip(frames=4, seed=2)])
     video = FakeCudaTensor(batch, fake_cuda)[1]  # a view: its storage offset is one clip
@@ -233,7 +211,9 @@ def test_client_describes_a_cuda_tensor_and_releases_once(fake_cuda):
     assert isinstance(ctx, CudaShare)
     with ctx as src:
         assert isinstance(src, CudaIpcSource)
-        assert fake_cuda == ["synchronize", "share"]  # the producer's work is done first
+        # No wait here: the worker waits on an event recorded on the producer's stream.
+        assert fake_cuda == ["share", "record"]
+        assert (src.event_sync_required, src.event_bytes) == (True, b"\x07" * 64)
         assert src.tensor_offset == batch[1].storage_offset() == batch[1].numel()
         assert src.strides == list(batch[1].stride())
         assert (src.shape, src.layout, src.dtype) == ([3, 4, 48, 64], "CTHW", "float32")
@@ -251,7 +231,7 @@ def test_client_releases_when_describing_fails(fake_cuda, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: BadProps())
     with pytest.raises(ValueError), share(FakeCudaTensor(make_clip(frames=2), fake_cuda)):
         pass
-    assert fake_cuda == ["synchronize", "share", "release /torch_1_2_3 5"]
+    assert fake_cuda == ["share", "record", "release /torch_1_2_3 5"]
 
 
 def test_client_refuses_before_sharing_what_it_cannot_describe(fake_cuda):
@@ -294,8 +274,8 @@ def no_cuda_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         def synchronize(self) -> None:
             calls.append("synchronize")
 
-    monkeypatch.setattr(torch.cuda, "device", lambda device: _Noop())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: _Noop())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: Noop())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: Noop())
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(cuda_convert, "pin_host", lambda *a: calls.append("pin") or True)
     monkeypatch.setattr(cuda_convert, "unpin_host", lambda *a: calls.append("unpin"))
@@ -386,7 +366,7 @@ def test_handles_torch_cannot_open_are_answered_by_cause(monkeypatch, handle, er
     def refuse(*args: object) -> None:
         raise RuntimeError(f"{error}\nException raised from getIpcDevPtr at ...")
 
-    monkeypatch.setattr(torch.cuda, "device", lambda device: _Noop())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: Noop())
     monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", refuse)
     with pytest.raises(FramewireError) as err:
         cuda_ipc.open_storage(0, handle, 4096)
@@ -415,16 +395,6 @@ def test_no_runtime_without_cuda(monkeypatch):
 # ------------------------------------------------------------------------ a worker without CUDA
 
 
-@pytest.fixture(scope="module")
-def cpu_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    started = Workers(lambda: tmp_path_factory.mktemp("cpu-worker"))
-    # Hidden where there is a GPU (a worker started afresh); where there is none, the
-    # worker forked from the zygote already sees none.
-    hidden = {"CUDA_VISIBLE_DEVICES": ""} if torch.cuda.is_available() else {}
-    yield started.start(env=os.environ | hidden)
-    started.stop_all()
-
-
 def test_worker_without_cuda_refuses_cuda_and_keeps_serving(cpu_worker, tmp_path):
     outputs = [{"source": descriptor(), "path": "cuda.mp4", "fps": 24}]
     with cpu_worker.http() as h:
@@ -451,7 +421,7 @@ def test_client_cuda_tensor_against_worker_without_cuda(cpu_worker, fake_cuda):
     with Client(cpu_worker.uds_url) as c, pytest.raises(BadRequest) as err:
         c.save_video(FakeCudaTensor(make_clip(frames=2), fake_cuda), "fake.mp4", fps=24)
     assert err.value.code == "cuda_unavailable"
-    assert fake_cuda == ["synchronize", "share", "release /torch_1_2_3 5"]
+    assert fake_cuda == ["share", "record", "release /torch_1_2_3 5"]
 
 
 def test_cuda_region_endpoints_without_cuda(cpu_worker, tmp_path):

@@ -7,6 +7,7 @@ torch raises them (their messages); what only a GPU shows is in scripts/gpu-chec
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import pytest
 import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from framewire.core.errors import FramewireError, Overloaded, Unavailable
+from framewire.core.errors import Conflict, FramewireError, Overloaded, Unavailable
 from framewire.core.wire import CudaIpcSource, Layout
 from framewire.service._http import health, triton
 from framewire.service._sources import cuda_convert
@@ -23,7 +24,8 @@ from framewire.service._sources.cuda_faults import HEALTH, classified
 from framewire.service._sources.cuda_handles import HandleLocks
 from framewire.service._sources.cuda_ipc import CudaRuntime
 
-from tests.service.sources.test_cuda import GPU_UUID, CpuStandIn, descriptor
+from tests.service.sources.conftest import GPU_UUID
+from tests.service.sources.test_cuda import CpuStandIn, descriptor
 
 ILLEGAL = (
     "CUDA error: an illegal memory access was encountered\n"
@@ -158,3 +160,42 @@ def test_a_failed_open_leaves_its_handle_uncounted():
     with pytest.raises(FramewireError):
         locks.open(b"A", lambda: (_ for _ in ()).throw(FramewireError("no", code="x")))
     assert len(locks) == 0
+
+
+MEM_HANDLE = bytes(range(64))
+
+
+def test_a_handle_from_a_newer_torch_is_opened_where_its_bytes_allow_else_refused():
+    from framewire.service._sources.cuda_versions import handle_version, importable
+
+    assert [handle_version(v) for v in ("2.3.1", "2.12.0+cu128", "2.13.0", "2.14.1")] == [
+        2,
+        2,
+        2 + 1,
+        2 + 1,
+    ]
+    v3_malloc = b"\x03c" + MEM_HANDLE
+    assert importable(v3_malloc, "2.13.0", ours="2.12.0") == b"\x02c" + MEM_HANDLE
+    assert importable(v3_malloc, "2.13.0", ours="2.13.0") == v3_malloc
+    assert importable(b"\x02c" + MEM_HANDLE, "2.5.1", ours="2.13.0") == b"\x02c" + MEM_HANDLE
+    assert importable(MEM_HANDLE, None, ours="2.12.0") == MEM_HANDLE  # CUDA's own
+    with pytest.raises(Conflict) as refused:
+        importable(b"\x03e" + b"\x00" * 40, "2.13.0", ours="2.12.0")
+    assert refused.value.code == "cuda_torch_mismatch"
+    assert "2.13.0" in refused.value.message and "2.12.0" in refused.value.message
+    with pytest.raises(Conflict):
+        importable(b"\x04c" + MEM_HANDLE, "2.99.0", ours="2.13.0")  # unknown: not guessed
+
+
+def test_the_worker_refuses_a_handle_its_torch_cannot_read_before_any_cuda_call(cpu_worker):
+    future = base64.b64encode(b"\x04c" + MEM_HANDLE).decode()
+    readable = base64.b64encode(b"\x03c" + MEM_HANDLE).decode()
+    out = {"path": "x.mp4", "fps": 24}
+    with cpu_worker.http() as h:
+        source = descriptor(handle=future, torch_version="2.99.0")
+        r = h.post("/v1/videos:encode", json={"outputs": [out | {"source": source}]})
+        assert (r.status_code, r.json()["code"]) == (409, "cuda_torch_mismatch"), r.text
+        assert "2.99.0" in r.json()["error"]
+        source = descriptor(handle=readable, torch_version="2.13.0")
+        r = h.post("/v1/videos:encode", json={"outputs": [out | {"source": source}]})
+        assert (r.status_code, r.json()["code"]) == (400, "cuda_unavailable")  # the next check
