@@ -14,6 +14,7 @@ import pytest
 
 from tests.support.order import in_order
 from tests.support.processes import child_pids, framewire_temps
+from tests.support.real import unavailable
 from tests.support.worker import FORK, Worker, Workers
 from tests.support.zygote import Shared, share, start_variables
 
@@ -81,6 +82,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     shared = config.stash.get(_shared, None)
     if shared is not None:
         shared.stop()
+
+
+@pytest.fixture
+def as_root() -> None:
+    """For tests that act as other uids (tests.support.real.needs_root)."""
+    if os.geteuid() != 0:
+        unavailable("acting as another uid needs root")
 
 
 @pytest.fixture(scope="session")

@@ -79,7 +79,7 @@ def _through_worker(args: argparse.Namespace, live: bool) -> tuple[dict[str, Any
     audio = None if args.audio is None else str(args.audio.absolute())
     # An object URL goes to the worker as it is; a file path as this process sees it.
     output = args.output if is_url(args.output) else str(Path(args.output).absolute())
-    with Client(args.url, token=args.token) as client:
+    with Client(args.url, token=args.token, local_fallback=not args.worker_only) as client:
         writer = client.open_video(
             output, audio=audio, layout=clip.layout, presign_s=args.presign_s, **_options(args)
         )

@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--ffmpeg", default=None)
     enc.add_argument("--chunk-bytes", dest="chunk_bytes", type=int, default=None)
     enc.add_argument("--fallback", action=argparse.BooleanOptionalAction, default=None)
+    enc.add_argument(
+        "--worker-only",
+        dest="worker_only",
+        action="store_true",
+        help="fail (exit 1) when no worker answers, instead of encoding in this process",
+    )
     add_output_flags(enc)
     enc.set_defaults(func=cmd_encode)
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from tests.support.benchruns import bench_json
+from tests.support.real import unavailable
 
 
 def test_stream_benchmark(tmp_path: Path) -> None:
@@ -30,7 +29,7 @@ def test_live_benchmark(tmp_path: Path) -> None:
 
     missing = browser_missing() or hlsjs_missing()
     if missing is not None:
-        pytest.skip(f"no browser or no hls.js can be installed here: {missing}")
+        unavailable(f"no browser or no hls.js can be installed here: {missing}")
     r, results = bench_json(tmp_path, "live.py", "--frames", "40", "--sizes", "64x48",
                             "--wall-size", "64x48", "--wall-frames", "40", "--wall-runs", "1",
                             "--wall-viewers", "2")  # fmt: skip

@@ -28,6 +28,7 @@ import yaml
 from tests.support import REPO
 from tests.support.image import LOCK, lockfile
 from tests.support.podman import BASE, IMAGE, Podman, build_base, build_image, install
+from tests.support.real import needs_root
 
 REBUILT = "localhost/framewire-test:rebuilt"
 TAGS = (BASE, IMAGE, REBUILT)
@@ -38,7 +39,7 @@ TOKEN = "image-test-token-0123456789"
 CONTEXT = ("pyproject.toml", "README.md", "requirements.lock", "docker", "core", "client",
            "service", "integrations")  # fmt: skip
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="rootful podman: run as root")
+pytestmark = needs_root  # rootful podman
 
 timings: dict[str, float] = {}
 

@@ -94,13 +94,22 @@ def test_other_saves_run_diffusers_own(on, export_utils, tmp_path, why, frames, 
     assert sha(path) == sha(own)
 
 
-def test_no_path_is_a_temporary_file_as_in_diffusers(on):
-    path = fw_diffusers.export_to_video(floats(7, 3, 16, 16))
-    try:
-        assert path.endswith(".mp4") and sha(path)
-    finally:
-        import os
+def test_no_path_is_a_temporary_file_as_in_diffusers(on, export_utils, tmp_path):
+    """No path: left to diffusers (a temporary file of its own naming), counted as such,
+    with diffusers' bytes."""
+    import os
+    import tempfile
 
+    key = "diffusers:engine:no output path (a temporary file)"
+    before = integrations.counts().get(key, 0)
+    frames = floats(7, 3, 16, 16)
+    path = fw_diffusers.export_to_video(frames)
+    try:
+        assert path.endswith(".mp4") and os.path.dirname(path) == tempfile.gettempdir()
+        assert integrations.counts()[key] == before + 1
+        own = export_utils.export_to_video(frames, str(tmp_path / "own.mp4"))
+        assert sha(path) == sha(own)
+    finally:
         os.unlink(path)
 
 

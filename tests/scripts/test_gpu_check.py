@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import CACHE, REPO
+from tests.support.real import unavailable
 
 CAP = 64 << 20
 # The lent image's packages that the pack's part imports (its list in docs/deployment.md).
@@ -120,7 +121,7 @@ def host_image(python: str) -> Path:
 def test_the_pack_fits_and_installs_offline_on_python312(tmp_path):
     py312 = python312()
     if py312 is None:
-        pytest.skip("no Python 3.12 here (python3.12, or pyenv's): the host's interpreter")
+        unavailable("no Python 3.12 here (python3.12, or pyenv's): the host's interpreter")
     pack = tmp_path / "pack"
     with ThreadPoolExecutor(1) as pool:  # the host's stand-in is made while the pack is
         made_image = pool.submit(host_image, py312)

@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import imageio_ffmpeg
-from framewire.core.media.argv import decode_argv
-from framewire.core.wire import DecodeRequest
 
 FFMPEG = imageio_ffmpeg.get_ffmpeg_exe()
 
@@ -61,9 +59,26 @@ def params(case: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in case.items() if k != "clip"}
 
 
-def oracle(path: Path, **kw: Any) -> bytes:
-    """The decode as a plain ffmpeg run with rgb24 on stdout: what ranks did before."""
-    argv = decode_argv(FFMPEG, DecodeRequest(path=os.fspath(path), **kw), out_fd=1)
+def oracle(
+    path: Path,
+    *,
+    fps: float,
+    width: int,
+    height: int,
+    start: float = 0.0,
+    max_frames: int | None = None,
+) -> bytes:
+    """The decode as a plain ffmpeg run with rgb24 on stdout, what ranks did before:
+    the command of ../shared/DESIGN.md section 4 written out here, not built by the
+    product (a change in its ``decode_argv`` must fail the decode tests)."""
+    argv = [FFMPEG, "-v", "error"]
+    if start > 0:
+        argv += ["-ss", f"{start:.9g}"]
+    argv += ["-i", os.fspath(path), "-map", "0:v:0", "-an"]
+    argv += ["-vf", f"fps={fps:g},scale={width}:{height}:flags=lanczos,setsar=1"]
+    if max_frames is not None:
+        argv += ["-frames:v", str(max_frames)]
+    argv += ["-f", "rawvideo", "-pix_fmt", "rgb24", "pipe:1"]
     return subprocess.run(argv, capture_output=True, check=True, timeout=60).stdout
 
 

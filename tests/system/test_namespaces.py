@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests.support.media import make_clip, reference_mp4, sha256
+from tests.support.real import unavailable
 
 RANK = r"""
 import json, os, sys
@@ -62,10 +63,10 @@ def isolated(volume: Path, at: Path, *argv: str) -> list[str]:
 @pytest.fixture
 def can_unshare() -> None:
     if shutil.which("unshare") is None:
-        pytest.skip("needs util-linux unshare")
+        unavailable("needs util-linux unshare")
     probe = subprocess.run(["unshare", "--ipc", "--mount", "true"], capture_output=True)
     if probe.returncode != 0:
-        pytest.skip(f"cannot make namespaces here: {probe.stderr.decode().strip()}")
+        unavailable(f"cannot make namespaces here: {probe.stderr.decode().strip()}")
 
 
 def test_a_rank_in_another_container_encodes_over_the_fd_socket(workers, tmp_path, can_unshare):

@@ -22,6 +22,7 @@ from framewire.core.wire import DecodeRequest
 
 from tests.support.identity import NOBODY, as_nobody, open_worker, post_json
 from tests.support.media import FFMPEG, make_clip, reference_mp4, sha256
+from tests.support.real import needs_root
 from tests.support.refclips import RawConnection, make_video, oracle
 from tests.support.requests import encode_body
 from tests.support.segments import raw_bytes, shm_source
@@ -258,7 +259,6 @@ def make_segment(clip, owner: int) -> str:
     return key
 
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
 
 
 @needs_root

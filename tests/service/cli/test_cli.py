@@ -153,10 +153,11 @@ def test_encode_takes_a_fractional_quality_and_a_profile(tmp_path, local, worker
     clip = make_clip(frames=6, height=30, width=34)
     np.save(tmp_path / "clip.npy", clip.numpy())
     out = tmp_path / "out.mp4" if local else worker.outputs / "cli-sglang.mp4"
-    where = ["--local"] if local else ["--url", worker.uds_url]
+    where = ["--local"] if local else ["--url", worker.uds_url, "--worker-only"]
     proc = run_cli("encode", str(tmp_path / "clip.npy"), str(out), "--fps", "23.976",
                "--quality", "5.5", "--profile", "sglang", *where)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+    assert local or ", route stream, " in proc.stdout, proc.stdout  # the worker's
     want = sglang_save(clip, tmp_path / "ref.mp4", fps=23.976, output_compression=55)
     assert sha256(out) == want
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import mmap
 import os
 import threading
 import time
@@ -46,6 +47,24 @@ def pump_through_slow_pipe(clip: torch.Tensor, writer: ChunkWriter | None = None
     return bytes(got)
 
 
+def sendfile_shares_pages() -> bool:
+    """Whether a page sent into a pipe with sendfile is still the file's page until read
+    (the kernel splices it): written over after the send, the reader sees the new bytes.
+    The hazard the tests below show exists only where it is."""
+    fd = os.memfd_create("framewire-probe")
+    r, w = os.pipe()
+    try:
+        os.ftruncate(fd, mmap.PAGESIZE)
+        with mmap.mmap(fd, mmap.PAGESIZE) as page:
+            page[:] = b"a" * mmap.PAGESIZE
+            os.sendfile(w, fd, 0, mmap.PAGESIZE)
+            page[:] = b"b" * mmap.PAGESIZE
+        return os.read(r, 1) == b"b"
+    finally:
+        for end in (fd, r, w):
+            os.close(end)
+
+
 def test_slots_are_not_rewritten_under_the_pipe():
     """Many chunks sit in the pipe unread while both slots are reused."""
     clip = make_clip(frames=40, height=48, width=64)
@@ -60,9 +79,10 @@ def test_without_punching_slots_the_pipe_sees_rewritten_pages(monkeypatch):
         return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=start)
 
     monkeypatch.setattr(staging.Staging, "slot", slot_without_punch)
-    clip = make_clip(frames=40, height=48, width=64)
-    if pump_through_slow_pipe(clip) == reference_uint8(clip, Layout.CTHW).tobytes():
+    if not sendfile_shares_pages():
         pytest.skip("this kernel copies on sendfile into a pipe; the hazard cannot show here")
+    clip = make_clip(frames=40, height=48, width=64)
+    assert pump_through_slow_pipe(clip) != reference_uint8(clip, Layout.CTHW).tobytes()
 
 
 class PinnedHostWriter(HostWriter):
@@ -91,10 +111,11 @@ def test_pinned_slots_are_reused_only_once_the_pipe_drained(monkeypatch):
 def test_pinned_slots_without_the_drain_wait_would_be_overwritten(monkeypatch):
     """Shows why pinned slots wait: not punched and not waited for, they corrupt."""
     monkeypatch.setattr(stream.PipeDrain, "wait", lambda self, slot: None)
+    if not sendfile_shares_pages():
+        pytest.skip("this kernel copies on sendfile into a pipe; the hazard cannot show here")
     clip = make_clip(frames=40, height=48, width=64)
     got = pump_through_slow_pipe(clip, PinnedHostWriter(TensorSource(clip)))
-    if got == reference_uint8(clip, Layout.CTHW).tobytes():
-        pytest.skip("this kernel copies on sendfile into a pipe; the hazard cannot show here")
+    assert got != reference_uint8(clip, Layout.CTHW).tobytes()
 
 
 def test_pinned_pump_stops_when_the_reader_goes_away():

@@ -19,6 +19,7 @@ from framewire.service._encode.scheduler import Scheduler
 
 from tests.support.identity import NOBODY, as_nobody
 from tests.support.media import make_clip, reference_mp4
+from tests.support.real import needs_root
 from tests.support.requests import RUNNING, WAITING, post_raw, raw_http, wait_for
 
 # ----------------------------------------------------------------------------- unit
@@ -357,7 +358,7 @@ def queue_over_tcp(url: str, bodies: list[dict], wait_s: float) -> list[tuple[in
             s.close()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
+@needs_root
 def test_one_caller_waits_in_its_share_of_the_queue(workers, segments):
     """Another user may have FRAMEWIRE_USER_SHARE of the queue waiting, not all of it:
     the places left are the ranks'."""

@@ -99,5 +99,6 @@ def test_an_encode_beside_a_load_on_every_core_finishes_with_its_bytes(workers, 
             hog.join(10)
     print(f"\nencode beside {len(hogs)} busy processes: {took:.1f} s")
     assert result.sha256 == expected
+    # The order is the claim: the encode ended while every busy process still ran (they
+    # stop at 60 s; the client's own bound is 120 s). How long it took is a figure.
     assert still_loaded, "the load ended before the encode did: nothing was shown"
-    assert took < 55

@@ -292,8 +292,9 @@ def test_cli_encode_and_probe_through_worker(worker, baseline, tmp_path):
     out = worker.outputs / "cli" / "c.mp4"
     out.parent.mkdir(exist_ok=True)
     run = run_cli("encode", str(tmp_path / "clip.npy"), str(out), "--fps", "24",
-                  "--url", worker.uds_url)  # fmt: skip
+                  "--url", worker.uds_url, "--worker-only")  # fmt: skip
     assert run.returncode == 0, run.stderr
+    assert ", route stream, " in run.stdout, run.stdout  # the worker's, not this process's
     assert sha256(out) == reference_mp4(clip, tmp_path / "ref.mp4")
     run = run_cli("probe", str(out), "--url", worker.tcp_url, timeout=60)
     assert run.returncode == 0, run.stderr

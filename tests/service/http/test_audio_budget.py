@@ -18,6 +18,7 @@ from tests.service.stream.test_sessions import open_stream, open_streams, send_f
 from tests.support.engines import sglang_save, vllm_omni_quantize, vllm_omni_save
 from tests.support.identity import NOBODY, as_nobody
 from tests.support.media import make_clip
+from tests.support.real import needs_root
 from tests.support.requests import encode_body
 from tests.support.segments import Segments
 from tests.support.worker import Worker
@@ -131,7 +132,7 @@ def test_the_copy_goes_with_the_last_user(audio_worker, segments):
     assert audio_memfds(audio_worker) == 0
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
+@needs_root
 def test_one_caller_holds_its_share_of_the_budget_and_the_ranks_the_rest(workers, segments):
     w = workers.start("--audio-budget-bytes", str(BUDGET),
                       "--allowed-uids", f"{os.getuid()},{NOBODY}")  # fmt: skip

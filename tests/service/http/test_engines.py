@@ -7,6 +7,7 @@ every wrong request gets its 4xx code and leaves nothing behind.
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -110,6 +111,15 @@ def test_bad_audio_is_refused_with_its_code(worker, segments, over, code):
     assert not [p for p in worker.outputs.iterdir() if p.name.startswith(".framewire-tmp")]
 
 
+def encode_requests(worker: Worker) -> float:
+    """The encode requests the worker has answered, whatever their status."""
+    with worker.http() as h:
+        text = h.get("/metrics").text
+    mine = re.findall(r'^framewire_requests_total\{route="/v1/videos:encode"[^}]*\} (\S+)$',
+                      text, re.MULTILINE)  # fmt: skip
+    return sum(float(v) for v in mine)
+
+
 @pytest.mark.parametrize(
     ("options", "code"),
     [
@@ -124,9 +134,11 @@ def test_bad_audio_is_refused_with_its_code(worker, segments, over, code):
 )
 def test_profile_options_are_checked_by_client_and_worker(worker, segments, options, code):
     frames = np.zeros((2, 16, 16, 3), np.uint8)
+    sent = encode_requests(worker)
     with Client(worker.uds_url) as c, pytest.raises(BadRequest) as err:
         c.save_video(frames, "opts.mp4", fps=24, **options)  # type: ignore[arg-type]
     assert err.value.code == code
+    assert encode_requests(worker) == sent  # the client's own check: nothing was sent
     body = {"outputs": [{"source": tiny_video(segments), "path": "opts.mp4", "fps": 24, **options}]}
     with http_client(worker.tcp_url) as h:
         r = h.post("/v1/videos:encode", json=body)

@@ -14,6 +14,7 @@ from framewire.client import Client, VideoWriter
 
 from tests.support.browser import browser_missing, chromium, fresh_page, shows
 from tests.support.hlsjs import hlsjs_missing, open_hls_player, player_frame, player_state
+from tests.support.real import unavailable
 
 FPS = 24
 CHUNK = 8
@@ -52,7 +53,7 @@ def browser() -> Iterator[Any]:
     """Chromium, launched once for these tests (each gets a page of its own)."""
     missing = browser_missing()
     if missing is not None:
-        pytest.skip(f"no browser can be installed here: {missing}")
+        unavailable(f"no browser can be installed here: {missing}")
     with chromium() as launched:
         yield launched
 
@@ -166,7 +167,7 @@ def test_hlsjs_plays_the_hls_url_while_chunks_arrive(worker, browser):
     have the clip's colours where the clip has them, and it reaches the end."""
     missing = hlsjs_missing()
     if missing is not None:
-        pytest.skip(f"hls.js cannot be installed here: {missing}")
+        unavailable(f"hls.js cannot be installed here: {missing}")
     clip = _clip(rounds=2)
     frames = clip.shape[1]
     with Client(worker.uds_url) as client, fresh_page(browser) as page:

@@ -9,15 +9,15 @@ import os
 import time
 
 import numpy as np
-import pytest
 import torch
 from framewire.core.fdsocket import take_output
 
 from tests.support.identity import NOBODY, as_user, open_worker, post_json
 from tests.support.media import make_clip
+from tests.support.real import needs_root
 from tests.support.worker import metric
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as other uids needs root")
+pytestmark = needs_root
 STRANGER = 4242  # a local user the worker does not serve on its fd socket
 
 

@@ -41,6 +41,7 @@ from tests.support.objstore import (
     store_env,
 )
 from tests.support.processes import SPOOL, framewire_temps, spools
+from tests.support.real import needs_root
 from tests.support.requests import post_raw
 from tests.support.segments import Segments
 from tests.support.worker import Worker, Workers
@@ -177,12 +178,15 @@ def test_a_store_that_fails_mid_upload_is_aborted(sworker, moto, proxy, segments
     assert_nothing_left(moto, sworker)
 
 
-def test_5xx_is_retried_then_succeeds(sworker, moto, proxy, segments):
+def test_5xx_is_retried_then_succeeds(sworker, moto, proxy, segments, tmp_path):
     proxy.plan = lambda m, t, n: 503 if m == "PUT" and proxy.count("PUT", "") == 1 else "pass"
-    r, _ = encode(sworker, segments, f"s3://{BUCKET}/ok/retry.mp4", SMALL)
+    r, clip = encode(sworker, segments, f"s3://{BUCKET}/ok/retry.mp4", SMALL)
     assert r.status_code == 200, r.text
     assert proxy.count("PUT", "ok/retry.mp4") == 2
     assert moto.leftovers(BUCKET) == (["ok/retry.mp4"], [])
+    # The retried PUT stored the encode's bytes, whole: the result's and the oracle's.
+    stored = object_sha(moto, "ok/retry.mp4")
+    assert stored == r.json()["outputs"][0]["sha256"] == reference_sha(clip, tmp_path)
 
 
 def test_5xx_past_the_attempts_is_store_unavailable(sworker, moto, proxy, segments):
@@ -299,7 +303,9 @@ def test_sigterm_during_an_upload_lets_it_finish_within_the_grace(workers, moto,
     assert framewire_temps(w.outputs) == []
 
 
-def test_without_credentials_and_secrets_are_never_shown(workers, moto, segments):
+def test_without_credentials_an_upload_is_store_denied_and_nothing_is_left(
+    workers, moto, segments
+):
     env = store_env(moto.endpoint)
     del env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
     w = workers.start(*ARGS, "--log-level", "debug", env=env)
@@ -628,7 +634,6 @@ def test_sigterm_stops_a_trickling_upload_past_the_grace(workers, moto, proxy, s
 # --- whose an object is -------------------------------------------------------------------
 
 RANK = 65533  # a rank's uid; NOBODY is another local user on the same host
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
 
 
 def encode_as(uid: int, w: Worker, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:

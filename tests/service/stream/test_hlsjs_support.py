@@ -24,6 +24,7 @@ from tests.support.hlsjs import (
     player_state,
 )
 from tests.support.media import FFMPEG
+from tests.support.real import unavailable
 
 SECONDS = 2
 
@@ -33,7 +34,7 @@ def player() -> Iterator[Any]:
     """Chromium, launched once for these tests (each gets a page of its own), and hls.js."""
     missing = browser_missing() or hlsjs_missing()
     if missing is not None:
-        pytest.skip(f"no browser or hls.js can be installed here: {missing}")
+        unavailable(f"no browser or hls.js can be installed here: {missing}")
     with chromium() as launched:
         yield launched
 

@@ -24,6 +24,7 @@ from tests.support.http import http_client
 from tests.support.identity import NOBODY, as_nobody
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.processes import framewire_temps, wait_until_writes_stop
+from tests.support.real import needs_root
 from tests.support.requests import Baseline, Request, raw_http, settle, wait_for_ffmpeg
 from tests.support.segments import Segments, raw_bytes, shm_source
 from tests.support.worker import Worker, metric
@@ -281,7 +282,7 @@ def open_streams(url: str, bodies: list[dict[str, Any]]) -> list[tuple[int, dict
         return [(r.status_code, r.json()) for r in (c.post("/v1/streams", json=b) for b in bodies)]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
+@needs_root
 def test_one_caller_opens_its_share_of_the_sessions_and_the_ranks_still_open_theirs(workers):
     w = workers.start(*WORKER_ARGS, "--allowed-uids", f"{os.getuid()},{NOBODY}")
     w.outputs.chmod(0o777)  # another user may write there: the share is all that stops it
