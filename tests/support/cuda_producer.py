@@ -13,6 +13,13 @@ SPEC: {"mode", "url", "clips": [CLIP, ...], "paths": [...], "layout", ...}; CLIP
             anything, so the handle it printed names freed memory
   region    registers the first clip's allocation as a CUDA region, encodes from it,
             reads the region's status, unregisters it; what each step answered
+  threads   two threads save views of one batch tensor at once; the results
+  cancel_then_overwrite
+            an async save cancelled after "cancel_s", the tensor overwritten at once,
+            then the clip saved again to the second path; what each did
+
+A CLIP may ask for "specials" (NaN, infinities, values out of range); a save may name a
+"profile", and with "memory": true reports what it left allocated on the GPU.
 
 A process of its own: CUDA IPC handles cannot be opened by the process that made them.
 """
@@ -54,7 +61,12 @@ def clip_for(
     }
     if view == "strided":
         return make_clip(**make).to(device).permute(1, 2, 3, 0), Layout.THWC
-    clip = make_clip(**make, layout=layout).to(device)
+    clip = make_clip(**make, layout=layout)
+    if spec.get("specials"):  # NaN, infinities and values out of [0, 1], the same anywhere
+        flat = clip.view(-1)
+        for i, value in enumerate((float("nan"), float("inf"), -float("inf"), 1.7, -0.3)):
+            flat[i * 97 % flat.numel()] = value
+    clip = clip.to(device)
     if view == "batch":
         other = make_clip(**(make | {"seed": make["seed"] + 100}), layout=layout).to(device)
         return torch.stack([other, clip])[1], layout
@@ -64,17 +76,76 @@ def clip_for(
 def save(spec: dict[str, Any]) -> Any:
     from framewire.client import Client, FramewireError
 
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()  # before the clips: what the rank had
     clips = [clip_for(c, "cuda") for c in spec["clips"]]
     layouts = {layout for _, layout in clips}
     assert len(layouts) == 1, "one request, one layout"
+    options = {k: spec[k] for k in ("profile",) if k in spec}
     try:
         with Client(spec["url"], timeout=300) as client:
             results = client.save_videos(
-                [t for t, _ in clips], spec["paths"], fps=24, layout=layouts.pop()
+                [t for t, _ in clips], spec["paths"], fps=24, layout=layouts.pop(), **options
             )
     except FramewireError as exc:
         return {"error": exc.code, "message": exc.message}
-    return [r.model_dump(mode="json") for r in results]
+    answer = [r.model_dump(mode="json") for r in results]
+    if spec.get("memory"):  # what the save left allocated once the clips are dropped
+        del clips
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_allocated()
+        torch.cuda.ipc_collect()  # what torch frees once consumers counted down
+        return {"results": answer, "baseline": baseline, "after": after,
+                "after_ipc_collect": torch.cuda.memory_allocated()}  # fmt: skip
+    return answer
+
+
+def threads(spec: dict[str, Any]) -> Any:
+    """Two threads of this process save views of one batch tensor at once (SGLang's
+    parallel save): one allocation, its handle opened twice by the worker at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from framewire.client import Client
+
+    clips = [clip_for(c, "cpu")[0] for c in spec["clips"]]
+    batch = torch.stack(clips).to("cuda")
+    with Client(spec["url"], timeout=300) as client, ThreadPoolExecutor(len(clips)) as pool:
+        done = [pool.submit(client.save_video, batch[i], path, fps=24)
+                for i, path in enumerate(spec["paths"])]  # fmt: skip
+        return [d.result().model_dump(mode="json") for d in done]
+
+
+def cancel_then_overwrite(spec: dict[str, Any]) -> Any:
+    """An async save cancelled after ``cancel_s``, the tensor overwritten at once; then a
+    save of the clip again. The first must leave nothing, the second be the clip's bytes:
+    the worker never read the overwritten memory into a file."""
+    import asyncio
+
+    from framewire.client import AsyncClient
+
+    tensor, layout = clip_for(spec["clips"][0], "cuda")
+
+    async def go() -> dict[str, Any]:
+        async with AsyncClient(spec["url"], timeout=300, local_fallback=False) as client:
+            first = asyncio.ensure_future(
+                client.save_video(tensor, spec["paths"][0], fps=24, layout=layout)
+            )
+            await asyncio.sleep(spec["cancel_s"])
+            first.cancel()
+            cancelled = True
+            try:
+                await first
+                cancelled = False
+            except asyncio.CancelledError:
+                pass
+            tensor.fill_(0.5)  # the rank reuses its buffer at once
+            again, _ = clip_for(spec["clips"][0], "cuda")
+            second = await client.save_video(again, spec["paths"][1], fps=24, layout=layout)
+            for thread in client._release_later.threads:
+                await asyncio.to_thread(thread.join, 300)
+            return {"cancelled": cancelled, "second": second.model_dump(mode="json")}
+
+    return asyncio.run(go())
 
 
 def stream(spec: dict[str, Any]) -> Any:
@@ -154,7 +225,9 @@ def main() -> None:
     if mode == "describe":
         describe(spec)
         return
-    result = {"save": save, "stream": stream, "region": region}[mode](spec)
+    modes = {"save": save, "stream": stream, "region": region, "threads": threads,
+             "cancel_then_overwrite": cancel_then_overwrite}  # fmt: skip
+    result = modes[mode](spec)
     print(json.dumps(result), flush=True)
 
 

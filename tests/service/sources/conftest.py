@@ -66,3 +66,11 @@ def cpu_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     hidden = {"CUDA_VISIBLE_DEVICES": ""} if torch.cuda.is_available() else {}
     yield started.start(env=os.environ | hidden)
     started.stop_all()
+
+
+@pytest.fixture(scope="module")
+def gpu_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """A worker on this host's GPUs (the tests that use it need one: ``cuda``)."""
+    started = Workers(lambda: tmp_path_factory.mktemp("gpu-worker"))
+    yield started.start()
+    started.stop_all()

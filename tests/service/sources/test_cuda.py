@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,6 @@ from tests.service.sources.conftest import GPU_UUID, Noop
 from tests.support import REPO
 from tests.support.cuda_producer import clip_for
 from tests.support.media import FFMPEG, make_clip, reference_mp4, sha256
-from tests.support.worker import Worker, Workers
 
 HAS_CUDA = torch.cuda.is_available()
 gpu_only = pytest.mark.skipif(
@@ -481,10 +479,11 @@ def reference(spec: dict[str, Any], path: Path) -> str:
     return reference_mp4(clip, path, layout=layout)
 
 
-def producer(spec: dict[str, Any]) -> subprocess.Popen[str]:
+def producer(spec: dict[str, Any], **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "tests.support.cuda_producer", json.dumps(spec)],
         cwd=REPO,
+        env=os.environ | env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -496,13 +495,6 @@ def finish(proc: subprocess.Popen[str], timeout: float = 300) -> Any:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, err
     return json.loads(out.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def gpu_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    started = Workers(lambda: tmp_path_factory.mktemp("gpu-worker"))
-    yield started.start()
-    started.stop_all()
 
 
 @pytest.mark.parametrize("case", list(CASES))
