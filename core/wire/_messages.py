@@ -250,8 +250,9 @@ class RegisterCudaRegion(BaseModel):
     """``POST /v2/cudasharedmemory/region/{name}/register``"""
 
     raw_handle: RawHandle
-    device_id: Int = Field(ge=0)
-    byte_size: Int = Field(gt=0)
+    device_id: Int = Field(ge=0)  # the client's index: the same GPU only with the same
+    byte_size: Int = Field(gt=0)  # CUDA_VISIBLE_DEVICES; device_uuid, when sent, wins
+    device_uuid: str | None = Field(default=None, max_length=64)  # framewire's extension
 
 
 # Pydantic field names whose errors get a code of their own.

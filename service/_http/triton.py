@@ -95,7 +95,9 @@ def register_cuda(
     name: str, body: RegisterCudaRegion, parts: WorkerParts, caller: Caller
 ) -> JSONResponse:
     regions = parts.regions
-    regions.register_cuda(name, body.raw_handle.b64, body.device_id, body.byte_size, caller)
+    regions.register_cuda(
+        name, body.raw_handle.b64, body.device_id, body.byte_size, caller, body.device_uuid
+    )
     return JSONResponse(OK)
 
 

@@ -280,8 +280,14 @@ class CudaRuntime:
 
         return self.handles.open(handle, opened)
 
-    def open_region(self, handle: bytes, device_id: int, byte_size: int) -> torch.UntypedStorage:
-        """A Triton-style CUDA region: ``byte_size`` bytes from the start of the allocation."""
+    def open_region(
+        self, handle: bytes, device_id: int, byte_size: int, device_uuid: str | None = None
+    ) -> torch.UntypedStorage:
+        """A Triton-style CUDA region: ``byte_size`` bytes from the start of the allocation.
+        Triton's ``device_id`` is the client's index, the same GPU here only where both
+        see the same CUDA_VISIBLE_DEVICES; ``device_uuid`` (framewire's) names it anywhere."""
+        if device_uuid is not None:
+            device_id = self.device_index(device_uuid)
         if not 0 <= device_id < torch.cuda.device_count():
             raise NotFound(
                 f"no CUDA device {device_id} (the worker sees {torch.cuda.device_count()})",

@@ -40,7 +40,9 @@ from framewire.service._sources.shm import judge_fd, open_shm
 class CudaOpener(Protocol):
     """What maps a CUDA region's memory (the worker's CUDA runtime, when it has a GPU)."""
 
-    def open_region(self, handle: bytes, device_id: int, byte_size: int) -> Any: ...
+    def open_region(
+        self, handle: bytes, device_id: int, byte_size: int, device_uuid: str | None = None
+    ) -> Any: ...
 
 
 @dataclass(eq=False)
@@ -221,8 +223,10 @@ class RegionRegistry:
         device_id: int,
         byte_size: int,
         access: Access = TRUSTED,
+        device_uuid: str | None = None,
     ) -> None:
-        """A CUDA region: the first ``byte_size`` bytes behind a base64 cudaIpcMemHandle_t."""
+        """A CUDA region: the first ``byte_size`` bytes behind a base64 cudaIpcMemHandle_t,
+        on the GPU ``device_uuid`` names when given, else the client's ``device_id``."""
         owner = access.owner(f"region '{name}'")
         if self.cuda is None:
             raise BadRequest(
@@ -238,7 +242,7 @@ class RegionRegistry:
             raise BadRequest("raw_handle.b64 is not base64", code="bad_cuda_handle") from None
         if not handle:
             raise BadRequest("raw_handle.b64 is empty", code="bad_cuda_handle")
-        storage = self.cuda.open_region(handle, device_id, byte_size)
+        storage = self.cuda.open_region(handle, device_id, byte_size, device_uuid)
         self._add(CudaRegion(name, byte_size, device_id, storage, owner=owner))
 
     def get(self, name: str, kind: type[Region] = Region) -> Region:

@@ -199,3 +199,21 @@ def test_the_worker_refuses_a_handle_its_torch_cannot_read_before_any_cuda_call(
         source = descriptor(handle=readable, torch_version="2.13.0")
         r = h.post("/v1/videos:encode", json={"outputs": [out | {"source": source}]})
         assert (r.status_code, r.json()["code"]) == (400, "cuda_unavailable")  # the next check
+
+
+def test_a_cuda_region_names_its_gpu_by_uuid_where_the_indices_differ(monkeypatch):
+    """Triton's device_id is the client's index; the worker here sees that GPU as cuda:3
+    (another CUDA_VISIBLE_DEVICES): device_uuid, when sent, chooses it."""
+    from framewire.service._sources import cuda_ipc
+
+    runtime = object.__new__(CudaRuntime)
+    runtime.devices = {GPU_UUID: 3}
+    opened: list[int] = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(cuda_ipc, "open_storage", lambda index, *a: opened.append(index))
+    runtime.open_region(MEM_HANDLE, 0, 64, device_uuid=GPU_UUID)
+    runtime.open_region(MEM_HANDLE, 0, 64)  # no UUID: the client's index, as Triton's
+    assert opened == [3, 0]
+    with pytest.raises(FramewireError) as unseen:
+        runtime.open_region(MEM_HANDLE, 0, 64, device_uuid="9" * 32)
+    assert unseen.value.code == "cuda_device_not_found"
