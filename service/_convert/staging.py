@@ -42,6 +42,8 @@ class Staging(Closing):
         self.slot_bytes = -(-slot_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
         self.size = self.slot_bytes * slots
         self.in_flight = in_flight
+        self.pinned_on: object = None  # the CUDA device it is page-locked for, once it is
+        self._before_close: list[Callable[[], None]] = []
         self._sent = [0] * slots
         self.fd = os.memfd_create("framewire-staging", os.MFD_CLOEXEC)
         try:
@@ -74,9 +76,21 @@ class Staging(Closing):
         self._sent[index] = nbytes
         return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=start)
 
+    def before_close(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` (unpinning) before the mapping goes: once per staging, however
+        many chunk writers used it."""
+        self._before_close.append(undo)
+
     def close(self) -> None:
         if self.fd < 0:
             return
+        try:
+            while self._before_close:
+                self._before_close.pop()()
+        finally:
+            self._close_map()
+
+    def _close_map(self) -> None:
         try:
             self._map.close()
         except BufferError:

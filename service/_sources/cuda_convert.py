@@ -15,6 +15,7 @@ imports and does nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 
@@ -30,6 +31,7 @@ from framewire.service._sources.cuda_faults import classified
 from framewire.service._sources.frames import FrameSource, tensor_geometry
 
 log = logging.getLogger("framewire.cuda")
+REFUSED = "refused"  # a staging the driver would not page-lock
 
 
 def cuda_available() -> bool:
@@ -112,7 +114,6 @@ class CudaWriter(ChunkWriter):
         self.stream: torch.cuda.Stream | None = None
         self.scaled: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
-        self._pinned_at: int | None = None
 
     def open(self, staging: Staging | None, frames: int) -> None:
         src, g = self.source, self.source.geometry
@@ -128,11 +129,16 @@ class CudaWriter(ChunkWriter):
             if not src.as_is:
                 self.packed = torch.empty(samples, dtype=torch.uint8, device=src.device)
             # Only a pipe reader's consumption can be tracked (see stream.PipeDrain).
+            # Page-locked once per staging (a session's chunks each bring a writer),
+            # unlocked when the staging closes: cudaHostRegister costs ms per MiB.
             if staging is not None and staging.in_flight is not None:
-                address = staging.address()
-                if pin_host(address, staging.size, src.device):
-                    self._pinned_at = address
-                    self.pinned = True
+                if staging.pinned_on is None:
+                    address, device = staging.address(), src.device
+                    staging.pinned_on = REFUSED  # asked once: not again for each chunk
+                    if pin_host(address, staging.size, device):
+                        staging.pinned_on = device
+                        staging.before_close(functools.partial(unpin_host, address, device))
+                self.pinned = staging.pinned_on == src.device
 
     def write(self, take: Callable[[], torch.Tensor], t0: int, t1: int) -> None:
         src, g = self.source, self.source.geometry
@@ -162,17 +168,14 @@ class CudaWriter(ChunkWriter):
 
     def close(self) -> None:
         """Wait for our stream (nothing of ours may still read the producer's memory or
-        write the staging), then unpin and free, whatever the wait raised."""
+        write the staging), then free, whatever the wait raised (the staging unpins
+        itself as it closes)."""
         try:
             if self.stream is not None:
                 with classified(self.source.gpu_index, refuse=False):
                     self.stream.synchronize()
         finally:
-            pinned, self._pinned_at = self._pinned_at, None
             self.stream = self.scaled = self.packed = None
-            if pinned is not None:
-                with classified(self.source.gpu_index, refuse=False):
-                    unpin_host(pinned, self.source.device)
 
 
 # ----------------------------------------------------------------------------- pinning

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from framewire.core.errors import Conflict, FramewireError, Overloaded, Unavailable
 from framewire.core.wire import CudaIpcSource, Layout
+from framewire.service._convert.staging import Staging
 from framewire.service._http import health, triton
 from framewire.service._sources import cuda_convert
 from framewire.service._sources.cuda_faults import HEALTH, classified
@@ -68,24 +69,34 @@ def test_errors_that_leave_the_context_usable_mark_nothing():
     assert HEALTH.lost() == {}
 
 
-def test_a_writers_cleanup_runs_when_the_wait_for_its_stream_fails(monkeypatch):
-    unpinned: list[int] = []
-    monkeypatch.setattr(cuda_convert, "unpin_host", lambda at, device: unpinned.append(at))
+def test_a_writers_cleanup_runs_when_the_wait_for_its_stream_fails():
+    """The wait for the writer's stream fails (a sticky error): its GPU buffers go all the
+    same; the staging it used unpins and unmaps as it closes, even when unpinning fails."""
 
     class Poisoned:
         def synchronize(self) -> None:
             raise RuntimeError(ILLEGAL)
 
     writer = cuda_convert.CudaWriter(CpuStandIn(torch.zeros(3, 2, 4, 4), Layout.CTHW))
-    writer.stream, writer._pinned_at = Poisoned(), 4096  # type: ignore[assignment]
+    writer.stream = Poisoned()  # type: ignore[assignment]
     writer.scaled = torch.zeros(4)
     with pytest.raises(FramewireError) as failed:
         writer.close()
     assert failed.value.code == "cuda_error"
-    assert unpinned == [4096]  # the staging is unpinned all the same
     assert writer.scaled is None and writer.stream is None
     writer.close()  # again: nothing left to do
-    assert unpinned == [4096]
+
+    staging = Staging(4096)
+    undone: list[str] = []
+
+    def unpin() -> None:
+        undone.append("unpin")
+        raise RuntimeError(ILLEGAL)
+
+    staging.before_close(unpin)
+    with pytest.raises(RuntimeError):
+        staging.close()
+    assert undone == ["unpin"] and staging.fd == -1  # unmapped and closed all the same
 
 
 def test_health_and_liveness_say_a_gpu_is_unusable():
