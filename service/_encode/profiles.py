@@ -13,9 +13,11 @@ two differ, and are followed exactly as their engines write them (docs/engines.m
   .mul(255 / (hi - lo)).round()`` in the tensor's dtype (round half to even),
   then the cast. uint8 frames are taken as they are.
 
-Both are elementwise, so any block or chunk split gives the same bytes; they
-run on the host for every source (a CUDA source's blocks are copied over
-first), where the standard conversion may use the GPU or the compiled kernel.
+Both are elementwise, so any block or chunk split gives the same bytes.
+diffusers' runs on the host for every source (a CUDA source's blocks are
+copied over first: numpy's wrap of out-of-range values is the host's);
+vLLM-omni's on the GPU for a CUDA source (the same steps, rounded the same
+there), as the standard conversion does.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from framewire.core.wire import Layout
 from framewire.service._convert.convert import interleave_into
 from framewire.service._convert.staging import ChunkWriter
 from framewire.service._encode.pump import HostWriter
+from framewire.service._sources.cuda_convert import CudaTensorSource, CudaWriter, Scale
 from framewire.service._sources.frames import FrameSource
 
 Convert = Callable[[torch.Tensor, Layout, torch.Tensor], None]
@@ -52,14 +55,29 @@ def diffusers_convert(chunk: torch.Tensor, layout: Layout, out: torch.Tensor) ->
     interleave_into(torch.from_numpy(cast), layout, out)
 
 
-def vllm_omni_convert(value_range: tuple[float, float]) -> Convert:
-    """vLLM-omni's ``quantize_chunk`` for a VAE whose output spans ``value_range``."""
+def vllm_omni_scale(value_range: tuple[float, float]) -> Scale:
+    """vLLM-omni's ``quantize_chunk`` up to its cast: ``clamp(lo, hi).sub(lo).mul(255 /
+    (hi - lo)).round()``, each step in the frames' dtype, on whichever device they are
+    (elementwise, rounded the same on a GPU)."""
     low, high = float(value_range[0]), float(value_range[1])
     scale = 255.0 / (high - low)
 
+    def into(x: torch.Tensor, out: torch.Tensor) -> None:
+        torch.clamp(x, low, high, out=out)
+        out.sub_(low).mul_(scale).round_()
+
+    return into
+
+
+def vllm_omni_convert(value_range: tuple[float, float]) -> Convert:
+    """vLLM-omni's ``quantize_chunk`` for a VAE whose output spans ``value_range``."""
+    scale_into = vllm_omni_scale(value_range)
+
     def convert(chunk: torch.Tensor, layout: Layout, out: torch.Tensor) -> None:
         if chunk.dtype != torch.uint8:
-            chunk = chunk.clamp(low, high).sub(low).mul(scale).round().to(torch.uint8)
+            scaled = torch.empty_like(chunk)
+            scale_into(chunk, scaled)
+            chunk = scaled.to(torch.uint8)
         interleave_into(chunk, layout, out)
 
     return convert
@@ -80,4 +98,10 @@ def profile_writer(
     """The converter ``profile`` needs for ``source``; None: the source's own or the
     host's standard conversion."""
     convert = conversion(profile, value_range)
-    return None if convert is None else HostWriter(source, convert)
+    if convert is None:
+        return None
+    if profile == "vllm-omni" and isinstance(source, CudaTensorSource):
+        # Converted where the frames are, as the standard profile is: a chunk's uint8
+        # crosses to the host, not its floats.
+        return CudaWriter(source, vllm_omni_scale(value_range or DEFAULT_VALUE_RANGE))
+    return HostWriter(source, convert)

@@ -106,11 +106,23 @@ class CudaTensorSource(FrameSource):
         self.event = None
 
 
-class CudaWriter(ChunkWriter):
-    """Converts chunks on the source's GPU and copies each into host staging."""
+# Scales float frames into ``out`` (their dtype, their shape), ready for the cast to uint8.
+Scale = Callable[[torch.Tensor, torch.Tensor], None]
 
-    def __init__(self, source: CudaTensorSource):
+
+def standard_scale(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Section 3's ``(x * 255).clamp(0, 255)``, in the frames' dtype."""
+    torch.mul(x, 255, out=out)
+    out.clamp_(0, 255)
+
+
+class CudaWriter(ChunkWriter):
+    """Converts chunks on the source's GPU and copies each into host staging: ``scale``
+    then the truncating cast (an engine profile may bring its own scale)."""
+
+    def __init__(self, source: CudaTensorSource, scale: Scale = standard_scale):
         self.source = source
+        self.scale = scale
         self.stream: torch.cuda.Stream | None = None
         self.scaled: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
@@ -151,8 +163,7 @@ class CudaWriter(ChunkWriter):
             x = slice_frames(src.frames(), g.layout, t0, t1)
             if self.scaled is not None:
                 scaled = self.scaled[: x.numel()].view(x.shape)
-                torch.mul(x, 255, out=scaled)
-                scaled.clamp_(0, 255)
+                self.scale(x, scaled)
                 x = scaled
             frames = to_thwc(x, g.layout)
             if self.packed is not None:

@@ -690,3 +690,30 @@ def test_reference_route_converts_on_the_gpu_too(tmp_path, monkeypatch):
         source.close()
     assert result.route == "fallback"
     assert result.sha256 == reference(spec, tmp_path / "ref.mp4")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_the_vllm_omni_profile_converts_on_the_gpu_as_on_the_host(no_cuda_calls, dtype):
+    """A CUDA source under the vllm-omni profile is converted where it lies (the GPU
+    writer with vLLM-omni's scale): the same bytes as the host conversion, NaN,
+    infinities and values out of range included (CPU stand-ins for the GPU's tensors)."""
+    from framewire.service._encode.pump import HostWriter
+    from framewire.service._encode.profiles import profile_writer, vllm_omni_convert
+    from framewire.service._sources.frames import TensorSource
+
+    spec = clip_spec("float32", frames=5) | {"dtype": dtype, "specials": True}
+    clip, layout = clip_for(spec)
+    clip = clip * 3 - 1.5  # well past (-1, 1) both ways, as a VAE's output may be
+    g = CpuStandIn(clip, layout).geometry
+    writer = profile_writer(CpuStandIn(clip, layout), "vllm-omni", (-1.0, 1.0))
+    assert isinstance(writer, cuda_convert.CudaWriter)  # converted where the frames lie
+    host = HostWriter(TensorSource(clip, layout), vllm_omni_convert((-1.0, 1.0)))
+    outs = [torch.zeros((5, g.height, g.width, 3), dtype=torch.uint8) for _ in range(2)]
+    writer.open(None, 5)
+    try:
+        writer.write(lambda: outs[0], 0, 5)
+    finally:
+        writer.close()
+    host.write(lambda: outs[1], 0, 5)
+    assert torch.equal(outs[0], outs[1])
+    assert outs[0].max() == 255 and outs[0].min() == 0
