@@ -33,7 +33,7 @@ from framewire.service._convert.convert import interleave_into
 from framewire.service._convert.staging import ChunkWriter
 from framewire.service._encode.pump import HostWriter
 from framewire.service._sources.cuda_convert import CudaTensorSource, CudaWriter, Scale
-from framewire.service._sources.frames import FrameSource
+from framewire.service._sources.frames import FrameSource, TensorSource
 
 Convert = Callable[[torch.Tensor, Layout, torch.Tensor], None]
 DEFAULT_VALUE_RANGE = (-1.0, 1.0)  # vLLM-omni's Wan VAEs, and its serving path's guess
@@ -100,8 +100,21 @@ def profile_writer(
     convert = conversion(profile, value_range)
     if convert is None:
         return None
-    if profile == "vllm-omni" and isinstance(source, CudaTensorSource):
-        # Converted where the frames are, as the standard profile is: a chunk's uint8
-        # crosses to the host, not its floats.
-        return CudaWriter(source, vllm_omni_scale(value_range or DEFAULT_VALUE_RANGE))
+    if isinstance(source, CudaTensorSource):
+        if profile == "vllm-omni":
+            # Converted where the frames are, as the standard profile is: a chunk's
+            # uint8 crosses to the host, not its floats.
+            return CudaWriter(source, vllm_omni_scale(value_range or DEFAULT_VALUE_RANGE))
+        return CopiedChunkWriter(source, convert)
     return HostWriter(source, convert)
+
+
+class CopiedChunkWriter(HostWriter):
+    """A CUDA source under a profile converted on the host (diffusers'): each chunk
+    crosses to the host in one copy, not one synchronous copy per cache-sized block,
+    then converts as host frames do."""
+
+    def write(self, take: Callable[[], torch.Tensor], t0: int, t1: int) -> None:
+        chunk, _ = self.source.read(t0, t1)  # one device-to-host copy of the chunk
+        on_host = TensorSource(chunk, self.source.geometry.layout)
+        HostWriter(on_host, self.convert).write(take, 0, t1 - t0)

@@ -697,8 +697,8 @@ def test_the_vllm_omni_profile_converts_on_the_gpu_as_on_the_host(no_cuda_calls,
     """A CUDA source under the vllm-omni profile is converted where it lies (the GPU
     writer with vLLM-omni's scale): the same bytes as the host conversion, NaN,
     infinities and values out of range included (CPU stand-ins for the GPU's tensors)."""
-    from framewire.service._encode.pump import HostWriter
     from framewire.service._encode.profiles import profile_writer, vllm_omni_convert
+    from framewire.service._encode.pump import HostWriter
     from framewire.service._sources.frames import TensorSource
 
     spec = clip_spec("float32", frames=5) | {"dtype": dtype, "specials": True}
@@ -717,3 +717,30 @@ def test_the_vllm_omni_profile_converts_on_the_gpu_as_on_the_host(no_cuda_calls,
     host.write(lambda: outs[1], 0, 5)
     assert torch.equal(outs[0], outs[1])
     assert outs[0].max() == 255 and outs[0].min() == 0
+
+
+def test_the_diffusers_profile_copies_a_cuda_chunk_to_the_host_once(no_cuda_calls):
+    """diffusers' conversion runs on the host (numpy's wrap of out-of-range values): a
+    CUDA chunk crosses in one copy, not one per cache-sized block, with the host's bytes."""
+    from framewire.service._encode.profiles import diffusers_convert, profile_writer
+    from framewire.service._encode.pump import HostWriter
+    from framewire.service._sources.frames import TensorSource
+
+    clip, layout = clip_for(clip_spec("float32", frames=6) | {"height": 240, "width": 320})
+    reads: list[tuple[int, int]] = []
+
+    class Counted(CpuStandIn):
+        def read(self, t0, t1, r0=0, r1=None):
+            reads.append((t0, t1))
+            return super().read(t0, t1, r0, r1)
+
+    g = CpuStandIn(clip, layout).geometry
+    writer = profile_writer(Counted(clip, layout), "diffusers")
+    host = HostWriter(TensorSource(clip, layout), diffusers_convert)
+    outs = [torch.zeros((6, g.height, g.width, 3), dtype=torch.uint8) for _ in range(2)]
+    for w, out in zip((writer, host), outs, strict=True):
+        assert w is not None
+        for t0, t1 in [(0, 4), (4, 6)]:
+            w.write(lambda out=out, t0=t0, t1=t1: out[t0:t1], t0, t1)
+    assert torch.equal(outs[0], outs[1])
+    assert reads == [(0, 4), (4, 6)]  # a read per frame-sized block before: 6
