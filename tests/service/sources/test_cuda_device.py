@@ -2,7 +2,8 @@
 expandable segments, a producer whose torch or CUDA_VISIBLE_DEVICES differs from the
 worker's, a producer killed mid-encode, a cancel followed at once by overwriting the
 tensor, two threads saving views of one allocation, NaN and infinities, half floats over
-many chunks, the engine profiles from CUDA, and the producer's memory after each save.
+many chunks, the diffusers and vllm-omni profiles from CUDA, and the producer's memory
+after each save.
 Each producer is a process of its own (tests/support/cuda_producer.py)."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from tests.service.sources.test_cuda import clip_spec, finish, gpu_only, producer, reference
 from tests.support.cuda_producer import clip_for
-from tests.support.engines import vllm_omni_quantize, vllm_omni_save
+from tests.support.engines import diffusers_save, vllm_omni_quantize, vllm_omni_save
 from tests.support.media import sha256
 from tests.support.requests import RUNNING, wait_for
 from tests.support.worker import Worker
@@ -131,6 +132,16 @@ def test_the_vllm_omni_profile_from_cuda_has_its_bytes(gpu_worker, tmp_path):
     clip, _ = clip_for(spec)
     want = vllm_omni_save(vllm_omni_quantize(clip, (-1.0, 1.0)), tmp_path / "v.mp4", fps=24)
     assert out[0]["sha256"] == want == sha256(gpu_worker.outputs / "omni.mp4")
+
+
+def test_the_diffusers_profile_from_cuda_has_its_bytes(gpu_worker, tmp_path):
+    spec = clip_spec("float32", frames=8) | {"layout": "CTHW"}
+    out = finish(producer({"mode": "save", "url": gpu_worker.uds_url, "clips": [spec],
+                           "paths": ["diffusers.mp4"], "profile": "diffusers"}))  # fmt: skip
+    clip, _ = clip_for(spec)
+    frames = list(clip.permute(1, 2, 3, 0).numpy())  # a pipeline's output_type="np"
+    want = diffusers_save(frames, tmp_path / "d.mp4", fps=24)
+    assert out[0]["sha256"] == want == sha256(gpu_worker.outputs / "diffusers.mp4")
 
 
 def test_the_producers_gpu_memory_is_back_after_each_save(gpu_worker):
