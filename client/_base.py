@@ -46,10 +46,11 @@ KEEPALIVE_S = 2.0
 
 T = TypeVar("T")
 H = TypeVar("H", httpx.Client, httpx.AsyncClient)
+W = TypeVar("W", bound="StreamPlans[Any]")  # the twin's stream writer
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class BaseClient(abc.ABC, Generic[H]):
+class BaseClient(abc.ABC, Generic[H, W]):
     """Settings, request building, answer reading and the plan of each operation: all of
     a client but its I/O (its connection pool, ``H``)."""
 
@@ -166,11 +167,27 @@ class BaseClient(abc.ABC, Generic[H]):
         yield from self._handover_plan()
         return self._handover.regions
 
-    @abc.abstractmethod
+    _writer_type: type[W]  # VideoWriter or AsyncVideoWriter
+    _send: Any  # the twin's way of taking a call: returned, or awaited
+
     def _writer(
-        self, path: str | os.PathLike[str], options: dict[str, Any], layout: Layout | str | None
-    ) -> StreamPlans[Any]:
+        self,
+        path: str | os.PathLike[str],
+        options: dict[str, Any],
+        layout: Layout | str | None,
+        live: bool = False,
+    ) -> W:
         """A stream writer of this client's (its twin's kind) for one output."""
+        return self._writer_type(
+            self._send,
+            self._regions_plan,
+            self._local,
+            path,
+            options,
+            layout=layout,
+            live=live,
+            release_later=self._release_later,
+        )
 
     def _save_plan(
         self,

@@ -25,7 +25,7 @@ from framewire.core.wire import Layout, MediaInfo, OutputResult
 T = TypeVar("T")
 
 
-class Client(BaseClient[httpx.Client], Closing):
+class Client(BaseClient[httpx.Client, VideoWriter], Closing):
     """Synchronous client. ``url`` is ``http://host:port`` or ``unix:///path/api.sock``.
 
     Made to live as long as the process: connections the worker closed, or that a
@@ -36,6 +36,8 @@ class Client(BaseClient[httpx.Client], Closing):
     else this process's; or root) before the token or frames go to it, and a worker on
     another host gets the token only over https or with ``trust_remote``; else
     :class:`Unavailable` ``worker_not_trusted``."""
+
+    _writer_type = VideoWriter
 
     def _open_http(self) -> httpx.Client:
         return httpx.Client(transport=self._peer.transport(self._uds), **self._client_args)
@@ -119,24 +121,6 @@ class Client(BaseClient[httpx.Client], Closing):
                                profile, value_range, presign_s, validate, encoder)  # fmt: skip
         return self._writer(path, options, layout, live=live)
 
-    def _writer(
-        self,
-        path: str | os.PathLike[str],
-        options: dict[str, Any],
-        layout: Layout | str | None,
-        live: bool = False,
-    ) -> VideoWriter:
-        return VideoWriter(
-            self._send,
-            self._regions_plan,
-            self._local,
-            path,
-            options,
-            layout=layout,
-            live=live,
-            release_later=self._release_later,
-        )
-
     def decode_reference(
         self,
         path: str | os.PathLike[str],
@@ -167,8 +151,10 @@ class Client(BaseClient[httpx.Client], Closing):
         self._http.close()
 
 
-class AsyncClient(BaseClient[httpx.AsyncClient]):
+class AsyncClient(BaseClient[httpx.AsyncClient, AsyncVideoWriter]):
     """The same calls as coroutines."""
+
+    _writer_type = AsyncVideoWriter
 
     def _open_http(self) -> httpx.AsyncClient:
         transport = self._peer.async_transport(self._uds)
@@ -242,24 +228,6 @@ class AsyncClient(BaseClient[httpx.AsyncClient]):
         options = save_options(fps, quality, preset, threads, audio, audio_sample_rate,
                                profile, value_range, presign_s, validate, encoder)  # fmt: skip
         return self._writer(path, options, layout, live=live)
-
-    def _writer(
-        self,
-        path: str | os.PathLike[str],
-        options: dict[str, Any],
-        layout: Layout | str | None,
-        live: bool = False,
-    ) -> AsyncVideoWriter:
-        return AsyncVideoWriter(
-            self._send,
-            self._regions_plan,
-            self._local,
-            path,
-            options,
-            layout=layout,
-            live=live,
-            release_later=self._release_later,
-        )
 
     @twin(Client.decode_reference)
     async def decode_reference(

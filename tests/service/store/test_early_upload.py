@@ -21,10 +21,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.objstore import Moto, Proxy, moto_server, part_number, proxy_to, store_env
+from tests.support.objstore import Moto, Proxy, part_number, store_env
 from tests.support.processes import framewire_temps
 from tests.support.segments import Segments
 from tests.support.worker import Worker, Workers
+
+pytestmark = pytest.mark.usefixtures("fresh")  # tests/service/store/conftest.py
 
 BUCKET = "early"
 PART = 16 << 10
@@ -38,32 +40,10 @@ CLIP = torch.randint(0, 256, (3, 200, 128, 128), dtype=torch.uint8,
 
 
 @pytest.fixture(scope="module")
-def moto() -> Iterator[Moto]:
-    with moto_server() as server:
-        server.client().create_bucket(Bucket=BUCKET)
-        yield server
-
-
-@pytest.fixture(scope="module")
-def proxy(moto: Moto) -> Iterator[Proxy]:
-    with proxy_to(moto.endpoint) as p:
-        yield p
-
-
-@pytest.fixture(scope="module")
 def eworker(proxy: Proxy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     started = Workers(lambda: tmp_path_factory.mktemp("worker"))
     yield started.start(*ARGS, env=store_env(proxy.endpoint))
     started.stop_all()
-
-
-@pytest.fixture(autouse=True)
-def fresh(proxy: Proxy, moto: Moto) -> Iterator[None]:
-    proxy.reset()
-    yield
-    proxy.release.set()
-    for key in moto.leftovers(BUCKET)[0]:
-        moto.client().delete_object(Bucket=BUCKET, Key=key)
 
 
 def object_bytes(moto: Moto, key: str) -> bytes:

@@ -37,7 +37,6 @@ from tests.support.objstore import (
     Proxy,
     moto_server,
     part_number,
-    proxy_to,
     store_env,
 )
 from tests.support.processes import SPOOL, framewire_temps, spools
@@ -45,6 +44,8 @@ from tests.support.real import needs_root
 from tests.support.requests import post_raw
 from tests.support.segments import Segments
 from tests.support.worker import Worker, Workers
+
+pytestmark = pytest.mark.usefixtures("fresh")  # tests/service/store/conftest.py
 
 BUCKET = "frames"
 PART = 2048  # the small clip (~1.9 KiB) goes in one PUT, the long one in several parts
@@ -57,34 +58,10 @@ LONG = (40, 96, 128)
 
 
 @pytest.fixture(scope="module")
-def moto() -> Iterator[Moto]:
-    with moto_server() as server:
-        server.client().create_bucket(Bucket=BUCKET)
-        yield server
-
-
-@pytest.fixture(scope="module")
-def proxy(moto: Moto) -> Iterator[Proxy]:
-    with proxy_to(moto.endpoint) as p:
-        yield p
-
-
-@pytest.fixture(scope="module")
 def sworker(proxy: Proxy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     started = Workers(lambda: tmp_path_factory.mktemp("worker"))
     yield started.start(*ARGS, env=store_env(proxy.endpoint))
     started.stop_all()
-
-
-@pytest.fixture(autouse=True)
-def fresh(proxy: Proxy, moto: Moto) -> Iterator[None]:
-    """Every test starts with a proxy that passes everything and an empty bucket."""
-    proxy.reset()
-    yield
-    proxy.release.set()
-    c = moto.client()
-    for key in moto.leftovers(BUCKET)[0]:
-        c.delete_object(Bucket=BUCKET, Key=key)
 
 
 def encode(w: Worker, segments: Segments, path: str, dims: tuple[int, int, int], **over: Any):
