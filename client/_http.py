@@ -146,9 +146,12 @@ class Client(BaseClient[httpx.Client, VideoWriter], Closing):
         return self._run(self._decode_plan(request, local_fallback))
 
     def close(self) -> None:
-        """Close the connection pool and the fd socket (the worker drops its regions)."""
+        """Close the connection pool and the fd socket (the worker drops its regions),
+        and the local fallback's encoder if it ran."""
         self._handover.close()
         self._http.close()
+        if self._local is not None:
+            self._local.close()
 
 
 class AsyncClient(BaseClient[httpx.AsyncClient, AsyncVideoWriter]):
@@ -247,9 +250,12 @@ class AsyncClient(BaseClient[httpx.AsyncClient, AsyncVideoWriter]):
         return await self._run(self._decode_plan(request, local_fallback))
 
     async def aclose(self) -> None:
-        """Close the connection pool and the fd socket (the worker drops its regions)."""
+        """Close the connection pool and the fd socket (the worker drops its regions),
+        and the local fallback's encoder if it ran."""
         self._handover.close()
         await self._http.aclose()
+        if self._local is not None:
+            self._local.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -52,6 +52,13 @@ class LocalFallback:
         self._lock = threading.Lock()
         self._in_outage = False
 
+    def close(self) -> None:
+        """The local encoder's held binaries and writers go with the client."""
+        with self._lock:
+            encoder, self._encoder = self._encoder, None
+        if encoder is not None:
+            encoder.close()
+
     def recovered(self) -> None:
         """A worker answered: the next outage is warned about again."""
         self._in_outage = False

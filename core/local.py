@@ -44,6 +44,9 @@ class LocalEncoding(Protocol):
         self, path: str | os.PathLike[str], fields: dict[str, Any], first: Frames
     ) -> LocalStream: ...
 
+    def close(self) -> None:
+        """Let go of what it keeps between encodes (binaries held open, writers ahead)."""
+
 
 def local_encoder(output_root: str | os.PathLike[str] | None) -> LocalEncoding:
     """The installed provider's encoder (relative paths under ``output_root``).

@@ -72,6 +72,10 @@ class LocalEncoder:
         # fallback=False: the fallback route materializes the whole clip.
         self.encoder = Encoder(fallback=False)
 
+    def close(self) -> None:
+        """The encoder's binaries' descriptors and its PyAV writers started ahead."""
+        self.encoder.close()
+
     def resolve(self, path: str | os.PathLike[str]) -> tuple[Path, list[str]]:
         """Where ``path`` is written, judged by the worker's rules (``paths``: no ``..``,
         no reserved names, one-file formats, no link at the name), and the roots it was

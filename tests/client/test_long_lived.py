@@ -196,6 +196,44 @@ def test_no_worker_saves_locally_with_the_worker_s_bytes(workers, tmp_path, capl
     assert len(warnings) == 1  # once per outage, not per call
 
 
+def held_descriptors() -> list[str]:
+    """What this process's descriptors name, one entry each (a list: the same binary
+    held twice counts twice)."""
+    named = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            named.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return sorted(named)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_client_that_encoded_locally_lets_go_of_the_encoders_binaries_as_it_closes(
+    tmp_path, kind
+):
+    """The local encoder holds each ffmpeg binary open (run from that descriptor) and may
+    start a PyAV writer ahead: all of it goes when the client closes, not at exit."""
+    clip = make_clip(frames=3, height=32, width=48)
+    before = held_descriptors()
+    url = nobody(tmp_path)
+    if kind == "sync":
+        with Client(url, fd_socket=tmp_path / "nofd.sock", output_root=tmp_path) as fw:
+            assert fw.save_video(clip, "a.mp4", fps=24).route == "local"
+            during = held_descriptors()
+    else:
+
+        async def go() -> list[str]:
+            async with AsyncClient(url, fd_socket=tmp_path / "nofd.sock",
+                                   output_root=tmp_path) as fw:  # fmt: skip
+                assert (await fw.save_video(clip, "a.mp4", fps=24)).route == "local"
+                return held_descriptors()
+
+        during = asyncio.run(go())
+    assert len(during) > len(before)  # the encoder held something while the client lived
+    assert held_descriptors() == before
+
+
 def test_local_saves_keep_each_profile_s_bytes(tmp_path):
     clip = make_clip(frames=5, height=64, width=96)
     with Client(nobody(tmp_path), fd_socket=tmp_path / "nofd.sock", output_root=tmp_path) as fw:

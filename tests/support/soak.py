@@ -17,6 +17,7 @@ import signal
 import statistics
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,11 +155,12 @@ class Soak:
         return worker
 
 
-def open_fds() -> set[str]:
-    found = set()
+def open_fds() -> Counter[str]:
+    """What this process's descriptors name, counted (the same file held twice is two)."""
+    found: Counter[str] = Counter()
     for fd in os.listdir("/proc/self/fd"):
         try:
-            found.add(os.readlink(f"/proc/self/fd/{fd}"))
+            found[os.readlink(f"/proc/self/fd/{fd}")] += 1
         except OSError:
             pass
     return found
