@@ -490,8 +490,11 @@ def _serve_shared(path: str, preload: str) -> None:
     stdin ends (the run's controller is done, or gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)  # before the imports: who connects early waits for the hello
+    # Listening before the imports (who connects early waits for the hello), and under
+    # its name only once listening: a connect between bind and listen is refused.
+    listener.bind(f"{path}.binding")
     listener.listen(64)
+    os.rename(f"{path}.binding", path)
     _preload(preload)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     while True:
