@@ -131,13 +131,14 @@ class CudaShare:
             except RuntimeError as exc:
                 raise NotShareable(f"this CUDA tensor cannot be shared over IPC: {exc}") from exc
             self._counter = (fields[4], fields[5])
+        try:
             # The worker waits on this event on its GPU, so the work queued here so far is
             # done before it reads, and this thread never waits: torch's own event is
             # recorded only when a storage is first shared, not at each share.
-            self._event = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
-            self._event.record(self.stream)
-        fields = (*fields[:6], bytes(self._event.ipc_handle()), True)
-        try:
+            with torch.cuda.stream(self.stream):
+                self._event = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
+                self._event.record(self.stream)
+            fields = (*fields[:6], bytes(self._event.ipc_handle()), True)
             return describe(
                 fields,
                 dtype=self.dtype,
