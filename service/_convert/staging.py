@@ -28,6 +28,7 @@ import torch
 from framewire.core.closing import Closing
 
 SLOT_TARGET = 8 << 20  # staging bytes per chunk: small enough to start ffmpeg early
+REFUSED = "refused"  # ``Staging.pinned_on`` of a staging the driver would not page-lock
 
 
 class Staging(Closing):
@@ -52,6 +53,11 @@ class Staging(Closing):
         except BaseException:
             os.close(self.fd)
             raise
+
+    @property
+    def locked(self) -> bool:
+        """Page-locked for a GPU's copies: its slots must never be punched."""
+        return self.pinned_on not in (None, REFUSED)
 
     def address(self) -> int:
         """Where the mapping starts in this process (for page-locking it)."""

@@ -221,7 +221,11 @@ class Pump(Closing):
             nbytes = (t1 - t0) * self.frame_bytes
 
             def take() -> torch.Tensor:
-                if writer.pinned:  # never punched: wait until the pipe let go of the slot
+                # Page-locked slots are never punched (the pages a GPU copies into must
+                # stay the mapping's): wait until the pipe let go of the slot instead. The
+                # staging stays locked from a session's first CUDA chunk to its end, so a
+                # host chunk after it waits too.
+                if writer.pinned or self.staging.locked:
                     self.drain.wait(slot)
                     return self.staging.slot(slot, nbytes, punch=False)
                 return self.staging.slot(slot, nbytes)

@@ -26,12 +26,11 @@ from framewire.core.wire import (
     Layout,
 )
 from framewire.service._convert.convert import slice_frames, to_thwc
-from framewire.service._convert.staging import ChunkWriter, Staging
+from framewire.service._convert.staging import REFUSED, ChunkWriter, Staging
 from framewire.service._sources.cuda_faults import classified
 from framewire.service._sources.frames import FrameSource, tensor_geometry
 
 log = logging.getLogger("framewire.cuda")
-REFUSED = "refused"  # a staging the driver would not page-lock
 
 
 def cuda_available() -> bool:

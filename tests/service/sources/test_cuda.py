@@ -744,3 +744,40 @@ def test_the_diffusers_profile_copies_a_cuda_chunk_to_the_host_once(no_cuda_call
             w.write(lambda out=out, t0=t0, t1=t1: out[t0:t1], t0, t1)
     assert torch.equal(outs[0], outs[1])
     assert reads == [(0, 4), (4, 6)]  # a read per frame-sized block before: 6
+
+
+def test_host_chunks_after_a_cuda_chunk_never_punch_the_locked_staging(
+    tmp_path, no_cuda_calls, monkeypatch
+):
+    """A session's first chunk from a GPU page-locks its staging until the session ends;
+    host chunks after it must not punch those pages (a GPU's later copies would land in
+    pages the mapping no longer has): they wait for the pipe instead, and the file is the
+    clip's."""
+    from framewire.service._convert import staging as staging_module
+    from framewire.service._sources.frames import TensorSource
+
+    punched: list[bool] = []
+    real_slot = staging_module.Staging.slot
+
+    def slot(self, index: int, nbytes: int, *, punch: bool = True):
+        punched.append(punch and self.locked)
+        return real_slot(self, index, nbytes, punch=punch)
+
+    monkeypatch.setattr(staging_module.Staging, "slot", slot)
+    spec = clip_spec("float32", frames=12)
+    clip, layout = clip_for(spec)
+    encoder = Encoder(FFMPEG, chunk_bytes=1 << 16)
+    g = CpuStandIn(clip, layout).geometry
+    directory = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        session = Geometry(g.dtype, g.layout, 0, g.height, g.width)
+        out = StreamOutput(encoder, tmp_path / "s.mp4", EncodeParams(fps=24), session, directory)
+        out.feed(CpuStandIn(slice_frames(clip, layout, 0, 4), layout), lambda: None)
+        for t0, t1 in [(4, 8), (8, 12)]:  # host frames from here on
+            out.feed(TensorSource(slice_frames(clip, layout, t0, t1), layout), lambda: None)
+        result = out.finish(lambda: None)
+    finally:
+        os.close(directory)
+    assert no_cuda_calls.count("pin") == 1 == no_cuda_calls.count("unpin")
+    assert punched and not any(punched)  # no locked slot was punched
+    assert result.sha256 == reference(spec, tmp_path / "ref.mp4")
