@@ -21,7 +21,6 @@ code (a session, at once, through ``on_failure``), and the upload is aborted.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -31,7 +30,14 @@ from concurrent.futures import Future
 
 from framewire.core.errors import Cancelled, FramewireError
 from framewire.service._outputs import TempOutput
-from framewire.service._store.multipart import PARTS_IN_FLIGHT, Multipart, Part, Started, Upload
+from framewire.service._store.multipart import (
+    PARTS_IN_FLIGHT,
+    Multipart,
+    Part,
+    Started,
+    Upload,
+    stop_parts,
+)
 
 POLL_S = 0.05  # how often the file's size is looked at while it is written
 log = logging.getLogger("framewire.store")
@@ -144,12 +150,7 @@ class EarlyUpload:
         except FramewireError as exc:
             self.failure = self.failure or exc
         finally:
-            for _, future in self._pending:
-                future.cancel()
-            for _, future in self._pending:
-                if not future.cancelled():
-                    with contextlib.suppress(Exception):
-                        future.result()  # no part may land after an abort
+            stop_parts(future for _, future in self._pending)
             self._pending.clear()
             if self._dir >= 0:
                 os.close(self._dir)

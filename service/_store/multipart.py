@@ -14,7 +14,7 @@ import hashlib
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -61,6 +61,17 @@ class Uploaded:
 
 # A part sent: what CompleteMultipartUpload lists of it, its sha256 and md5 (digests).
 Part = tuple[dict[str, Any], bytes, bytes]
+
+
+def stop_parts(sending: Iterable[Future[Part]]) -> None:
+    """Cancel the parts not yet on their way and wait for those that are: no part may
+    land after the abort that follows."""
+    futures = list(sending)
+    for future in futures:
+        future.cancel()
+    for future in futures:
+        if not future.cancelled():
+            future.exception()  # waits; a part's failure is the caller's to report
 
 
 @dataclass
@@ -161,11 +172,7 @@ class Multipart:
             while pending:
                 parts.append(pending.popleft().result())
         finally:
-            for future in pending:  # a part failed or the upload was stopped
-                future.cancel()
-            for future in pending:
-                if not future.cancelled():
-                    future.exception()  # wait: no part may land after the abort
+            stop_parts(pending)  # a part failed or the upload was stopped
         up.check()
         if whole.hexdigest() != up.sha256:
             raise changed_file()  # the caller aborts: no object

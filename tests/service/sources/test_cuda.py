@@ -314,19 +314,26 @@ def test_gpu_writer_logic_across_stream_chunks(tmp_path, no_cuda_calls, case):
     reference, wherever the chunks fall on the pump's pieces and slots."""
     spec = clip_spec(case, frames=11)
     clip, layout = clip_for(spec)
+    chunks = [slice_frames(clip, layout, t0, t1) for t0, t1 in [(0, 1), (1, 7), (7, 11)]]
+    result = streamed(tmp_path, [CpuStandIn(c, layout) for c in chunks])
+    assert result.sha256 == reference(spec, tmp_path / "ref.mp4") == sha256(tmp_path / "s.mp4")
+    assert no_cuda_calls.count("pin") == 1 == no_cuda_calls.count("unpin")
+
+
+def streamed(tmp_path: Path, sources: list[Any]) -> Any:
+    """A stream session's output (the pump's small chunks) fed ``sources`` in turn, then
+    finished at ``tmp_path / "s.mp4"``: its result."""
+    g = sources[0].geometry
     encoder = Encoder(FFMPEG, chunk_bytes=1 << 16)
-    g = CpuStandIn(clip, layout).geometry
     directory = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         session = Geometry(g.dtype, g.layout, 0, g.height, g.width)
         out = StreamOutput(encoder, tmp_path / "s.mp4", EncodeParams(fps=24), session, directory)
-        for t0, t1 in [(0, 1), (1, 7), (7, 11)]:
-            out.feed(CpuStandIn(slice_frames(clip, layout, t0, t1), layout), lambda: None)
-        result = out.finish(lambda: None)
+        for source in sources:
+            out.feed(source, lambda: None)
+        return out.finish(lambda: None)
     finally:
         os.close(directory)
-    assert result.sha256 == reference(spec, tmp_path / "ref.mp4") == sha256(tmp_path / "s.mp4")
-    assert no_cuda_calls.count("pin") == 1 == no_cuda_calls.count("unpin")
 
 
 def _broken_pump(*args: object, **kw: object) -> int:
@@ -766,18 +773,9 @@ def test_host_chunks_after_a_cuda_chunk_never_punch_the_locked_staging(
     monkeypatch.setattr(staging_module.Staging, "slot", slot)
     spec = clip_spec("float32", frames=12)
     clip, layout = clip_for(spec)
-    encoder = Encoder(FFMPEG, chunk_bytes=1 << 16)
-    g = CpuStandIn(clip, layout).geometry
-    directory = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        session = Geometry(g.dtype, g.layout, 0, g.height, g.width)
-        out = StreamOutput(encoder, tmp_path / "s.mp4", EncodeParams(fps=24), session, directory)
-        out.feed(CpuStandIn(slice_frames(clip, layout, 0, 4), layout), lambda: None)
-        for t0, t1 in [(4, 8), (8, 12)]:  # host frames from here on
-            out.feed(TensorSource(slice_frames(clip, layout, t0, t1), layout), lambda: None)
-        result = out.finish(lambda: None)
-    finally:
-        os.close(directory)
+    first = CpuStandIn(slice_frames(clip, layout, 0, 4), layout)  # from a GPU
+    host = [TensorSource(slice_frames(clip, layout, a, b), layout) for a, b in [(4, 8), (8, 12)]]
+    result = streamed(tmp_path, [first, *host])
     assert no_cuda_calls.count("pin") == 1 == no_cuda_calls.count("unpin")
     assert punched and not any(punched)  # no locked slot was punched
     assert result.sha256 == reference(spec, tmp_path / "ref.mp4")
