@@ -109,12 +109,16 @@ def profile_writer(
     return HostWriter(source, convert)
 
 
-class CopiedChunkWriter(HostWriter):
+class CopiedChunkWriter(ChunkWriter):
     """A CUDA source under a profile converted on the host (diffusers'): each chunk
     crosses to the host in one copy, not one synchronous copy per cache-sized block,
     then converts as host frames do."""
 
+    def __init__(self, source: FrameSource, convert: Convert):
+        self.source = source
+        self._host = HostWriter(source, convert)  # its buffers, kept for every chunk
+
     def write(self, take: Callable[[], torch.Tensor], t0: int, t1: int) -> None:
         chunk, _ = self.source.read(t0, t1)  # one device-to-host copy of the chunk
-        on_host = TensorSource(chunk, self.source.geometry.layout)
-        HostWriter(on_host, self.convert).write(take, 0, t1 - t0)
+        self._host.source = TensorSource(chunk, self.source.geometry.layout)
+        self._host.write(take, 0, t1 - t0)
