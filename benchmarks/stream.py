@@ -1,28 +1,32 @@
 """Streaming benchmark: save a clip after generating it all, or stream it while it is made.
 
     .venv/bin/python benchmarks/stream.py [--frames 120] [--chunk 8] [--width 1344 --height 768]
-                                          [--repeat 3] [--json OUT] [--figures DIR]
+                                          [--rates 1 0.5] [--repeat 3] [--json OUT] [--figures DIR]
 
 A producer process generates a float32 CTHW clip chunk by chunk at a steady
 rate, as a VAE decoding in temporal chunks would, and hands it to one worker:
 
   (a) whole clip  every chunk copied into the clip, then one ``save_video`` of it
   (b) stream      ``open_video``; ``write`` each chunk as it is produced; ``close``
+  (b0)            the same, through a second worker whose chunks are answered once
+                  ffmpeg's pipe took them (``--stream-ahead-mib 0``), not once converted
   (c) in-process  no worker: the producer converts each chunk itself and writes
                   it into its own ffmpeg's stdin (the same argv), as an engine's
                   in-process chunked save does; its tail is x264's own floor
                   (the frames its lookahead and frame threads still hold)
 
 The rate is set from the host: a calibration run times the worker encoding
-the whole clip, and the producer then runs at that encoder frame rate and at
-half of it. Generating a chunk costs the producer one pass over it (it adds a
-per-chunk offset to a fixed 8-frame pattern, in place, into its one output
+the whole clip, and the producer then runs at ``--rates`` times that encoder frame
+rate (its rate and half of it unless told; above 1, the producer outruns x264, as a
+VAE does between its steps' pauses). Generating a chunk costs the producer one pass
+over it (it adds a per-chunk offset to a fixed 8-frame pattern, in place, into its one output
 buffer); the pacing sleeps out the rest of the chunk's time, so the host's
 cores stay x264's, as with a VAE on a GPU.
 
 Per run, in a producer process of its own (forked from one that imported the client):
   tail   last chunk produced -> the file is ready (the call returned)
   total  first frame started -> the file is ready
+  wait   the producer's time inside ``write`` (held back by the worker's answers)
   extra  the producer's peak resident memory above its level once its
          generation buffers exist (VmHWM after resetting it through
          /proc/self/clear_refs: exact, no sampling), i.e. what saving costs it:
@@ -62,7 +66,12 @@ from encode import clip_chunk  # noqa: E402  (the shared clip generator)
 MIB = 1 << 20
 FPS = 24
 GOAL_TAIL_RATIO, GOAL_SLACK_MIB = 0.25, 32
-MODES = {"a": "(a) whole clip", "b": "(b) stream", "c": "(c) in-process chunked pipe"}
+MODES = {
+    "a": "(a) whole clip",
+    "b": "(b) stream",
+    "b0": "(b) stream, answered once ffmpeg's pipe took the chunk",
+    "c": "(c) in-process chunked pipe",
+}
 
 
 # ----------------------------------------------------------------------------- the producer
@@ -88,12 +97,13 @@ def produce(spec: dict[str, Any]) -> dict[str, Any]:
     with Client(spec["url"], timeout=3600) as client:
         client.info()  # connected and warm before the clock starts
         whole = np.empty((3, frames, height, width), np.float32) if mode == "a" else None
-        writer = client.open_video(spec["path"], fps=FPS) if mode == "b" else None
+        writer = client.open_video(spec["path"], fps=FPS) if mode.startswith("b") else None
         ffmpeg = in_process_ffmpeg(spec) if mode == "c" else None
         baseline_kib = status_kib("VmRSS:")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := VmRSS: the peak from here on
         started = time.perf_counter()
+        waited = 0.0
         for k, t0 in enumerate(range(0, frames, chunk)):
             n = min(chunk, frames - t0)
             out = buffer[:, :n]
@@ -103,6 +113,7 @@ def produce(spec: dict[str, Any]) -> dict[str, Any]:
             produced = time.perf_counter()
             if writer is not None:
                 writer.write(out)
+                waited += time.perf_counter() - produced
             elif ffmpeg is not None:
                 assert ffmpeg.stdin is not None
                 ffmpeg.stdin.write(to_rgb24(out))
@@ -127,6 +138,7 @@ def produce(spec: dict[str, Any]) -> dict[str, Any]:
         "rate": spec["rate"],
         "tail_s": ready - produced,
         "total_s": ready - started,
+        "wait_s": waited if writer is not None else 0.0,
         "extra_mib": (status_kib("VmHWM:") - baseline_kib) / 1024,
         "sha256": digest,
         "encode_s": encode_s,
@@ -187,6 +199,12 @@ def spread(rows: list[dict[str, Any]], key: str) -> str:
     return f" ±{100 * (max(values) - min(values)) / 2 / m:.0f}%"
 
 
+def held(rows: list[dict[str, Any]]) -> str:
+    if "wait_s" not in rows[0] or not rows[0]["mode"].startswith("b"):
+        return "-"
+    return f"{med(rows, 'wait_s'):.2f} s{spread(rows, 'wait_s')}"
+
+
 def plot(
     runs: list[dict[str, Any]], rates: list[float], encoder_fps: float, directory: Path, note: str
 ) -> None:
@@ -210,6 +228,9 @@ def plot(
 def main() -> int:
     parser = harness.parser(__doc__, frames=120, width=1344, height=768, repeat=3)
     parser.add_argument("--chunk", type=harness.count, default=8)
+    parser.add_argument(
+        "--rates", type=float, nargs="+", default=[1.0, 0.5], help="x the encoder's frame rate"
+    )
     plots.add_option(parser)
     args = parser.parse_args()
     ctx = harness.rank_context("framewire.client")
@@ -218,25 +239,29 @@ def main() -> int:
     chunk_mib = 3 * args.chunk * args.height * args.width * 4 / MIB
     goal_extra = 2 * chunk_mib + GOAL_SLACK_MIB
     with tempfile.TemporaryDirectory(prefix="framewire-stream-") as tmp:
-        worker = start_worker(Path(tmp), "--log-level", "warning")
+        worker = start_worker(Path(tmp) / "ahead", "--log-level", "warning")
+        paced = start_worker(Path(tmp) / "paced", "--log-level", "warning",
+                             "--stream-ahead-mib", "0")  # fmt: skip
         try:
             base = {"url": worker.uds_url, "frames": args.frames, "chunk": args.chunk,
                     "height": args.height, "width": args.width}  # fmt: skip
 
             def one(mode: str, rate: float, i: int) -> dict[str, Any]:
                 name = f"{mode}-{i}.mp4"
-                out = str(worker.outputs / name)
-                row = run_producer(ctx, base | {"mode": mode, "rate": rate, "path": name,
-                                                "out": out})  # fmt: skip
-                (worker.outputs / name).unlink()
+                w = paced if mode == "b0" else worker
+                out = str(w.outputs / name)
+                row = run_producer(ctx, base | {"url": w.uds_url, "mode": mode, "rate": rate,
+                                                "path": name, "out": out})  # fmt: skip
+                (w.outputs / name).unlink()
                 return row
 
             calibration = one("a", 0, 0)
             encoder_fps = args.frames / calibration["encode_s"]
-            rates = [encoder_fps, encoder_fps / 2]
+            rates = [encoder_fps * r for r in args.rates]
             runs = [one(mode, rate, i) for rate in rates for i in range(args.repeat)
                     for mode in MODES]  # fmt: skip
         finally:
+            paced.stop()
             worker.stop()
     harness.write_json(args.json, {"encoder_fps": encoder_fps, "runs": runs})
 
@@ -246,9 +271,9 @@ def main() -> int:
           f"median of {args.repeat}, ± half the range")  # fmt: skip
     print(
         "| producer rate | path | last chunk -> file | / (a)'s encode wall | first frame -> file "
-        "| producer extra memory |"
+        "| producer held in write | producer extra memory |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     same = len({r["sha256"] for r in [calibration, *runs]}) == 1
     verdicts = []
     for rate in rates:
@@ -262,7 +287,7 @@ def main() -> int:
             vs = f"{med(rows, 'tail_s') / encode_wall:.2f}x"
             print(f"| {label} | {name} | {med(rows, 'tail_s'):.2f} s{spread(rows, 'tail_s')} "
                   f"| {vs} | {med(rows, 'total_s'):.2f} s{spread(rows, 'total_s')} "
-                  f"| {med(rows, 'extra_mib'):.0f} MiB |")  # fmt: skip
+                  f"| {held(rows)} | {med(rows, 'extra_mib'):.0f} MiB |")  # fmt: skip
         extra = max(r["extra_mib"] for r in b)
         verdicts.append(
             f"at {label}: tail {ratio:.2f}x (goal <= {GOAL_TAIL_RATIO}x) -> "
@@ -272,6 +297,9 @@ def main() -> int:
         )
     print("\n".join(verdicts))
     print(f"same bytes (a), (b) and (c), every run: {same}")
+    blocked = {m: med([r for r in runs if r["mode"] == m], "wait_s") for m in ("b", "b0")}
+    print(f"producer held in write, all rates: {blocked['b']:.2f} s answered once converted, "
+          f"{blocked['b0']:.2f} s once ffmpeg's pipe took the chunk")  # fmt: skip
     note = (f"{args.frames} frames {args.width}x{args.height} float32 in chunks of {args.chunk}; "
             f"median of {args.repeat}")  # fmt: skip
     plot(runs, rates, encoder_fps, args.figures, note)

@@ -55,7 +55,7 @@ class Parts:
         metrics.encoders_lost.set_function(encoder.encoders.lost)
         metrics.encoders_refused.set_function(lambda: len(encoder.encoders.refused))
         metrics.gpus_unusable.set_function(lambda: len(HEALTH.lost()))
-        cuda = CudaRuntime.start()
+        cuda = CudaRuntime.start(settings.cuda_warm)
         regions = RegionRegistry(
             settings.shm_prefixes,
             cuda,

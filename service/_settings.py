@@ -66,6 +66,10 @@ class Settings(BaseSettings):
     fallback: bool = True
     # float32 -> rgb24: the compiled kernel when numba imports (auto), always, or never.
     kernel: Literal["auto", "compiled", "pure"] = "auto"
+    # When a GPU's CUDA context (a few hundred MiB of its memory) and conversion kernels
+    # are made: on the first request that names it (a GPU no rank hands tensors from
+    # costs nothing), or for every visible GPU at start (no request pays for it).
+    cuda_warm: Literal["first-use", "start"] = "first-use"
     log_level: str = "info"
     log_format: Literal["plain", "json"] = "plain"
     # Seconds a SIGTERM waits for requests in flight before stopping what still runs.
@@ -85,6 +89,10 @@ class Settings(BaseSettings):
     max_regions_per_owner: int = Field(default=256, ge=1)
     # A stream session that receives nothing this long is aborted (nothing remains).
     stream_idle_s: float = Field(default=60.0, gt=0)
+    # Converted frames a stream session holds ahead of its encoder: a chunk is answered
+    # once converted into them, so the producer makes the next one while x264 works
+    # (0: answered once the encoder's pipe took the chunk, at the encoder's pace).
+    stream_ahead_mib: int = Field(default=64, ge=0, le=4096)
     # Open stream sessions; past it, opening one is a 429.
     max_streams: int = Field(default=64, ge=1)
     # Of the waiting encodes (FRAMEWIRE_MAX_QUEUE), the open stream sessions, the audio

@@ -1,6 +1,6 @@
 """The sendfile pump that feeds ffmpeg's stdin from staging, chunk by chunk.
 
-Chunk k+1 is converted (into the other staging slot, ``staging``) while chunk k
+Chunk k+1 is converted (into the next staging slot, ``staging``) while chunk k
 is sent. Conversion walks each chunk in blocks of about ``BLOCK_BYTES`` of source
 data (whole frames, or rows of one frame), so the float temporaries stay in
 cache and each source byte crosses memory once.
@@ -9,7 +9,6 @@ cache and each source byte crosses memory once.
 from __future__ import annotations
 
 import array
-import contextlib
 import fcntl
 import select
 import termios
@@ -177,23 +176,32 @@ class PipeDrain:
 
 
 class Pump(Closing):
-    """Feeds one ffmpeg's stdin with converted frames from a two-slot staging memfd,
-    source after source (one encode's clip, or a stream session's chunks).
+    """Feeds one ffmpeg's stdin with converted frames from a staging memfd of ``slots``
+    slots, source after source (one encode's clip, or a stream session's chunks).
 
-    The slots alternate across sources, and what the pipe may still hold of each
-    is tracked across them too, so a slot is never rewritten under the pipe.
+    The calling thread converts each piece (``per_chunk`` frames) into the next slot;
+    a sending thread sends the slots into the pipe in order, so a piece is converted
+    while the one before it is sent (both release the GIL). The slots go round across
+    sources, and what the pipe may still hold of each is tracked across them too, so a
+    slot is never rewritten under the pipe. With more than two slots, a source's
+    frames may all be converted before ffmpeg has read them (``send(wait=False)``):
+    the producer runs ahead of the encoder by at most the slots' bytes.
     """
 
-    def __init__(self, pipe: PipeWriter, height: int, width: int, per_chunk: int):
+    def __init__(self, pipe: PipeWriter, height: int, width: int, per_chunk: int, slots: int = 2):
         self.pipe = pipe
         self.frame_bytes = 3 * height * width
         self.per_chunk = per_chunk
         self.sent = 0
         self._next_slot = 0
-        self._broken = False
-        self.staging = Staging(per_chunk * self.frame_bytes, in_flight=pipe_capacity(pipe.fd))
-        self.drain = PipeDrain(pipe.fd, 2)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="framewire-convert")
+        self._failure: BaseException | None = None
+        self._stopping = False
+        self.staging = Staging(
+            per_chunk * self.frame_bytes, max(2, slots), in_flight=pipe_capacity(pipe.fd)
+        )
+        self.drain = PipeDrain(pipe.fd, max(2, slots))
+        self._sends: list[Future[None] | None] = [None] * max(2, slots)
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="framewire-send")
 
     def send(
         self,
@@ -201,77 +209,111 @@ class Pump(Closing):
         check: Callable[[], None] = lambda: None,
         writer: ChunkWriter | None = None,
         progress: Progress | None = None,
+        *,
+        wait: bool = True,
     ) -> int:
-        """Convert all of ``source``'s frames and send them; returns the bytes sent.
+        """Convert all of ``source``'s frames and send them; returns the bytes converted.
 
-        Each piece (``per_chunk`` frames) is converted on a helper thread while the
-        one before it is sent (both release the GIL). When this returns, nothing of
-        ``source`` is read any more: its buffer may be reused. ``check`` runs
-        between pieces and while the pipe is full, and may raise to stop; after a
-        failure the pump is spent. ``writer`` defaults to the source's own
-        converter, else the host one. ``progress`` is told the frames of ``source``
-        sent so far, after each piece.
+        When this returns, nothing of ``source`` is read any more: its buffer may be
+        reused. ``wait``: also until the pipe took every byte (else they go on being
+        sent; :meth:`flush` waits, and a send's failure is raised by the next call).
+        ``check`` runs between pieces and while the pipe is full, and may raise to
+        stop; after a failure the pump is spent. ``writer`` defaults to the source's
+        own converter, else the host one. ``progress`` is told the frames of
+        ``source`` sent so far, after each piece.
         """
-        if self._broken:
-            raise RuntimeError("the pump failed before: its ffmpeg's input is incomplete")
+        self._raise_failure()
         writer = writer or source.chunk_writer() or HostWriter(source)
-        spans = chunk_spans(source.geometry.frames, self.per_chunk)
-
-        def convert(slot: int, t0: int, t1: int) -> int:
-            nbytes = (t1 - t0) * self.frame_bytes
-
-            def take() -> torch.Tensor:
-                # Page-locked slots are never punched (the pages a GPU copies into must
-                # stay the mapping's): wait until the pipe let go of the slot instead. The
-                # staging stays locked from a session's first CUDA chunk to its end, so a
-                # host chunk after it waits too.
-                if writer.pinned or self.staging.locked:
-                    self.drain.wait(slot)
-                    return self.staging.slot(slot, nbytes, punch=False)
-                return self.staging.slot(slot, nbytes)
-
-            writer.write(take, t0, t1)
-            return nbytes
-
-        sent = 0
-        slot = self._next_slot
-        pending: Future[int] | None = None
+        converted = 0
         done = False
         try:
             writer.open(self.staging, self.per_chunk)
-            pending = self._pool.submit(convert, slot, *spans[0])
-            for i in range(len(spans)):
-                assert pending is not None  # submitted for every span
-                nbytes = pending.result()
-                following = slot ^ 1
-                pending = None
-                if i + 1 < len(spans):
-                    pending = self._pool.submit(convert, following, *spans[i + 1])
+            for t0, t1 in chunk_spans(source.geometry.frames, self.per_chunk):
+                slot = self._claim()
+                nbytes = (t1 - t0) * self.frame_bytes
+
+                def take(slot: int = slot, nbytes: int = nbytes) -> torch.Tensor:
+                    # Page-locked slots are never punched (the pages a GPU copies into
+                    # must stay the mapping's): wait until the pipe let go of the slot
+                    # instead. The staging stays locked from a session's first CUDA
+                    # chunk to its end, so a host chunk after it waits too.
+                    if writer.pinned or self.staging.locked:
+                        self.drain.wait(slot)
+                        return self.staging.slot(slot, nbytes, punch=False)
+                    return self.staging.slot(slot, nbytes)
+
+                writer.write(take, t0, t1)
                 check()
-                self.pipe.send_file(self.staging.fd, slot * self.staging.slot_bytes, nbytes, check)
-                self.drain.sent(slot, nbytes)
-                sent += nbytes
-                slot = following
-                if progress is not None:
-                    progress(spans[i][1])
+                self._sends[slot] = self._sender.submit(
+                    self._send_slot, slot, nbytes, check, progress, t1
+                )
+                converted += nbytes
             done = True
         finally:
             if not done:
-                self._broken = True
-                self.drain.stop()  # a converter waiting on a pinned slot gives up
-            # The converter writes into the mapping: it must be done before anything goes.
-            if pending is not None:
-                pending.cancel()
-                with contextlib.suppress(Exception):  # its failure is already this one's
-                    pending.result()
-            writer.close()
-        self._next_slot = slot
-        self.sent += sent
-        return sent
+                self._fail(PumpStopped("a source was converted in part"))
+            writer.close()  # nothing of the source is read after this
+        # An encoder already gone is said now, not by the chunk after this one.
+        if wait or reader_gone(self.pipe.fd):
+            self.flush()
+        return converted
+
+    def flush(self) -> None:
+        """Until every converted byte is in the pipe; raises a send's failure."""
+        for future in self._sends:
+            if future is not None:
+                future.exception()  # wait; the first failure is raised below
+        self._raise_failure()
+
+    def _claim(self) -> int:
+        """The next slot, once its last send is over (and raised its failure, if any)."""
+        slot = self._next_slot
+        previous = self._sends[slot]
+        if previous is not None:
+            previous.exception()
+            self._raise_failure()
+        self._next_slot = (slot + 1) % len(self._sends)
+        return slot
+
+    def _send_slot(
+        self,
+        slot: int,
+        nbytes: int,
+        check: Callable[[], None],
+        progress: Progress | None,
+        frames: int,
+    ) -> None:
+        def stopped_or(check: Callable[[], None] = check) -> None:
+            if self._stopping or self._failure is not None:
+                raise PumpStopped("the pump stopped")
+            check()
+
+        try:
+            stopped_or()
+            self.pipe.send_file(self.staging.fd, slot * self.staging.slot_bytes, nbytes, stopped_or)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self.drain.sent(slot, nbytes)
+        self.sent += nbytes
+        if progress is not None:
+            progress(frames)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        self.drain.stop()  # a converter waiting on a pinned slot gives up
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            if isinstance(self._failure, PumpStopped):
+                raise RuntimeError("the pump failed before: its ffmpeg's input is incomplete")
+            raise self._failure
 
     def close(self) -> None:
+        self._stopping = True
         self.drain.stop()
-        self._pool.shutdown(wait=True)
+        self._sender.shutdown(wait=True, cancel_futures=True)
         self.staging.close()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import threading
 from collections.abc import Callable
 
 import torch
@@ -34,7 +35,7 @@ from framewire.service._sources.cuda_convert import (
     cuda_available,
     first_line,
 )
-from framewire.service._sources.cuda_faults import HEALTH
+from framewire.service._sources.cuda_faults import HEALTH, classified
 from framewire.service._sources.cuda_handles import HandleLocks
 from framewire.service._sources.regions import CudaRegion
 
@@ -197,52 +198,77 @@ class IpcTensorSource(CudaTensorSource):
         locks.close(handle, super().close)
 
 
+def _make_context(index: int) -> None:
+    """Device ``index``'s context, and each dtype's conversion run once on it."""
+    with torch.cuda.device(index):
+        for dtype in TORCH_DTYPES.values():
+            x = torch.zeros((3, 2, 8, 8), dtype=dtype, device=index)
+            out = torch.empty((2, 8, 8, 3), dtype=torch.uint8)
+            writer = CudaWriter(CudaTensorSource(x))
+            writer.open(None, 2)
+            try:
+                writer.write(functools.partial(lambda t: t, out), 0, 2)
+            finally:
+                writer.close()
+        torch.cuda.synchronize(index)
+        torch.cuda.reset_peak_memory_stats(index)
+
+
 class CudaRuntime:
-    """The worker's GPUs, found and warmed once at start, matched by UUID."""
+    """The worker's GPUs, found once at start and matched by UUID. A GPU's context and
+    conversion kernels are made at start (``warm="start"``) or on the first request
+    that names it (``"first-use"``): a GPU no request names then costs nothing."""
 
     handles: HandleLocks  # the IPC handles open now, each opened and let go one step at a time
 
-    def __init__(self) -> None:
-        torch.cuda.init()
+    def __init__(self, devices: dict[str, int] | None = None) -> None:
+        if devices is None:
+            torch.cuda.init()  # counts the devices; makes no context
+            devices = {
+                normalize_uuid(torch.cuda.get_device_properties(i).uuid): i
+                for i in range(torch.cuda.device_count())
+            }
+        self.devices = devices
         self.handles = HandleLocks()
-        self.devices: dict[str, int] = {
-            normalize_uuid(torch.cuda.get_device_properties(i).uuid): i
-            for i in range(torch.cuda.device_count())
-        }
+        self.warmed: set[int] = set()
+        self._warming = threading.Lock()
 
     @classmethod
-    def start(cls) -> CudaRuntime | None:
-        """The runtime, warmed up, or None without a usable GPU."""
+    def start(cls, warm: str = "start") -> CudaRuntime | None:
+        """The runtime (every GPU warmed, with ``warm="start"``), or None without a usable
+        GPU."""
         if not cuda_available():
             return None
         try:
             runtime = cls()
-            runtime.warm()
-        except RuntimeError as exc:
+            if warm == "start":
+                for index in runtime.devices.values():
+                    runtime.warm(index)
+        except (RuntimeError, FramewireError) as exc:
             # Host encodes do not need the GPU: serve them, and refuse CUDA sources.
             log.warning("CUDA is present but unusable, serving without it: %s", exc)
             return None
+        state = "ready" if warm == "start" else "found (its context is made on first use)"
         for uuid, index in sorted(runtime.devices.items(), key=lambda kv: kv[1]):
             name = torch.cuda.get_device_name(index)
-            log.info("CUDA device cuda:%d %s (GPU-%s) ready", index, name, uuid)
+            log.info("CUDA device cuda:%d %s (GPU-%s) %s", index, name, uuid, state)
         return runtime
 
-    def warm(self) -> None:
-        """Create each device's context and load the conversion kernels now, so the first
-        request pays for neither; then forget the warm-up in the peak-memory figures."""
-        for index in self.devices.values():
-            with torch.cuda.device(index):
-                for dtype in TORCH_DTYPES.values():
-                    x = torch.zeros((3, 2, 8, 8), dtype=dtype, device=index)
-                    out = torch.empty((2, 8, 8, 3), dtype=torch.uint8)
-                    writer = CudaWriter(CudaTensorSource(x))
-                    writer.open(None, 2)
-                    try:
-                        writer.write(functools.partial(lambda t: t, out), 0, 2)
-                    finally:
-                        writer.close()
-                torch.cuda.synchronize(index)
-                torch.cuda.reset_peak_memory_stats(index)
+    def warm(self, index: int) -> None:
+        """Create device ``index``'s context and load the conversion kernels, once, so no
+        encode's window pays for them; then forget the warm-up in the peak-memory figures.
+        A CUDA error here is classified as any other (a full GPU: gpu_out_of_memory)."""
+        with self._warming:
+            if index in self.warmed:
+                return
+            with classified(index):
+                _make_context(index)
+            self.warmed.add(index)
+            log.info("CUDA device cuda:%d warmed (its context made)", index)
+
+    def _usable(self, index: int) -> None:
+        HEALTH.check(index)  # a context a sticky error poisoned is not touched again
+        self.warm(index)
 
     def device_index(self, uuid: str) -> int:
         try:
@@ -257,7 +283,7 @@ class CudaRuntime:
     def open_ipc(self, src: CudaIpcSource) -> CudaTensorSource:
         """The producer's tensor, mapped on the same GPU here."""
         index = self.device_index(src.device_uuid)
-        HEALTH.check(index)  # a context a sticky error poisoned is not touched again
+        self._usable(index)
         event = None
         event_handle = src.event_bytes
         if event_handle is not None:
@@ -293,7 +319,7 @@ class CudaRuntime:
                 f"no CUDA device {device_id} (the worker sees {torch.cuda.device_count()})",
                 code="cuda_device_not_found",
             )
-        HEALTH.check(device_id)
+        self._usable(device_id)
         return open_storage(device_id, handle, byte_size)
 
     def region_source(self, region: CudaRegion, src: RegionSource) -> CudaTensorSource:
@@ -319,18 +345,23 @@ class CudaRuntime:
         return lambda index: self.free_bytes(index) // 4 + held(index)
 
     def info(self) -> dict[str, object]:
+        """Each GPU; its memory figures only once warmed (asking a cold one for them would
+        make its context)."""
         devices = []
         for uuid, index in sorted(self.devices.items(), key=lambda kv: kv[1]):
             props = torch.cuda.get_device_properties(index)
-            devices.append(
-                {
-                    "index": index,
-                    "name": props.name,
-                    "uuid": uuid,
-                    "total_bytes": props.total_memory,
+            entry: dict[str, object] = {
+                "index": index,
+                "name": props.name,
+                "uuid": uuid,
+                "total_bytes": props.total_memory,
+                "context": index in self.warmed,
+            }
+            if index in self.warmed:
+                entry |= {
                     "free_bytes": torch.cuda.mem_get_info(index)[0],
                     "memory_allocated": torch.cuda.memory_allocated(index),
                     "max_memory_allocated": torch.cuda.max_memory_allocated(index),
                 }
-            )
+            devices.append(entry)
         return {"devices": devices}

@@ -2,12 +2,15 @@
 
 The frames go through the same argv, conversion and staging as a one-shot
 encode, in the same order, so the file is byte-identical to an encode of the
-concatenated frames whatever the chunking. Two differences, both because a
-chunk's buffer is the producer's again once its request is answered:
+concatenated frames whatever the chunking. The differences, because a chunk's
+buffer is the producer's again once its request is answered:
 
 - Frames always go through staging, never straight from the source's pages
   (a one-shot encode's zero-copy ``sendfile`` from a segment leaves the pipe
   holding references to pages the producer would then overwrite).
+- A chunk is answered once converted into the output's staging (up to
+  ``ahead_bytes`` of it ahead of ffmpeg), not once ffmpeg read it: the producer's
+  next chunk is made while x264 works on this one.
 - There is no fallback route: the frames already sent exist
   nowhere else any more. A failed ffmpeg fails the session.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from framewire.core.closing import Closing
@@ -44,6 +47,7 @@ class StreamOutput(Closing):
         directory: int,
         live: LiveFeed | None = None,
         follower: Follower | None = None,
+        ahead_bytes: int = 0,
     ):
         self.path = path
         self.geometry = geometry
@@ -69,26 +73,39 @@ class StreamOutput(Closing):
             self._ff = self._stack.enter_context(ff)
             assert self._ff.input is not None
             per_chunk = encoder.frames_per_chunk(g)
+            slots = 2 + ahead_bytes // (per_chunk * 3 * g.height * g.width)
             self._pump = self._stack.enter_context(
-                Pump(self._ff.input, g.height, g.width, per_chunk)
+                Pump(self._ff.input, g.height, g.width, per_chunk, slots)
             )
+            self._wait = ahead_bytes == 0
         except BaseException:
             self.abort()
             raise
 
     def feed(self, source: FrameSource, check: Callable[[], None]) -> None:
-        """Send all of ``source``'s frames; when this returns, ``source`` is not read any more."""
+        """Convert all of ``source``'s frames; when this returns, ``source`` is not read any
+        more. They are sent on while the next chunk comes, up to ``ahead_bytes`` of them
+        (0: this waits until ffmpeg's pipe took them); a failure to send them is raised
+        by the next call."""
+        writer = self._encoder.writer(source, self._params)
+        with self._cut_short(check):
+            self._pump.send(source, check, writer, wait=self._wait)
+        self.frames += source.geometry.frames
+
+    @contextlib.contextmanager
+    def _cut_short(self, check: Callable[[], None]) -> Iterator[None]:
         try:
-            self._pump.send(source, check, self._encoder.writer(source, self._params))
+            yield
         except FfmpegExited as exc:
             raise self._encoder.children.cut_short(self._ff, check) from exc
-        self.frames += source.geometry.frames
 
     def finish(
         self, check: Callable[[], None], inspect: Callable[[str], None] | None = None
     ) -> Encoded:
         """End of frames: wait for ffmpeg, check the file (``inspect``), put it in place."""
         try:
+            with self._cut_short(check):
+                self._pump.flush()
             self._pump.close()
             self._encoder.children.wait_for(self._ff, check)
             encode_ms = (time.perf_counter() - self._started) * 1e3

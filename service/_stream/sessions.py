@@ -190,8 +190,16 @@ class Sessions:
                     source = await self.resources.prepare.open_source(chunk.source, access, held)
                     if session.output is None:
                         assert admission is not None
-                        await start(session, source, admission, self.resources, self.metrics,
-                                    self._store_failed)  # fmt: skip
+                        ahead = self.settings.stream_ahead_mib << 20
+                        await start(
+                            session,
+                            source,
+                            admission,
+                            self.resources,
+                            self.metrics,
+                            self._store_failed,
+                            ahead,
+                        )
                     assert session.output is not None
                     if session.live is not None:
                         session.live.handed(session.received + source.geometry.frames)

@@ -27,9 +27,11 @@ async def start(
     resources: EncodeResources,
     metrics: Metrics,
     store_failed: StoreFailed,
+    ahead_bytes: int,
 ) -> None:
     """Admission (held until the session ends), then the child. ``store_failed`` is
-    called on the loop when the object's parts can no longer be sent."""
+    called on the loop when the object's parts can no longer be sent; ``ahead_bytes``:
+    the converted frames the output may hold ahead of its encoder."""
     encoder = resources.encoder
     threads = encoder.threads_for(session.geometry.height, session.params)
     gpu = encoder.gpu_bytes(source)
@@ -51,6 +53,7 @@ async def start(
         session.directory,
         session.live,
         session.early,
+        ahead_bytes,
     )
 
 

@@ -2,8 +2,8 @@
 expandable segments, a producer whose torch or CUDA_VISIBLE_DEVICES differs from the
 worker's, a producer killed mid-encode, a cancel followed at once by overwriting the
 tensor, two threads saving views of one allocation, NaN and infinities, half floats over
-many chunks, the diffusers and vllm-omni profiles from CUDA, and the producer's memory
-after each save.
+many chunks, the diffusers and vllm-omni profiles from CUDA, the producer's memory
+after each save, and no GPU memory held by a worker before its first CUDA request.
 Each producer is a process of its own (tests/support/cuda_producer.py)."""
 
 from __future__ import annotations
@@ -151,3 +151,36 @@ def test_the_producers_gpu_memory_is_back_after_each_save(gpu_worker):
                                "paths": [f"mem{i}.mp4"], "memory": True}))  # fmt: skip
         # What the rank sees, with no ipc_collect of its own: the share released.
         assert out["after"] == out["baseline"], out
+
+
+def gpu_memory_of(pid: int) -> int | None:
+    """MiB of GPU memory process ``pid`` holds (nvidia-smi), None if it holds none."""
+    import subprocess
+
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, check=True, timeout=30,
+    ).stdout  # fmt: skip
+    for line in out.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if fields[0] == str(pid):
+            return int(fields[1])
+    return None
+
+
+def test_a_worker_holds_no_gpu_memory_until_its_first_cuda_request(workers, tmp_path):
+    """FRAMEWIRE_CUDA_WARM=first-use (the default): the context, and what it costs, comes
+    with the first request naming the GPU; ``start`` makes it at once."""
+    lazy = workers.start()
+    with lazy.http() as h:
+        [device] = h.get("/v1/info").json()["cuda"]["devices"]
+    assert device["context"] is False and gpu_memory_of(lazy.pid) is None
+    spec = clip_spec("float32", frames=5)
+    assert saved(lazy, spec, "first.mp4")["sha256"] == reference(spec, tmp_path / "ref.mp4")
+    held = gpu_memory_of(lazy.pid)
+    assert held is not None
+    eager = workers.start("--cuda-warm", "start")
+    at_start = gpu_memory_of(eager.pid)
+    print(f"worker GPU memory: none before its first CUDA request, {held} MiB after it; "
+          f"{at_start} MiB from the start with --cuda-warm start")
+    assert at_start is not None

@@ -117,8 +117,7 @@ def test_health_and_liveness_say_a_gpu_is_unusable():
 
 def test_a_handle_for_an_unusable_gpu_is_not_opened(monkeypatch):
     """Refused by UUID before torch is asked to map anything on that GPU."""
-    runtime = object.__new__(CudaRuntime)
-    runtime.devices = {GPU_UUID: 0}
+    runtime = CudaRuntime({GPU_UUID: 0})
     opened: list[object] = []
     monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", lambda *a: opened.append(a))
     with pytest.raises(FramewireError), classified(0):
@@ -217,11 +216,11 @@ def test_a_cuda_region_names_its_gpu_by_uuid_where_the_indices_differ(monkeypatc
     (another CUDA_VISIBLE_DEVICES): device_uuid, when sent, chooses it."""
     from framewire.service._sources import cuda_ipc
 
-    runtime = object.__new__(CudaRuntime)
-    runtime.devices = {GPU_UUID: 3}
+    runtime = CudaRuntime({GPU_UUID: 3})
     opened: list[int] = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(cuda_ipc, "open_storage", lambda index, *a: opened.append(index))
+    monkeypatch.setattr(runtime, "warm", lambda index: None)  # no context to make here
     runtime.open_region(MEM_HANDLE, 0, 64, device_uuid=GPU_UUID)
     runtime.open_region(MEM_HANDLE, 0, 64)  # no UUID: the client's index, as Triton's
     assert opened == [3, 0]

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -371,9 +373,12 @@ def test_sigterm_gives_open_sessions_the_grace_then_aborts(workers, segments, tm
 
 
 def test_a_client_gone_mid_chunk_aborts_the_session(workers, segments):
+    """The chunk (4.5 MiB as rgb24) is larger than what the pipe (1 MiB) and the slots
+    the worker converts into ahead of its encoder (1.4 MiB here) hold, so its request is
+    still being read when the client goes."""
     import socket
 
-    w = workers.start()
+    w = workers.start(*WORKER_ARGS, "--stream-ahead-mib", "1")
     baseline = Baseline.of(w)
     clip = make_clip(frames=97, height=128, width=128)
     with w.http() as h:
@@ -443,3 +448,71 @@ def test_a_sessions_encode_counts_as_in_flight_from_its_first_chunk_to_its_end(w
         assert metric(h, "framewire_encodes_in_flight") == 1
         assert h.delete(f"/v1/streams/{deleted}").status_code == 204
         assert metric(h, "framewire_encodes_in_flight") == 0
+
+
+class Posted:
+    """``post()`` running on a thread: ``answer`` once it returned."""
+
+    def __init__(self, post: Callable[[], Any]):
+        self._answers: list[Any] = []
+        self._thread = threading.Thread(target=lambda: self._answers.append(post()), daemon=True)
+        self._thread.start()
+
+    def answer(self, within: float) -> Any:
+        """The response, or None if none came within ``within`` seconds."""
+        self._thread.join(within)
+        return self._answers[0] if self._answers else None
+
+
+def test_a_chunk_is_answered_once_converted_not_once_encoded(workers, segments, tmp_path):
+    """With ffmpeg stopped, a chunk that fits what the worker holds ahead (1 MiB and
+    two slots) is answered at once, and its segment may be overwritten: the worker read
+    it before answering. A chunk that does not fit waits for the encoder; the file is
+    the encode of the frames as they were when each chunk was answered."""
+    w = workers.start("--chunk-bytes", str(1 << 20), "--stream-ahead-mib", "1")
+    clip = make_clip(frames=80, height=128, width=128)  # 48 KiB a frame as rgb24
+    with w.http() as h:
+        sid = open_stream(h, clip, path="ahead.mp4")
+        assert send_frames(h, segments, sid, clip, 0, 1).status_code == 200  # ffmpeg runs
+        [ffmpeg] = wait_for_ffmpeg(w)
+        os.kill(ffmpeg, signal.SIGSTOP)
+        try:
+            # 30 frames, 1.4 MiB as rgb24: more than the pipe (1 MiB) holds, within what
+            # the pipe and the slots hold together.
+            key = segments.write(clip[:, 1:31].contiguous())
+            body = {"first_frame": 1, "source": shm_source(key, clip[:, 1:31].contiguous())}
+            r = Posted(lambda: h.post(f"/v1/streams/{sid}/frames", json=body)).answer(10)
+            assert r is not None, "not answered while ffmpeg is stopped"
+            assert r.status_code == 200 and r.json() == {"frames_received": 31}, r.text
+            Path(f"/dev/shm{key}").write_bytes(bytes(len(raw_bytes(clip[:, 1:31]))))  # reused
+            # 49 frames (2.3 MiB) cannot all be held: answered only once ffmpeg reads.
+            with w.http() as h2:
+                late = Posted(lambda: send_frames(h2, segments, sid, clip, 31, 80))
+                assert late.answer(1.5) is None, "answered before ffmpeg read it"
+                os.kill(ffmpeg, signal.SIGCONT)
+                assert late.answer(30).status_code == 200
+        finally:
+            os.kill(ffmpeg, signal.SIGCONT)
+        done = h.post(f"/v1/streams/{sid}/finish")
+        assert done.status_code == 200, done.text
+    assert done.json()["sha256"] == reference_mp4(clip, tmp_path / "ref.mp4")
+
+
+def test_an_encoder_killed_after_a_chunk_was_answered_fails_the_finish(workers, segments):
+    """The chunk went ahead of ffmpeg, which then died: the finish says so (422), no
+    file is left, and the worker goes on."""
+    w = workers.start("--chunk-bytes", str(1 << 20))
+    baseline = Baseline.of(w)
+    clip = make_clip(frames=40, height=128, width=128)
+    with w.http() as h:
+        sid = open_stream(h, clip, path="killed-after.mp4")
+        assert send_frames(h, segments, sid, clip, 0, 1).status_code == 200
+        [ffmpeg] = wait_for_ffmpeg(w)
+        os.kill(ffmpeg, signal.SIGSTOP)
+        assert send_frames(h, segments, sid, clip, 1, 40).status_code == 200  # held ahead
+        os.kill(ffmpeg, signal.SIGKILL)
+        r = h.post(f"/v1/streams/{sid}/finish")
+        assert (r.status_code, r.json()["code"]) == (422, "ffmpeg_killed"), r.text
+        assert h.get(f"/v1/streams/{sid}").json()["state"] == "failed"
+    assert not (w.outputs / "killed-after.mp4").exists()
+    settle(w, baseline, keep=set(segments.keys))
