@@ -1,7 +1,8 @@
 """Streaming benchmark: save a clip after generating it all, or stream it while it is made.
 
     .venv/bin/python benchmarks/stream.py [--frames 120] [--chunk 8] [--width 1344 --height 768]
-                                          [--rates 1 0.5] [--repeat 3] [--json OUT] [--figures DIR]
+                                          [--rates 1 0.5] [--ahead MIB] [--repeat 3]
+                                          [--json OUT] [--figures DIR]
 
 A producer process generates a float32 CTHW clip chunk by chunk at a steady
 rate, as a VAE decoding in temporal chunks would, and hands it to one worker:
@@ -231,6 +232,7 @@ def main() -> int:
     parser.add_argument(
         "--rates", type=float, nargs="+", default=[1.0, 0.5], help="x the encoder's frame rate"
     )
+    parser.add_argument("--ahead", type=int, default=None, help="(b)'s --stream-ahead-mib")
     plots.add_option(parser)
     args = parser.parse_args()
     ctx = harness.rank_context("framewire.client")
@@ -239,7 +241,8 @@ def main() -> int:
     chunk_mib = 3 * args.chunk * args.height * args.width * 4 / MIB
     goal_extra = 2 * chunk_mib + GOAL_SLACK_MIB
     with tempfile.TemporaryDirectory(prefix="framewire-stream-") as tmp:
-        worker = start_worker(Path(tmp) / "ahead", "--log-level", "warning")
+        ahead = () if args.ahead is None else ("--stream-ahead-mib", str(args.ahead))
+        worker = start_worker(Path(tmp) / "ahead", "--log-level", "warning", *ahead)
         paced = start_worker(Path(tmp) / "paced", "--log-level", "warning",
                              "--stream-ahead-mib", "0")  # fmt: skip
         try:
