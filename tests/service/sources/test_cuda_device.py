@@ -168,7 +168,9 @@ def gpu_memory_of(pid: int) -> int | None:
     return None
 
 
-def test_a_worker_holds_no_gpu_memory_until_its_first_cuda_request(workers, tmp_path):
+def test_a_worker_holds_no_gpu_memory_until_its_first_cuda_request(
+    workers, tmp_path, record_property
+):
     """FRAMEWIRE_CUDA_WARM=first-use (the default): the context, and what it costs, comes
     with the first request naming the GPU; ``start`` makes it at once."""
     lazy = workers.start()
@@ -181,6 +183,7 @@ def test_a_worker_holds_no_gpu_memory_until_its_first_cuda_request(workers, tmp_
     assert held is not None
     eager = workers.start("--cuda-warm", "start")
     at_start = gpu_memory_of(eager.pid)
-    print(f"worker GPU memory: none before its first CUDA request, {held} MiB after it; "
-          f"{at_start} MiB from the start with --cuda-warm start")
+    # In cuda-tests.xml (scripts/gpu-check): what a worker costs on a GPU.
+    record_property("worker_gpu_mib_after_first_request", held)
+    record_property("worker_gpu_mib_warmed_at_start", at_start)
     assert at_start is not None
