@@ -4,7 +4,10 @@
 
 Makes the clip first (not timed, not counted), saves a tiny clip once to warm the
 process up as a serving engine is (imports, the client's connection, the encoder's
-identity: paid once per process, not per save), then runs the engine's own save
+identity: paid once per process, not per save), waits SETTLE_S, as a serving engine's
+next save comes only after its next generation (what the warm-up set going in the
+background, the worker's next PyAV writer, is ready by then; the same wait whether the
+integration is on or off), then runs the engine's own save
 function once (SGLang's ``save_outputs``, vLLM-omni's ``ChunkedVideoMP4Session`` and
 its one-shot ``_encode_video_bytes``, diffusers' ``export_to_video``; framewire's
 integration on or off as the
@@ -103,6 +106,7 @@ def _diffusers(clip: Any, out: Path) -> None:
 
 
 WARMING = True  # the first save of a process is the warm-up: not timed
+SETTLE_S = 1.0  # between the warm-up and the timed save
 
 
 def _timed(save: Any, out: Path) -> None:
@@ -129,6 +133,7 @@ def main() -> None:
     warm = out.with_name("warm-" + out.name)
     save(_clip(8, 64, 48), warm)
     warm.unlink()
+    time.sleep(SETTLE_S)
     save(clip, out)
 
 

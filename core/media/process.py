@@ -233,6 +233,7 @@ class FfmpegProcess(Closing):
     ):
         self.argv = list(argv)
         self.stall_s = stall_s
+        self._after_close: list[Callable[[], None]] = []
         self._stderr = os.memfd_create("framewire-ffmpeg-stderr", os.MFD_CLOEXEC)
         # stdout, when it is wanted (``-version``), goes to a memfd too, for the same reason.
         self._stdout = os.memfd_create("framewire-ffmpeg-stdout", os.MFD_CLOEXEC) if stdout else -1
@@ -365,6 +366,10 @@ class FfmpegProcess(Closing):
                 os.close(fd)
                 setattr(self, name, -1)
 
+    def after_close(self, then: Callable[[], None]) -> None:
+        """Run ``then`` once the child is reaped (by :meth:`close`)."""
+        self._after_close.append(then)
+
     def close(self) -> None:
         """Kill if still running, reap, release the stderr memfd. Idempotent."""
         self.kill()
@@ -373,3 +378,5 @@ class FfmpegProcess(Closing):
         with _running_lock:
             _running.discard(self)
         self._close_memfds()
+        while self._after_close:
+            self._after_close.pop()()

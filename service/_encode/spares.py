@@ -6,8 +6,9 @@ A spare is the PyAV child (service/_encode/pyav_writer.py ``--spare``) started b
 encode, in a session of its own, at full priority and without a stall bound: it waits,
 using no CPU, on its end of a socket pair. An encode takes one, gives it the stall
 bound and priority an encode gets (:meth:`FfmpegProcess.begin`), and sends it its
-arguments and the descriptors they name; a new spare is started at once for the next
-encode. Each spare runs one encode and exits, as a child started afresh does: no
+arguments and the descriptors they name; a new spare is started for the next encode
+once this one's child has ended, so that its start (an interpreter and PyAV's import,
+about 0.25 CPU-s) never takes the CPU from the encode itself. Each spare runs one encode and exits, as a child started afresh does: no
 encode shares a process, nor x264's state, with another. A spare that died, or cannot
 take its job, is let go and the encode starts a child afresh; the worker's shutdown
 lets go of those still waiting (they exit on their socket's end).
@@ -84,7 +85,8 @@ class Spares:
         priority: Priority,
     ) -> FfmpegProcess:
         """The writer for ``args`` (its arguments, after the child's command): a spare given
-        the job, else a child started afresh; either way spares are started for the next."""
+        the job, else a child started afresh; either way spares are started for the next
+        once it has ended (beside the next encode, not this one)."""
         taken = None
         with self._lock:
             if self._ready:
@@ -96,11 +98,15 @@ class Spares:
                 process.begin(stall_s, priority)
             else:
                 taken.discard()
-        self._refill()
-        if process is not None:
-            return process
-        return FfmpegProcess([*self.child, *args], pass_fds=list(fds), stall_s=stall_s,
-                             cwd="/", priority=priority)  # fmt: skip
+        if process is None:
+            process = FfmpegProcess([*self.child, *args], pass_fds=list(fds), stall_s=stall_s,
+                                    cwd="/", priority=priority)  # fmt: skip
+        process.after_close(self._refill_soon)
+        return process
+
+    def _refill_soon(self) -> None:
+        """Refill off the thread that ends the encode: its answer does not wait on a fork."""
+        threading.Thread(target=self._refill, name="framewire-spares", daemon=True).start()
 
     def _refill(self) -> None:
         while True:
