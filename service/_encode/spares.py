@@ -8,10 +8,11 @@ using no CPU, on its end of a socket pair. An encode takes one, gives it the sta
 bound and priority an encode gets (:meth:`FfmpegProcess.begin`), and sends it its
 arguments and the descriptors they name; a new spare is started for the next encode
 once this one's child has ended, so that its start (an interpreter and PyAV's import,
-about 0.25 CPU-s) never takes the CPU from the encode itself. Each spare runs one encode and exits, as a child started afresh does: no
-encode shares a process, nor x264's state, with another. A spare that died, or cannot
-take its job, is let go and the encode starts a child afresh; the worker's shutdown
-lets go of those still waiting (they exit on their socket's end).
+about 0.25 CPU-s) never takes the CPU from the encode itself. Each spare runs one
+encode and exits, as a child started afresh does: no encode shares a process, nor
+x264's state, with another. A spare that died, or cannot take its job, is let go and
+the encode starts a child afresh; the worker's shutdown lets go of those still waiting
+(they exit on their socket's end).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ What must hold: the object is the file, byte for byte, and appears only whole, a
 CompleteMultipartUpload; part 1 (which holds what the muxer rewrites) goes last; a part
 sent early that differs from the finished file is sent again; a store that fails or
 stalls mid-encode ends the output with its code in bounded time, aborted, nothing left;
-so does an abort or a SIGTERM past the grace."""
+so does an abort, a producer gone mid-chunk, or a SIGTERM past the grace."""
 
 from __future__ import annotations
 
@@ -171,6 +171,37 @@ def test_an_aborted_session_leaves_no_part(eworker, moto, proxy, segments):
         assert h.delete(f"/v1/streams/{sid}").status_code == 204
     assert proxy.count("DELETE", "uploadId=") == 1
     assert moto.leftovers(BUCKET) == ([], []) and framewire_temps(eworker.outputs) == []
+
+
+def test_a_producer_gone_mid_chunk_leaves_no_part(workers, moto, proxy, segments):
+    """Parts went; then ffmpeg is stopped, the producer sends a chunk the pipe cannot
+    take (chunks answered once ffmpeg's pipe took them here) and goes away mid-request:
+    the session ends as the client's, the upload is aborted, nothing is left."""
+    import socket
+
+    from tests.support.processes import wait_until_writes_stop
+    from tests.support.requests import raw_http, wait_for_ffmpeg
+
+    w = workers.start(*ARGS, "--stream-ahead-mib", "0", env=store_env(proxy.endpoint))
+    with w.http() as h:
+        sid = open_session(h, f"s3://{BUCKET}/left.mp4")
+        stream(h, segments, sid, 0, 160)
+        time.sleep(0.3)
+        assert proxy.parts_before(time.monotonic()), "no part went before the producer left"
+        [ffmpeg] = wait_for_ffmpeg(w)
+        os.kill(ffmpeg, signal.SIGSTOP)
+        chunk = segments.source(CLIP[:, 160:200].contiguous())  # 1.9 MiB: over the pipe's 1
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(str(w.uds))
+            body = {"first_frame": 160, "source": chunk}
+            sock.sendall(raw_http("POST", f"/v1/streams/{sid}/frames", body))
+            wait_until_writes_stop(w.pid)  # the pump waits on the full pipe, mid-chunk
+        deadline = time.monotonic() + 10
+        while h.get(f"/v1/streams/{sid}").json()["state"] != "aborted":
+            assert time.monotonic() < deadline, "the session outlived its producer"
+            time.sleep(0.05)
+    assert proxy.count("DELETE", "uploadId=") == 1
+    assert moto.leftovers(BUCKET) == ([], []) and framewire_temps(w.outputs) == []
 
 
 def test_sigterm_past_the_grace_leaves_no_part(workers, moto, proxy, segments):
