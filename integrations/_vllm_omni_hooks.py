@@ -121,7 +121,6 @@ class ChunkedMP4Encoder:
         self._engine: Any = None  # vLLM-omni's own, when the worker did not take the first chunk
         self.width, self.height = int(kw["width"]), int(kw["height"])
 
-
     def push(self, chunk: np.ndarray, *, on_consumed: Callable[[], None] | None = None) -> None:
         """Hand over a (T, H, W, 3) uint8 chunk; ``on_consumed`` fires once it is copied
         (exactly once, also when this raises)."""
