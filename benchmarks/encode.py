@@ -98,15 +98,16 @@ def write_clip(
 
 
 def status_kib(pid: str, fields: tuple[str, ...]) -> tuple[str, int]:
-    """(Name, sum of ``fields`` in KiB) from /proc/PID/status."""
-    name, total = "", 0
+    """(The executable's file name, sum of ``fields`` in KiB) from /proc/PID.
+
+    The file name, not the process's Name: the worker runs ffmpeg from a descriptor
+    (/proc/self/fd/N), whose Name is then the descriptor's number."""
+    total = 0
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("Name:"):
-                name = line.split()[1]
-            elif line.startswith(fields):
+            if line.startswith(fields):
                 total += int(line.split()[1])
-    return name, total
+    return os.path.basename(os.readlink(f"/proc/{pid}/exe")), total
 
 
 def child_pids() -> list[str]:

@@ -5,10 +5,12 @@ See tests/support/benchruns.py for what is asserted and what is not."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
+from tests.support import REPO
 from tests.support.benchruns import bench, bench_json
 
 
@@ -56,3 +58,31 @@ def test_gpu_benchmark_says_why_it_cannot_run() -> None:
         pytest.skip("a GPU is present: scripts/gpu-check runs this benchmark")
     r = bench("gpu_encode.py", "--frames", "2")
     assert r.returncode == 2 and "no CUDA device" in r.stderr, r.stdout + r.stderr
+
+
+def test_the_memory_samplers_know_an_ffmpeg_run_from_a_descriptor(monkeypatch) -> None:
+    """The worker runs ffmpeg from a descriptor (/proc/self/fd/N): the process's Name is
+    then that number, and benchmarks that looked for "ffmpeg" there missed every
+    encoder's memory. They go by the executable's file name."""
+    import importlib.util
+
+    from framewire.core.media.binary import Binary
+    from framewire.core.media.process import FfmpegProcess, find_ffmpeg
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # its harness and plots
+    spec = importlib.util.spec_from_file_location("bench_encode", REPO / "benchmarks/encode.py")
+    assert spec is not None and spec.loader is not None
+    encode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(encode)
+    binary = Binary(find_ffmpeg())  # run as the worker runs it: /proc/self/fd/N
+    argv = [binary.exe, "-f", "rawvideo", "-s", "16x16", "-pix_fmt", "rgb24", "-i", "pipe:0",
+            "-f", "null", "-"]  # fmt: skip
+    with FfmpegProcess(argv) as ff:  # waits on its stdin
+        pid = str(ff.proc.pid)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}/exe").resolve().name.startswith("python"):
+            assert time.monotonic() < deadline, "ffmpeg was never exec'd"
+            time.sleep(0.01)
+        name, hwm = encode.status_kib(pid, ("VmHWM:",))
+        assert name.startswith("ffmpeg") and hwm > 0, (name, hwm)
+    binary.close()
