@@ -176,6 +176,7 @@ class BaseClient(abc.ABC, Generic[H, W]):
         options: dict[str, Any],
         layout: Layout | str | None,
         live: bool = False,
+        ahead: bool = True,
     ) -> W:
         """A stream writer of this client's (its twin's kind) for one output."""
         return self._writer_type(
@@ -186,6 +187,7 @@ class BaseClient(abc.ABC, Generic[H, W]):
             options,
             layout=layout,
             live=live,
+            ahead=ahead,
             release_later=self._release_later,
         )
 
@@ -231,8 +233,9 @@ class BaseClient(abc.ABC, Generic[H, W]):
     ) -> Plan[list[OutputResult]]:
         """Each output a stream session, written a chunk at a time (client/_chunked.py)."""
         audios = per_output(options["audio"], len(paths), "audio")
+        # The frames all exist: a chunk answered before ffmpeg took it gains nothing.
         writers = [
-            self._writer(p, options | {"audio": a}, f.layout)
+            self._writer(p, options | {"audio": a}, f.layout, ahead=False)
             for p, f, a in zip(paths, described, audios, strict=True)
         ]
         return (yield from chunked_save(writers, described, [os.fspath(p) for p in paths]))

@@ -59,8 +59,10 @@ class WriterBase:
         *,
         layout: Layout | str | None,
         live: bool = False,
+        ahead: bool = True,
     ):
-        """``options``: a save's keywords (client._base.save_options)."""
+        """``options``: a save's keywords (client._base.save_options); ``ahead``: chunks
+        answered once converted (wire ``StreamOpen.ahead``)."""
         # Samples are shared for the opening call alone: the worker reads them then.
         self._samples = None
         audio = options["audio"]
@@ -72,6 +74,7 @@ class WriterBase:
             **kept,
             "audio": None if audio is None else os.fspath(audio),
             "live": live,
+            "ahead": ahead,
         }
         self._layout = layout
         self.id: str | None = None

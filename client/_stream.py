@@ -75,9 +75,10 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
         *,
         layout: Layout | str | None,
         live: bool = False,
+        ahead: bool = True,
         release_later: Callable[[Any], None] | None = None,
     ):
-        super().__init__(local, path, options, layout=layout, live=live)
+        super().__init__(local, path, options, layout=layout, live=live, ahead=ahead)
         self._send: S = send  # the client's
         self._release_later = release_later  # the client's: CUDA chunks left unanswered
         self._regions_of = regions  # the client's fd handover, brought up to date

@@ -59,6 +59,7 @@ class Options:
     value_range: tuple[float, float] | None = None
     presign_s: int | None = None  # object URLs are the worker's: never written here
     live: bool = False  # a live view is the worker's: a local stream has no viewers
+    ahead: bool = True  # how a worker answers chunks: a local stream has no answers
     validate: bool = True
     encoder: str | None = None  # an encoder identity: refused unless this process runs it
 

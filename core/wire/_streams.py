@@ -31,6 +31,11 @@ class StreamOpen(EncodeOptions):
     validate_: Flag = Field(default=True, alias="validate")
     # A live view: viewers watch the encode as it goes (the answer's ``watch_url``).
     live: Flag = False
+    # Each chunk answered once converted into the worker's staging, up to the worker's
+    # FRAMEWIRE_STREAM_AHEAD_MIB ahead of its encoder (the producer makes the next one
+    # meanwhile); false: once the encoder's pipe took it, for a producer whose frames
+    # all exist already (a whole clip sent chunk by chunk gains nothing from more held).
+    ahead: Flag = True
 
     model_config = EncodeOptions.model_config | {"populate_by_name": True}
 

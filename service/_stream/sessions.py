@@ -190,7 +190,7 @@ class Sessions:
                     source = await self.resources.prepare.open_source(chunk.source, access, held)
                     if session.output is None:
                         assert admission is not None
-                        ahead = self.settings.stream_ahead_mib << 20
+                        ahead = self.settings.stream_ahead_mib << 20 if session.spec.ahead else 0
                         await start(
                             session,
                             source,

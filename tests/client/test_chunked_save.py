@@ -13,6 +13,7 @@ import pytest
 import torch
 from framewire.client import AsyncClient, BadRequest, Client
 from framewire.client import _chunked as chunked_module
+from framewire.client import _session as session_module
 
 from tests.client.test_stream import Counting
 from tests.support.media import make_clip, reference_mp4, sha256
@@ -46,11 +47,22 @@ def test_a_clip_over_two_chunks_goes_chunk_by_chunk_with_the_whole_clips_bytes(
     assert clip.nbytes > 2 * CHUNK
     staging = Counting(monkeypatch)
     chunks_before, encodes_before = counters(worker)
+    asked: list[bool] = []  # each session's "ahead": the frames all exist, none is asked
+    real = session_module.StreamOpen.model_validate
+
+    def noting(fields: dict) -> object:
+        asked.append(fields["ahead"])
+        return real(fields)
+
+    monkeypatch.setattr(session_module.StreamOpen, "model_validate", noting)
     with Client(worker.uds_url) as c:
         [result] = c.save_videos([clip], ["chunked.mp4"], fps=24)
-    per_chunk = CHUNK // clip[:, 0].nbytes  # frames of one chunk
-    assert staging.made == [clip[:, :per_chunk].nbytes] * 2  # two chunks, never the clip
-    chunks, encodes = counters(worker)
+        per_chunk = CHUNK // clip[:, 0].nbytes  # frames of one chunk
+        assert staging.made == [clip[:, :per_chunk].nbytes] * 2  # two chunks, never the clip
+        chunks, encodes = counters(worker)
+        with c.open_video("producer.mp4", fps=24) as writer:  # a producer's stream: ahead
+            writer.write(clip[:, :2])
+    assert asked == [False, True]
     assert chunks - chunks_before == -(-13 // per_chunk) and encodes == encodes_before
     assert result.ok and result.frames == 13 and result.route == "stream"
     assert result.sha256 == sha256(worker.outputs / "chunked.mp4")

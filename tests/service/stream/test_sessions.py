@@ -498,6 +498,30 @@ def test_a_chunk_is_answered_once_converted_not_once_encoded(workers, segments, 
     assert done.json()["sha256"] == reference_mp4(clip, tmp_path / "ref.mp4")
 
 
+def test_a_session_opened_without_ahead_answers_once_the_pipe_took_the_chunk(
+    workers, segments, tmp_path
+):
+    """``"ahead": false`` (a whole clip sent chunk by chunk): with ffmpeg stopped, a chunk
+    larger than the pipe is not answered until ffmpeg reads again."""
+    w = workers.start("--chunk-bytes", str(1 << 20))
+    clip = make_clip(frames=31, height=128, width=128)
+    with w.http() as h:
+        sid = open_stream(h, clip, path="paced.mp4", ahead=False)
+        assert send_frames(h, segments, sid, clip, 0, 1).status_code == 200
+        [ffmpeg] = wait_for_ffmpeg(w)
+        os.kill(ffmpeg, signal.SIGSTOP)
+        try:
+            with w.http() as h2:
+                paced = Posted(lambda: send_frames(h2, segments, sid, clip, 1, 31))
+                assert paced.answer(1.5) is None, "answered before ffmpeg's pipe took it"
+                os.kill(ffmpeg, signal.SIGCONT)
+                assert paced.answer(30).status_code == 200
+        finally:
+            os.kill(ffmpeg, signal.SIGCONT)
+        done = h.post(f"/v1/streams/{sid}/finish")
+    assert done.json()["sha256"] == reference_mp4(clip, tmp_path / "ref.mp4")
+
+
 def test_an_encoder_killed_after_a_chunk_was_answered_fails_the_finish(workers, segments):
     """The chunk went ahead of ffmpeg, which then died: the finish says so (422), no
     file is left, and the worker goes on."""
