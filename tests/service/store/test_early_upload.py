@@ -66,6 +66,15 @@ def stream(h: Any, segments: Segments, sid: str, t0: int, t1: int, pause: float 
         time.sleep(pause)  # a VAE's pace: the file grows between chunks
 
 
+def parts_gone(h: Any, segments: Segments, proxy: Proxy, name: str) -> str:
+    """A session for object ``name`` sent 160 frames, and some of its parts went: its id."""
+    sid = open_session(h, f"s3://{BUCKET}/{name}")
+    stream(h, segments, sid, 0, 160)
+    time.sleep(0.3)
+    assert proxy.parts_before(time.monotonic()), "no part went while it was encoded"
+    return sid
+
+
 def file_sha(w: Worker, segments: Segments, name: str, **over: Any) -> str:
     """The same clip written to a file by a session: what the object must equal."""
     with w.http() as h:
@@ -184,10 +193,7 @@ def test_a_producer_gone_mid_chunk_leaves_no_part(workers, moto, proxy, segments
 
     w = workers.start(*ARGS, "--stream-ahead-mib", "0", env=store_env(proxy.endpoint))
     with w.http() as h:
-        sid = open_session(h, f"s3://{BUCKET}/left.mp4")
-        stream(h, segments, sid, 0, 160)
-        time.sleep(0.3)
-        assert proxy.parts_before(time.monotonic()), "no part went before the producer left"
+        sid = parts_gone(h, segments, proxy, "left.mp4")
         [ffmpeg] = wait_for_ffmpeg(w)
         os.kill(ffmpeg, signal.SIGSTOP)
         chunk = segments.source(CLIP[:, 160:200].contiguous())  # 1.9 MiB: over the pipe's 1
@@ -207,10 +213,7 @@ def test_a_producer_gone_mid_chunk_leaves_no_part(workers, moto, proxy, segments
 def test_sigterm_past_the_grace_leaves_no_part(workers, moto, proxy, segments):
     w = workers.start(*ARGS, "--shutdown-grace", "0.5", env=store_env(proxy.endpoint))
     with w.http() as h:
-        sid = open_session(h, f"s3://{BUCKET}/term.mp4")
-        stream(h, segments, sid, 0, 160)
-        time.sleep(0.3)
-    assert proxy.parts_before(time.monotonic()), "no part went before the SIGTERM"
+        parts_gone(h, segments, proxy, "term.mp4")
     w.proc.send_signal(signal.SIGTERM)
     assert w.proc.wait(timeout=30) == 0
     assert proxy.count("DELETE", "uploadId=") == 1

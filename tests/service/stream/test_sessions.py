@@ -464,6 +464,15 @@ class Posted:
         return self._answers[0] if self._answers else None
 
 
+def answered_once_resumed(ffmpeg: int, post: Callable[[], Any]) -> None:
+    """``post()`` (a chunk) is not answered while the stopped ``ffmpeg`` reads nothing;
+    once it runs again (SIGCONT here), it is, 200."""
+    posted = Posted(post)
+    assert posted.answer(1.5) is None, "answered before ffmpeg's pipe took the chunk"
+    os.kill(ffmpeg, signal.SIGCONT)
+    assert posted.answer(30).status_code == 200
+
+
 def test_a_chunk_is_answered_once_converted_not_once_encoded(workers, segments, tmp_path):
     """With ffmpeg stopped, a chunk that fits what the worker holds ahead (1 MiB and
     two slots) is answered at once, and its segment may be overwritten: the worker read
@@ -487,10 +496,7 @@ def test_a_chunk_is_answered_once_converted_not_once_encoded(workers, segments, 
             Path(f"/dev/shm{key}").write_bytes(bytes(len(raw_bytes(clip[:, 1:31]))))  # reused
             # 49 frames (2.3 MiB) cannot all be held: answered only once ffmpeg reads.
             with w.http() as h2:
-                late = Posted(lambda: send_frames(h2, segments, sid, clip, 31, 80))
-                assert late.answer(1.5) is None, "answered before ffmpeg read it"
-                os.kill(ffmpeg, signal.SIGCONT)
-                assert late.answer(30).status_code == 200
+                answered_once_resumed(ffmpeg, lambda: send_frames(h2, segments, sid, clip, 31, 80))
         finally:
             os.kill(ffmpeg, signal.SIGCONT)
         done = h.post(f"/v1/streams/{sid}/finish")
@@ -512,10 +518,7 @@ def test_a_session_opened_without_ahead_answers_once_the_pipe_took_the_chunk(
         os.kill(ffmpeg, signal.SIGSTOP)
         try:
             with w.http() as h2:
-                paced = Posted(lambda: send_frames(h2, segments, sid, clip, 1, 31))
-                assert paced.answer(1.5) is None, "answered before ffmpeg's pipe took it"
-                os.kill(ffmpeg, signal.SIGCONT)
-                assert paced.answer(30).status_code == 200
+                answered_once_resumed(ffmpeg, lambda: send_frames(h2, segments, sid, clip, 1, 31))
         finally:
             os.kill(ffmpeg, signal.SIGCONT)
         done = h.post(f"/v1/streams/{sid}/finish")
