@@ -231,7 +231,8 @@ class CudaRuntime:
         self.devices = devices
         self.handles = HandleLocks()
         self.warmed: set[int] = set()
-        self._warming = threading.Lock()
+        # One lock per GPU: first requests to two GPUs make their contexts side by side.
+        self._warming = {index: threading.Lock() for index in devices.values()}
 
     @classmethod
     def start(cls, warm: str = "start") -> CudaRuntime | None:
@@ -258,7 +259,7 @@ class CudaRuntime:
         """Create device ``index``'s context and load the conversion kernels, once, so no
         encode's window pays for them; then forget the warm-up in the peak-memory figures.
         A CUDA error here is classified as any other (a full GPU: gpu_out_of_memory)."""
-        with self._warming:
+        with self._warming.setdefault(index, threading.Lock()):
             if index in self.warmed:
                 return
             with classified(index):

@@ -89,3 +89,24 @@ def test_a_gpu_too_full_for_a_context_is_answered_and_tried_again(contexts, monk
     assert runtime.warmed == set()
     monkeypatch.setattr(cuda_ipc, "_make_context", contexts.append)
     assert runtime.open_region(b"h", 0, 64, U0) == 0 and contexts == [0]
+
+
+def test_two_gpus_make_their_contexts_side_by_side(contexts, monkeypatch):
+    """One GPU's first request does not wait for another GPU's context."""
+    runtime = CudaRuntime.start("first-use")
+    assert runtime is not None
+    both = threading.Barrier(2, timeout=10)  # each context waits for the other's to begin
+
+    def make(index: int) -> None:
+        both.wait()
+        contexts.append(index)
+
+    monkeypatch.setattr(cuda_ipc, "_make_context", make)
+    threads = [
+        threading.Thread(target=runtime.open_region, args=(b"h", 0, 64, u)) for u in (U0, U1)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(contexts) == [0, 1]
