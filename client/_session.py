@@ -18,7 +18,7 @@ from framewire.client._calls import Call, stream_lost
 from framewire.client._local import LocalFallback, worker_gone
 from framewire.client._sharing.audio import shared_audio
 from framewire.client._sharing.fd import NO_ROOM, FdRegions, RegisteredMemfd
-from framewire.core.errors import FramewireError, Unavailable
+from framewire.core.errors import BadRequest, FramewireError, Unavailable
 from framewire.core.fdsocket import take_output
 from framewire.core.frames import Frames, describe
 from framewire.core.local import LocalStream
@@ -141,7 +141,18 @@ class WriterBase:
             body = StreamOpen.model_validate(fields).model_dump(mode="json", by_alias=True)
         except ValidationError as exc:
             raise refusal(exc) from None
+        if body["ahead"]:
+            del body["ahead"]  # the default: a worker older than the field takes the body
         return Call("POST", "/v1/streams", body, StreamOpened.model_validate)
+
+    def _older_worker(self, exc: BadRequest) -> bool:
+        """Whether ``exc`` is a worker older than ``"ahead"`` refusing it; if so, the
+        session is opened without it (that worker answers a chunk once its pipe took it,
+        which is what ``"ahead": false`` asks for)."""
+        if self._options.get("ahead", True) or not exc.message.startswith("ahead: Extra"):
+            return False
+        self._options["ahead"] = True
+        return True
 
     def _chunk_call(self, source: Any, frames: Frames) -> Call[StreamChunkAck]:
         assert self.id is not None

@@ -51,7 +51,7 @@ from framewire.client._plan import (
 from framewire.client._session import WriterBase
 from framewire.client._sharing.cuda import NotShareable
 from framewire.client._sharing.fd import FdRegions
-from framewire.core.errors import Unavailable
+from framewire.core.errors import BadRequest, Unavailable
 from framewire.core.frames import Frames, is_cuda, on_host
 from framewire.core.wire import Layout, OutputResult, StreamChunkAck
 
@@ -140,7 +140,13 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
             self._regions = yield from self._regions_of()
             with contextlib.ExitStack() as stack:  # closed here on a failure or a cancellation
                 audio = yield from blocking(stack.enter_context, self._shared_audio())
-                self._opened((yield from sent(self._open_call(first, audio))))
+                try:
+                    opened = yield from sent(self._open_call(first, audio))
+                except BadRequest as exc:
+                    if not self._older_worker(exc):
+                        raise
+                    opened = yield from sent(self._open_call(first, audio))
+                self._opened(opened)
                 yield from blocking(stack.close)
         except Unavailable as exc:
             yield from blocking(self._open_here, exc, first)

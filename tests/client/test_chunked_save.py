@@ -122,3 +122,21 @@ def test_outputs_the_worker_admits_one_at_a_time_both_complete(workers, tmp_path
     assert time.monotonic() - started < 5
     for clip, result in zip(clips, results, strict=True):
         assert result.sha256 == reference_mp4(clip, tmp_path / "ref.mp4", threads=1)
+
+
+def test_a_worker_older_than_ahead_still_takes_a_chunked_save(worker, tmp_path):
+    """A worker that does not know ``"ahead"`` refuses the body naming it (400): the save
+    opens its session again without it, and the file is the whole clip's; a producer's
+    stream never names it (its default), so such a worker takes it at once."""
+    from tests.support.misbehaving import Fault, Misbehaving
+
+    clip = make_clip(frames=13, height=128, width=160)
+    older = Fault("older", r"POST /v1/streams", fields=("ahead",))
+    with Misbehaving(worker.uds, tmp_path, older) as proxy, Client(proxy.url) as c:
+        [result] = c.save_videos([clip], ["older.mp4"], fps=24)
+        assert proxy.refused == 1
+        with c.open_video("older-stream.mp4", fps=24) as writer:
+            writer.write(clip[:, :2])
+        assert proxy.refused == 1
+    assert result.ok and result.route == "stream"
+    assert result.sha256 == reference_mp4(clip, tmp_path / "ref.mp4")

@@ -6,7 +6,9 @@ worker, that passes every request on except those of one route, which it
 - ``lying``: answers as the worker did, with the output gone from its path (a file
   removed) or with another sha256 (an output to memory);
 - ``hostile``: answers 409 with a message and a code made to forge lines in a log
-  (newlines, escapes, the caller's own token).
+  (newlines, escapes, the caller's own token);
+- ``older``: refuses a body naming a field in ``fields`` (400 ``bad_request``,
+  "Extra inputs are not permitted") as a worker older than the field does.
 
 It runs uvicorn in a thread of the test process, on its own event loop; the fd socket is
 the worker's own (the proxy speaks HTTP only).
@@ -28,7 +30,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-KINDS = ("silent", "slow", "lying", "hostile")
+KINDS = ("silent", "slow", "lying", "hostile", "older")
 FORGED = "framewire: FORGED LINE"
 
 
@@ -42,6 +44,7 @@ class Fault:
     kind: str
     route: str  # a regular expression on "METHOD /path"
     delay_s: float = 0.0
+    fields: tuple[str, ...] = ()  # ``older``: the body fields it does not know
 
 
 class Misbehaving:
@@ -53,6 +56,7 @@ class Misbehaving:
         self.fault = fault
         self.uds = root / "misbehaving.sock"
         self.hits = 0
+        self.refused = 0  # ``older``: bodies refused for a field it does not know
         self._worker_uds = worker_uds
         self._route = re.compile(fault.route)
         self._released: asyncio.Event | None = None
@@ -115,6 +119,14 @@ class Misbehaving:
             answer = {"error": hostile_message(token), "code": f"bad\n{FORGED}"}
             await self._answer(send, 409, [], json.dumps(answer).encode())
             return
+        if matched and self.fault.kind == "older":
+            unknown = [f for f in self.fault.fields if f in json.loads(body or b"{}")]
+            if unknown:
+                self.refused += 1
+                refusal = f"{unknown[0]}: Extra inputs are not permitted"
+                answer = {"error": refusal, "code": "bad_request"}
+                await self._answer(send, 400, [], json.dumps(answer).encode())
+                return
         assert self._http is not None
         query = scope.get("query_string", b"").decode()
         forwarded = await self._http.request(
