@@ -183,24 +183,25 @@ class Pump(Closing):
     a sending thread sends the slots into the pipe in order, so a piece is converted
     while the one before it is sent (both release the GIL). The slots go round across
     sources, and what the pipe may still hold of each is tracked across them too, so a
-    slot is never rewritten under the pipe. With more than two slots, a source's
-    frames may all be converted before ffmpeg has read them (``send(wait=False)``):
-    the producer runs ahead of the encoder by at most the slots' bytes.
+    slot is never rewritten under the pipe. ``ahead_bytes``: slots beyond the two, as
+    many as fit, so that a source's frames may all be converted before ffmpeg has read
+    them (``send(wait=False)``): the producer runs ahead of the encoder by at most that.
     """
 
-    def __init__(self, pipe: PipeWriter, height: int, width: int, per_chunk: int, slots: int = 2):
+    def __init__(
+        self, pipe: PipeWriter, height: int, width: int, per_chunk: int, ahead_bytes: int = 0
+    ):
         self.pipe = pipe
         self.frame_bytes = 3 * height * width
         self.per_chunk = per_chunk
-        self.sent = 0
         self._next_slot = 0
         self._failure: BaseException | None = None
         self._stopping = False
-        self.staging = Staging(
-            per_chunk * self.frame_bytes, max(2, slots), in_flight=pipe_capacity(pipe.fd)
-        )
-        self.drain = PipeDrain(pipe.fd, max(2, slots))
-        self._sends: list[Future[None] | None] = [None] * max(2, slots)
+        slot_bytes = per_chunk * self.frame_bytes
+        slots = 2 + ahead_bytes // slot_bytes
+        self.staging = Staging(slot_bytes, slots, in_flight=pipe_capacity(pipe.fd))
+        self.drain = PipeDrain(pipe.fd, slots)
+        self._sends: list[Future[None] | None] = [None] * slots
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="framewire-send")
 
     def send(
@@ -295,7 +296,6 @@ class Pump(Closing):
             self._fail(exc)
             raise
         self.drain.sent(slot, nbytes)
-        self.sent += nbytes
         if progress is not None:
             progress(frames)
 

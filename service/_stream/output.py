@@ -73,9 +73,8 @@ class StreamOutput(Closing):
             self._ff = self._stack.enter_context(ff)
             assert self._ff.input is not None
             per_chunk = encoder.frames_per_chunk(g)
-            slots = 2 + ahead_bytes // (per_chunk * 3 * g.height * g.width)
             self._pump = self._stack.enter_context(
-                Pump(self._ff.input, g.height, g.width, per_chunk, slots)
+                Pump(self._ff.input, g.height, g.width, per_chunk, ahead_bytes)
             )
             self._wait = ahead_bytes == 0
         except BaseException:

@@ -189,14 +189,17 @@ def test_staging_slots_are_page_aligned_and_released():
 
 
 def test_a_pump_with_slots_ahead_returns_before_the_reader_reads():
-    """Ten slots of one frame: a 6-frame source is all converted while nobody reads the
-    pipe (its 64 KiB hold one frame), and the bytes come out in order once read."""
+    """Ten slots of one frame (two, and eight ahead): a 6-frame source is all converted
+    while nobody reads the pipe (its 64 KiB hold one frame), and the bytes come out in
+    order once read."""
     clip = make_clip(frames=6, height=128, width=128)  # 48 KiB a frame
     r, w = os.pipe()
     fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 16)
     got = bytearray()
     try:
-        with stream.Pump(PipeWriter(w), 128, 128, per_chunk=1, slots=10) as pump:
+        with stream.Pump(
+            PipeWriter(w), 128, 128, per_chunk=1, ahead_bytes=8 * 3 * 128 * 128
+        ) as pump:
             fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 16)  # PipeWriter raised it to 1 MiB
             started = time.monotonic()
             assert pump.send(TensorSource(clip), wait=False) == 6 * 3 * 128 * 128
@@ -214,7 +217,9 @@ def test_a_send_that_fails_after_the_source_went_ahead_is_raised_by_the_next_cal
     clip = make_clip(frames=6, height=128, width=128)
     r, w = os.pipe()
     try:
-        with stream.Pump(PipeWriter(w), 128, 128, per_chunk=1, slots=10) as pump:
+        with stream.Pump(
+            PipeWriter(w), 128, 128, per_chunk=1, ahead_bytes=8 * 3 * 128 * 128
+        ) as pump:
             fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 16)
             pump.send(TensorSource(clip), wait=False)
             os.close(r)  # ffmpeg dies with frames still to send
