@@ -181,9 +181,8 @@ class EncodeJobs:
                 try:
                     presign_s = job.spec.presign_s
                     result = await self.resources.uploads.deliver(
-                        result, job.directory, job.path.name, job.url, presign_s, cancel,
-                        job.early,
-                    )  # fmt: skip
+                        result, job.directory, job.path.name, job.url, presign_s, cancel, job.early
+                    )
                 except Cancelled:
                     raise
                 except FramewireError as exc:

@@ -100,8 +100,13 @@ class Spares:
             else:
                 taken.discard()
         if process is None:
-            process = FfmpegProcess([*self.child, *args], pass_fds=list(fds), stall_s=stall_s,
-                                    cwd="/", priority=priority)  # fmt: skip
+            process = FfmpegProcess(
+                [*self.child, *args],
+                pass_fds=list(fds),
+                stall_s=stall_s,
+                cwd="/",
+                priority=priority,
+            )
         process.after_close(self._refill_soon)
         return process
 

@@ -93,8 +93,8 @@ class EarlyUpload:
             while not self._stop.wait(POLL_S):
                 if fd < 0:
                     try:
-                        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                     dir_fd=self._dir)  # fmt: skip
+                        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                        fd = os.open(name, flags, dir_fd=self._dir)
                     except FileNotFoundError:
                         continue  # the child has not opened it yet
                 size = os.fstat(fd).st_size
