@@ -53,6 +53,8 @@ class Parts:
         metrics.show_limits(settings)
         encoder.encoders.on_refusal = metrics.encoder_unavailable.labels("encode").inc
         metrics.encoders_lost.set_function(encoder.encoders.lost)
+        metrics.staging_kept.set_function(lambda: encoder.kept.count)
+        metrics.staging_kept_bytes.set_function(lambda: encoder.kept.kept_bytes)
         metrics.encoders_refused.set_function(lambda: len(encoder.encoders.refused))
         metrics.gpus_unusable.set_function(lambda: len(HEALTH.lost()))
         cuda = CudaRuntime.start(settings.cuda_warm)

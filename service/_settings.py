@@ -93,6 +93,9 @@ class Settings(BaseSettings):
     # once converted into them, so the producer makes the next one while x264 works
     # (0: answered once the encoder's pipe took the chunk, at the encoder's pace).
     stream_ahead_mib: int = Field(default=64, ge=0, le=4096)
+    # Staging memfds kept between encodes with their pages (a fresh one's first writes and
+    # its unmap cost more than the copy into it), at most this many MiB, none past 30 s idle.
+    staging_keep_mib: int = Field(default=256, ge=0, le=1 << 20)
     # Open stream sessions; past it, opening one is a 429.
     max_streams: int = Field(default=64, ge=1)
     # Of the waiting encodes (FRAMEWIRE_MAX_QUEUE), the open stream sessions, the audio

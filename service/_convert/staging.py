@@ -1,6 +1,7 @@
 """Staging memfds: where converted frames wait to be sent, and who fills them.
 
-Each encode owns its staging memfd (never shared between jobs). ``sendfile``
+Each encode owns its staging memfd while it runs (never shared between jobs); one
+let go is kept for a later encode (``kept.KeptStaging``). ``sendfile``
 into a pipe does not copy: the pipe keeps references to the memfd's pages until
 ffmpeg reads them. Rewriting such a page would change bytes ffmpeg has not read
 yet. A pipe references at most its capacity in pages, always the most recently
@@ -21,11 +22,11 @@ What fills a slot is pluggable (:class:`ChunkWriter`): the host converter
 from __future__ import annotations
 
 import mmap
-import os
 from collections.abc import Callable
 
 import torch
 from framewire.core.closing import Closing
+from framewire.service._convert.kept import KeptStaging, Memfd
 
 SLOT_TARGET = 8 << 20  # staging bytes per chunk: small enough to start ffmpeg early
 REFUSED = "refused"  # ``Staging.pinned_on`` of a staging the driver would not page-lock
@@ -35,10 +36,18 @@ class Staging(Closing):
     """A private memfd with ``slots`` equal slots, mapped and seen as uint8 tensors.
 
     ``in_flight``: how many bytes sent from it the reader may still hold by
-    reference (the pipe's capacity); None means any of them.
+    reference (the pipe's capacity); None means any of them. ``kept``: where the memfd
+    comes from and goes back to (else it is made and unmapped here).
     """
 
-    def __init__(self, slot_bytes: int, slots: int = 2, *, in_flight: int | None = None):
+    def __init__(
+        self,
+        slot_bytes: int,
+        slots: int = 2,
+        *,
+        in_flight: int | None = None,
+        kept: KeptStaging | None = None,
+    ):
         # Page-aligned slots: MADV_REMOVE works on whole pages.
         self.slot_bytes = -(-slot_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
         self.size = self.slot_bytes * slots
@@ -46,13 +55,9 @@ class Staging(Closing):
         self.pinned_on: object = None  # the CUDA device it is page-locked for, once it is
         self._before_close: list[Callable[[], None]] = []
         self._sent = [0] * slots
-        self.fd = os.memfd_create("framewire-staging", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, self.size)
-            self._map = mmap.mmap(self.fd, self.size)
-        except BaseException:
-            os.close(self.fd)
-            raise
+        self._kept = kept
+        self._memfd = Memfd.new(self.size) if kept is None else kept.take(self.size)
+        self.fd, self._map = self._memfd.fd, self._memfd.map
 
     @property
     def locked(self) -> bool:
@@ -72,15 +77,22 @@ class Staging(Closing):
 
         ``punch=False``: the caller has made sure the reader is done with it (pinned slots).
         """
+        if punch:
+            self._punch(index)
+        self._sent[index] = nbytes
         start = index * self.slot_bytes
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=start)
+
+    def _punch(self, index: int) -> None:
+        """Punch out what the pipe may still hold of slot ``index``'s last send."""
         sent = self._sent[index]
-        if sent and punch:
+        if sent:
+            start = index * self.slot_bytes
             tail = sent if self.in_flight is None else min(sent, self.in_flight + mmap.PAGESIZE)
             lo = (start + sent - tail) // mmap.PAGESIZE * mmap.PAGESIZE
             hi = -(-(start + sent) // mmap.PAGESIZE) * mmap.PAGESIZE
             self._map.madvise(mmap.MADV_REMOVE, lo, hi - lo)
-        self._sent[index] = nbytes
-        return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=start)
+            self._sent[index] = 0
 
     def before_close(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` (unpinning) before the mapping goes: once per staging, however
@@ -97,12 +109,18 @@ class Staging(Closing):
             self._close_map()
 
     def _close_map(self) -> None:
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a traceback still holds a slot view; the mapping goes with it
-        os.close(self.fd)
         self.fd = -1
+        # A page-locked staging's pages were the GPU's: it is not kept.
+        if self._kept is None or self.pinned_on not in (None, REFUSED):
+            self._memfd.close()
+            return
+        try:
+            for index in range(len(self._sent)):
+                self._punch(index)  # the next owner's pipe must not be this one's
+        except BaseException:
+            self._memfd.close()
+            raise
+        self._kept.give(self._memfd)
 
 
 def slot_frames(height: int, width: int) -> int:

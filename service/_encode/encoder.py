@@ -34,6 +34,7 @@ from framewire.core.media.argv import (
 from framewire.core.media.inputs import InputFile
 from framewire.core.media.process import FfmpegExited, FfmpegProcess
 from framewire.service._convert.convert import chunk_frames, convert_into
+from framewire.service._convert.kept import KeptStaging
 from framewire.service._convert.staging import ChunkWriter, slot_frames
 from framewire.service._encode.children import Children
 from framewire.service._encode.encoders import Encoders
@@ -87,8 +88,10 @@ class Encoder:
         stall_s: float | None = 60.0,
         encoders: list[str] | None = None,
         pyav_spares: int = 0,
+        staging_keep_bytes: int = 0,
     ):
         self.encoders = Encoders(ffmpeg, encoders)
+        self.kept = KeptStaging(staging_keep_bytes)  # staging memfds between encodes
         self.children = Children(pyav_spares, self.encoders.explain)
         self.ffmpeg = self.encoders.default
         self.chunk_bytes = chunk_bytes
@@ -104,6 +107,7 @@ class Encoder:
             stall_s=settings.stall_timeout_s,
             encoders=settings.encoders,
             pyav_spares=settings.pyav_spares,
+            staging_keep_bytes=settings.staging_keep_mib << 20,
         )
 
     def threads_for(self, height: int, params: EncodeParams) -> int:
@@ -302,7 +306,7 @@ class Encoder:
 
                     send_in_pieces(g.frames, per_chunk, send, progress)
                 else:
-                    with Pump(pipe, g.height, g.width, per_chunk) as pump:
+                    with Pump(pipe, g.height, g.width, per_chunk, kept=self.kept) as pump:
                         pump.send(source, check, self.writer(source, params), progress=progress)
             except FfmpegExited as exc:
                 raise self.children.cut_short(ff, check) from exc
@@ -374,9 +378,10 @@ class Encoder:
 
     def close(self) -> None:
         """Let go of what the encoder keeps between encodes (its PyAV writers started ahead,
-        its binaries' descriptors)."""
+        its binaries' descriptors, its staging memfds)."""
         self.children.close()
         self.encoders.close()
+        self.kept.close()
 
 
 def _audio(params: EncodeParams) -> InputFile:

@@ -22,6 +22,7 @@ from framewire.core.media.process import FfmpegExited, PipeWriter
 from framewire.core.wire import DType, Layout
 from framewire.service._convert import kernels
 from framewire.service._convert.convert import convert_into
+from framewire.service._convert.kept import KeptStaging
 from framewire.service._convert.staging import ChunkWriter, Staging
 from framewire.service._sources.frames import FrameSource, Geometry
 
@@ -186,10 +187,17 @@ class Pump(Closing):
     slot is never rewritten under the pipe. ``ahead_bytes``: slots beyond the two, as
     many as fit, so that a source's frames may all be converted before ffmpeg has read
     them (``send(wait=False)``): the producer runs ahead of the encoder by at most that.
+    ``kept``: where the staging memfd comes from and goes back to.
     """
 
     def __init__(
-        self, pipe: PipeWriter, height: int, width: int, per_chunk: int, ahead_bytes: int = 0
+        self,
+        pipe: PipeWriter,
+        height: int,
+        width: int,
+        per_chunk: int,
+        ahead_bytes: int = 0,
+        kept: KeptStaging | None = None,
     ):
         self.pipe = pipe
         self.frame_bytes = 3 * height * width
@@ -199,7 +207,7 @@ class Pump(Closing):
         self._stopping = False
         slot_bytes = per_chunk * self.frame_bytes
         slots = 2 + ahead_bytes // slot_bytes
-        self.staging = Staging(slot_bytes, slots, in_flight=pipe_capacity(pipe.fd))
+        self.staging = Staging(slot_bytes, slots, in_flight=pipe_capacity(pipe.fd), kept=kept)
         self.drain = PipeDrain(pipe.fd, slots)
         self._sends: list[Future[None] | None] = [None] * slots
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="framewire-send")

@@ -162,6 +162,12 @@ class Metrics:
         self.decode_cache_entries = gauge(
             "framewire_decode_cache_entries", "Decodes held in the cache"
         )
+        self.staging_kept = gauge(
+            "framewire_staging_kept", "Staging memfds kept between encodes, one memfd each"
+        )
+        self.staging_kept_bytes = gauge(
+            "framewire_staging_kept_bytes", "Bytes of the staging memfds kept between encodes"
+        )
 
     def show_limits(self, settings: object) -> None:
         for name in LIMITS:

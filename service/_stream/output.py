@@ -74,7 +74,7 @@ class StreamOutput(Closing):
             assert self._ff.input is not None
             per_chunk = encoder.frames_per_chunk(g)
             self._pump = self._stack.enter_context(
-                Pump(self._ff.input, g.height, g.width, per_chunk, ahead_bytes)
+                Pump(self._ff.input, g.height, g.width, per_chunk, ahead_bytes, encoder.kept)
             )
             self._wait = ahead_bytes == 0
         except BaseException:

@@ -113,18 +113,47 @@ def other_test_processes() -> set[int]:
 
 @dataclass
 class Baseline:
-    """What a warmed-up worker holds: fds (decode-cache memfds apart) and /dev/shm names."""
+    """What a warmed-up worker holds: fds (decode-cache and staging memfds apart), the
+    staging memfds in use (not kept between encodes), and /dev/shm names."""
 
     fds: int
     shm: set[str]
+    staging: int = 0
 
     @classmethod
     def of(cls, worker: Worker) -> Baseline:
-        return cls(len(_other_fds(worker)), shm_names())
+        with worker.http() as http:
+            staging = staging_in_use(worker, http)
+        return cls(len(_other_fds(worker)), shm_names(), staging)
+
+
+KEPT = ("/memfd:framewire-decode", "/memfd:framewire-staging")  # counted against their gauges
 
 
 def _other_fds(worker: Worker) -> list[str]:
-    return [f for f in worker.open_fds() if not f.startswith("/memfd:framewire-decode")]
+    return [f for f in worker.open_fds() if not f.startswith(KEPT)]
+
+
+def staging_memfds(worker: Worker) -> int:
+    """Staging memfds the worker holds open (each by two fds: its own, and its mapping's)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{worker.pid}/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{worker.pid}/fd/{fd}").startswith("/memfd:framewire-staging"):
+                inodes.add(os.stat(f"/proc/{worker.pid}/fd/{fd}").st_ino)
+    return len(inodes)
+
+
+def staging_in_use(worker: Worker, http: httpx.Client) -> int:
+    """Staging memfds the worker holds beyond those it keeps between encodes
+    (``framewire_staging_kept``): the running encodes' and open sessions', or leaked."""
+    return staging_memfds(worker) - int(metric(http, "framewire_staging_kept"))
+
+
+def staging_unaccounted(worker: Worker, http: httpx.Client, in_use: int = 0) -> str | None:
+    """A problem to report if more staging memfds are in use than ``in_use``."""
+    held = staging_in_use(worker, http)
+    return None if held <= in_use else f"{held} staging memfds in use (not kept), {in_use} before"
 
 
 def settle(
@@ -140,11 +169,14 @@ def settle(
             problems.append(f"fds {len(fds)} > {baseline.fds}: {fds}")
         with worker.http() as http:
             cached = metric(http, "framewire_decode_cache_entries")
-        decode_fds = len(worker.open_fds()) - len(fds)
+            staging = staging_unaccounted(worker, http, baseline.staging)
+        decode_fds = sum(f.startswith(KEPT[0]) for f in worker.open_fds())
         if decode_fds > cached:
             problems.append(f"{decode_fds} decode memfds open for {cached:.0f} cached decodes")
         if children := worker.children():
             problems.append(f"children {children}")
+        if staging is not None:
+            problems.append(staging)
         if temps := framewire_temps(worker.outputs):
             problems.append(f"temp outputs {temps}")
         if shm := shm_names() - baseline.shm - {k.lstrip("/") for k in keep}:

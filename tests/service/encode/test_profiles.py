@@ -271,3 +271,44 @@ def test_the_pyav_child_starts_on_pyav_and_numpy_alone():
     imported = [line.rsplit("|", 1)[-1].strip() for line in ran.stderr.splitlines()]
     assert {"av", "numpy"} <= set(imported)
     assert [m for m in imported if m.startswith("framewire")] == []
+
+
+def test_the_pyav_child_exits_without_tearing_the_interpreter_down(tmp_path: Path) -> None:
+    """Once its output is closed the child leaves at once: the interpreter's teardown
+    (PyAV's and numpy's modules) cost every encode about 40 ms before the worker saw it
+    exit. A ``sitecustomize`` of the test's notes whether the teardown ran; ``--help``,
+    which leaves through ``SystemExit``, shows that it would see it."""
+    marker = tmp_path / "torn-down"
+    (tmp_path / "sitecustomize.py").write_text(
+        f"import atexit\natexit.register(open, {str(marker)!r}, 'w')\n"
+    )
+    env = os.environ | {"PYTHONPATH": str(tmp_path)}
+    shown = subprocess.run([*PYAV_CHILD, "--help"], env=env, capture_output=True, timeout=60)
+    assert shown.returncode == 0 and marker.exists(), shown.stderr
+    marker.unlink()
+    out = tmp_path / "v.mp4"
+    frames = np.zeros((2, 48, 64, 3), np.uint8).tobytes()
+    argv = ["--size", "64x48", "--rate", "24/1", "--crf", "18", "--threads", "1", str(out)]
+    ran = subprocess.run(
+        [*PYAV_CHILD, *argv], input=frames, env=env, capture_output=True, timeout=60
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert out.stat().st_size > 0
+    assert not marker.exists()
+
+
+def test_the_pyav_child_starts_no_blas_threads(tmp_path: Path) -> None:
+    """numpy's OpenBLAS starts a thread per core at the import, and they spin (about
+    0.1 CPU-s a child, taken from the encodes): the child only wraps buffers with
+    numpy, so it runs on its one thread until x264 starts its own."""
+    counted = tmp_path / "threads"
+    (tmp_path / "sitecustomize.py").write_text(
+        "import atexit, os\n"
+        f"atexit.register(lambda: open({str(counted)!r}, 'w').write("
+        "str(len(os.listdir('/proc/self/task')))))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    env["PYTHONPATH"] = str(tmp_path)
+    ran = subprocess.run([*PYAV_CHILD, "--help"], env=env, capture_output=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    assert counted.read_text() == "1"
