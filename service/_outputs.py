@@ -130,11 +130,13 @@ def _discard(directory: int, temp: str, fd: int) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output(directory: int, name: str) -> Iterator[TempOutput]:
+def atomic_output(directory: int, name: str, *, durable: bool = True) -> Iterator[TempOutput]:
     """Yield where to write ``name``; on success it is renamed into ``directory``.
 
     ``directory`` is an open directory fd that stays the caller's. On any
     exception the written file and the private directory are removed.
+    ``durable``: the file and the rename are fsynced before this returns; not for
+    the spool's files, read back from the page cache and worthless after a crash.
     """
     try:
         temp, fd = _claim(directory)
@@ -143,11 +145,12 @@ def atomic_output(directory: int, name: str) -> Iterator[TempOutput]:
     try:
         yield TempOutput(fd, name)
         try:
-            written = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            try:
-                os.fsync(written)
-            finally:
-                os.close(written)
+            if durable:
+                written = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                try:
+                    os.fsync(written)
+                finally:
+                    os.close(written)
             # By fds on both sides: a link placed at the output's name is replaced, not followed.
             os.replace(name, name, src_dir_fd=fd, dst_dir_fd=directory)
         except OSError as exc:
@@ -155,7 +158,8 @@ def atomic_output(directory: int, name: str) -> Iterator[TempOutput]:
     finally:
         _discard(directory, temp, fd)  # after the rename: only the empty directory
         os.close(fd)
-    os.fsync(directory)
+    if durable:
+        os.fsync(directory)
 
 
 def _write_error(exc: OSError, what: str) -> FramewireError:

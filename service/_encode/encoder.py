@@ -136,6 +136,7 @@ class Encoder:
         inspect: Callable[[str], None] | None = None,
         progress: Progress | None = None,
         follower: Follower | None = None,
+        durable: bool = True,
     ) -> Encoded:
         """Encode ``source`` to ``path``.
 
@@ -145,7 +146,8 @@ class Encoder:
         renamed into place, and may raise to refuse it. ``progress`` is told the
         frames fed to ffmpeg so far, piece by piece (from 0 again if the reference
         route redoes the output). ``follower`` is told where the file is written and
-        checked between pieces (an object's early upload).
+        checked between pieces (an object's early upload). ``durable``: the file is
+        fsynced before it is renamed into place (not a spooled one's).
         """
         check_params(params)
         g = source.geometry
@@ -168,6 +170,7 @@ class Encoder:
                     inspect=inspect,
                     progress=progress,
                     follower=follower,
+                    durable=durable,
                 )
             finally:
                 audio.close()
@@ -181,7 +184,7 @@ class Encoder:
                 ) from exc
         try:
             return self._encode(
-                source, path, params, cancel, directory, inspect, progress, follower
+                source, path, params, cancel, directory, inspect, progress, follower, durable
             )
         finally:
             if own:
@@ -197,6 +200,7 @@ class Encoder:
         inspect: Callable[[str], None] | None,
         progress: Progress | None,
         follower: Follower | None,
+        durable: bool,
     ) -> Encoded:
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISDIR(os.stat(path.name, dir_fd=directory, follow_symlinks=False).st_mode):
@@ -213,7 +217,7 @@ class Encoder:
         started = time.perf_counter()
         route: Route = "stream"
         fast_error: str | None = None
-        with atomic_output(directory, path.name) as temp:
+        with atomic_output(directory, path.name, durable=durable) as temp:
             if follower is not None:
                 follower.writing(temp)
             try:

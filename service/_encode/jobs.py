@@ -62,6 +62,7 @@ class EncodeJobs:
             directory=job.directory,
             inspect=check,
             follower=job.early,
+            durable=job.url is None,  # a spooled output is read back, never kept
         )
         return written(encoded, job.params.fps, check, started, self.metrics)
 

@@ -3,9 +3,11 @@
 The spool is a directory of the worker's in the first output root: the disk the
 operator sized for outputs, never nameable by a request (paths may not use the
 ``.framewire-tmp-`` prefix), and skipped by the sweep of private directories.
-An output is encoded exactly as a file is (private directory, fsync, validate,
-rename) to ``<pid>-<hex><ext>`` there, uploaded or held, and removed whatever
-happened. What a killed worker left is removed at the next start (:func:`sweep`).
+An output is encoded as a file is (private directory, validate, rename) to
+``<pid>-<hex><ext>`` there, uploaded or held, and removed whatever happened; it is
+not fsynced (its bytes are read back from the page cache at once, and a crash loses
+the spool whatever its state). What a killed worker left is removed at the next
+start (:func:`sweep`).
 
 Whoever may write the output root could make the spool's name first, or swap it: a
 directory of theirs would let them read every output and change a finished file

@@ -36,7 +36,8 @@ class _Aborted(Exception):
 
 
 class StreamOutput(Closing):
-    """ffmpeg writing ``path`` (in ``directory``) from frames given by :meth:`feed`."""
+    """ffmpeg writing ``path`` (in ``directory``) from frames given by :meth:`feed`;
+    ``durable``: fsynced before it is renamed into place (``atomic_output``)."""
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class StreamOutput(Closing):
         live: LiveFeed | None = None,
         follower: Follower | None = None,
         ahead_bytes: int = 0,
+        durable: bool = True,
     ):
         self.path = path
         self.geometry = geometry
@@ -57,7 +59,8 @@ class StreamOutput(Closing):
         self._started = time.perf_counter()
         self._stack = contextlib.ExitStack()
         try:
-            self._staged = self._stack.enter_context(atomic_output(directory, path.name))
+            staged = atomic_output(directory, path.name, durable=durable)
+            self._staged = self._stack.enter_context(staged)
             if follower is not None:
                 follower.writing(self._staged)
             g = geometry

@@ -54,6 +54,7 @@ async def start(
         session.live,
         session.early,
         ahead_bytes,
+        session.url is None,  # a spooled output (memory, object) is not fsynced
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -156,6 +157,30 @@ def test_overwrites_existing_file_atomically(tmp_path):
     assert sha256(out) == result.sha256 == reference_mp4(clip, tmp_path / "ref.mp4")
     assert out.read_bytes()[:3] != b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.mp4", "ref.mp4"]
+
+
+def test_a_spooled_output_is_not_fsynced(tmp_path, monkeypatch):
+    """A file is fsynced, and so is its directory after the rename; a spooled output
+    (memory, object: read back at once, worthless after a crash) is neither, and its
+    bytes are the same."""
+    from framewire.service import _outputs
+
+    synced: list[str] = []
+    real = _outputs.os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(_outputs.os, "fsync", fsync)
+    clip = make_clip(frames=3)
+    kept = Encoder().encode(TensorSource(clip), tmp_path / "a.mp4", EncodeParams(fps=24))
+    assert [Path(p).name for p in synced] == ["a.mp4", tmp_path.name]
+    synced.clear()
+    spooled = Encoder().encode(
+        TensorSource(clip), tmp_path / "b.mp4", EncodeParams(fps=24), durable=False
+    )
+    assert synced == [] and spooled.sha256 == kept.sha256 == sha256(tmp_path / "b.mp4")
 
 
 def test_parallel_encodes_do_not_share_buffers(tmp_path):
