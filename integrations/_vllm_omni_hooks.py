@@ -23,7 +23,7 @@ import numpy as np
 from framewire.client import VideoWriter, pyav_identity
 from framewire.integrations._route import failed, left, route
 from framewire.integrations._switch import Declined, count
-from framewire.integrations._worker import WORKER, checked, write_frames
+from framewire.integrations._worker import WORKER, Into, checked, copied, write_frames
 
 MEDIA = "vllm_omni.diffusion.utils.media_utils"
 CHUNKED = "vllm_omni.diffusion.utils.chunked_video"
@@ -193,11 +193,22 @@ class ChunkedMP4Encoder:
             self.abort()
 
 
-def _quantized(frame: np.ndarray) -> np.ndarray:
-    """A float32 frame in [0, 1] as vLLM-omni quantizes it (``clip(0, 1) * 255`` rounded half
-    to even, in float32), here, a chunk at a time: a quarter of the bytes to hand over."""
-    quantized: np.ndarray = np.rint(np.clip(frame, 0.0, 1.0) * np.float32(255.0)).astype(np.uint8)
-    return quantized
+def _quantizer() -> Into:
+    """Float32 frames in [0, 1] as vLLM-omni quantizes them (``clip(0, 1) * 255`` rounded half
+    to even, in float32), here, a chunk at a time (a quarter of the bytes to hand over),
+    in place in one float frame kept for the whole clip."""
+    scratch: np.ndarray | None = None
+
+    def into(frame: np.ndarray, out: np.ndarray) -> None:
+        nonlocal scratch
+        if scratch is None:
+            scratch = np.empty(frame.shape, np.float32)
+        np.clip(frame, 0.0, 1.0, out=scratch)
+        scratch *= np.float32(255.0)
+        np.rint(scratch, out=scratch)
+        out[...] = scratch
+
+    return into
 
 
 def _frames(api: Any, video: Any) -> tuple[list[np.ndarray], tuple[int, ...], Any]:
@@ -242,9 +253,9 @@ def encode_bytes(original: Callable[..., bytes], version: str | None) -> Callabl
             why = _declined(shape[1], shape[0], samples, rate, "h264", "aac", "18", options)
             if why is not None:
                 raise Declined(why)
-            convert = np.asarray if dtype == np.uint8 else _quantized
+            into = copied if dtype == np.uint8 else _quantizer()
             save = _save_options(float(given["fps"]), options, samples, rate)
-            result = write_frames(MEMORY, frames, convert, **save)
+            result = write_frames(MEMORY, frames, into, **save)
             assert result.data is not None
             return result.data
 

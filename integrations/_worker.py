@@ -187,17 +187,33 @@ def save_tensors(
     return [checked(t, r) for t, r in zip(targets, results, strict=True)]
 
 
+# Writes one (H, W, 3) frame's 8-bit RGB into ``out`` (uint8, the frame's shape).
+Into = Callable[[np.ndarray, np.ndarray], None]
+
+
+def copied(frame: np.ndarray, out: np.ndarray) -> None:
+    """8-bit frames as they are."""
+    out[...] = frame
+
+
 def write_frames(
-    target: str,
-    frames: Sequence[Any],
-    convert: Callable[[Any], np.ndarray] = np.asarray,
-    **options: Any,
+    target: str, frames: Sequence[Any], into: Into = copied, **options: Any
 ) -> OutputResult:
-    """A list of (H, W, 3) frames to ``target`` through a stream session, CHUNK_FRAMES
-    at a time: the list is never stacked whole (the bytes are save_video's of the stack);
-    the output checked."""
+    """A list of (H, W, 3) frames (arrays, or what numpy makes one of) to ``target``
+    through a stream session, CHUNK_FRAMES at a time, each frame written by ``into``
+    into one chunk reused for every group (the writer has copied a chunk when ``write``
+    returns): the list is never stacked whole and no frame's conversion allocates (the
+    bytes are save_video's of the stack); the output checked."""
+    shape = np.asarray(frames[0]).shape
+    chunk = np.empty((min(CHUNK_FRAMES, len(frames)), *shape), np.uint8)
     with WORKER.client().open_video(target, layout="THWC", **options) as writer:
         for t0 in range(0, len(frames), CHUNK_FRAMES):
-            writer.write(np.stack([convert(f) for f in frames[t0 : t0 + CHUNK_FRAMES]]))
+            group = frames[t0 : t0 + CHUNK_FRAMES]
+            for i, f in enumerate(group):
+                frame = np.asarray(f)
+                if frame.shape != shape:  # as np.stack would refuse them
+                    raise ValueError("the frames are not all of one shape")
+                into(frame, chunk[i])
+            writer.write(chunk[: len(group)])
     assert writer.result is not None
     return checked(target, writer.result)

@@ -27,7 +27,7 @@ from framewire.client import ffmpeg_identity
 from framewire.integrations._probe import Engine, Probe, Target
 from framewire.integrations._route import guarded, route
 from framewire.integrations._switch import Declined
-from framewire.integrations._worker import WORKER, write_frames
+from framewire.integrations._worker import WORKER, Into, copied, write_frames
 
 EXPORT = "diffusers.utils.export_utils"
 DIFFUSERS = Engine(
@@ -84,11 +84,21 @@ def _rate_spelled_alike(fps: float) -> bool:
     return (major, minor) >= (0, 7)
 
 
-def _scaled(frame: np.ndarray) -> np.ndarray:
-    """diffusers' own conversion of a float32 frame, here as there: ``(frame * 255)``
-    cast to uint8 without a clamp (out-of-range values wrap as numpy casts them)."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        return (frame * 255).astype(np.uint8)
+def _scaler() -> Into:
+    """diffusers' own conversion of float32 frames, here as there: ``(frame * 255)`` cast
+    to uint8 without a clamp (out-of-range values wrap as numpy casts them), in place in
+    one float frame kept for the whole clip."""
+    scratch: np.ndarray | None = None
+
+    def into(frame: np.ndarray, out: np.ndarray) -> None:
+        nonlocal scratch
+        if scratch is None:
+            scratch = np.empty(frame.shape, np.float32)
+        with np.errstate(invalid="ignore", over="ignore"):
+            np.multiply(frame, 255, out=scratch)
+            out[...] = scratch
+
+    return into
 
 
 def _converter(video_frames: Any) -> Any:
@@ -100,11 +110,11 @@ def _converter(video_frames: Any) -> Any:
     if isinstance(first, np.ndarray):
         if any(not isinstance(f, np.ndarray) or f.dtype != np.float32 for f in video_frames):
             raise Declined("frames that are not float32 arrays")
-        return _scaled
+        return _scaler()
     if type(first).__module__.startswith("PIL."):
         if np.array(first).dtype != np.uint8:
             raise Declined("images that are not 8-bit")
-        return np.array
+        return copied
     raise Declined("frames that are neither arrays nor PIL images")
 
 
@@ -134,11 +144,11 @@ def export_to_video(
             raise Declined("a quality or rate diffusers' imageio spells otherwise")
         if not len(video_frames):
             raise Declined("no frames")
-        convert = _converter(video_frames)
+        into = _converter(video_frames)
         write_frames(
             WORKER.target(output_video_path),
             video_frames,
-            convert,
+            into,
             fps=fps,
             quality=quality,
             profile="diffusers",

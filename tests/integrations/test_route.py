@@ -11,6 +11,7 @@ import os
 import time
 
 import httpx
+import numpy as np
 import pytest
 from framewire.client import OutputResult
 from framewire.integrations import _worker
@@ -159,3 +160,52 @@ def test_a_guarded_step_never_raises_and_says_so_once(caplog):
         guarded("a test step", boom)
     [said] = [r.getMessage() for r in caplog.records if "a test step" in r.getMessage()]
     assert said == "framewire: a test step failed (KeyError: 'x\\ny'): the engine's own code runs"
+
+
+class Recorder:
+    """A stream writer that keeps what each ``write`` was given (copied, as the client's
+    copies it) and where its buffer was."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.buffers: set[int] = set()
+        self.result: OutputResult | None = None
+
+    def write(self, chunk: np.ndarray) -> None:
+        self.chunks.append(chunk.tobytes())
+        self.buffers.add(chunk.__array_interface__["data"][0])
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        data = b"".join(self.chunks)
+        digest = hashlib.sha256(data).hexdigest()
+        self.result = OutputResult(
+            ok=True, path="memory://v.mp4", bytes=len(data), sha256=digest, data=data
+        )
+
+
+def test_a_list_of_frames_goes_in_bounded_chunks_through_one_buffer(monkeypatch):
+    """20 float frames, quantized as vLLM-omni does: three chunks (8, 8, 4 frames), all
+    written from one chunk buffer (nothing allocated per frame or per chunk), bytes equal
+    to the stack's; a frame of another shape is refused as np.stack refuses it."""
+    from framewire.integrations._vllm_omni_hooks import _quantizer
+
+    recorder = Recorder()
+
+    class Client:
+        def open_video(self, target: str, **options: object) -> Recorder:
+            return recorder
+
+    monkeypatch.setattr(_worker.WORKER, "client", lambda: Client())
+    rng = np.random.default_rng(3)
+    frames = [rng.random((6, 10, 3), dtype=np.float32) * 1.4 - 0.2 for _ in range(20)]
+    result = _worker.write_frames("memory://v.mp4", frames, _quantizer())
+    quantized = [np.rint(np.clip(f, 0, 1) * np.float32(255)).astype(np.uint8) for f in frames]
+    stacked = np.stack(quantized)
+    assert [len(c) for c in recorder.chunks] == [8 * 180, 8 * 180, 4 * 180]
+    assert len(recorder.buffers) == 1
+    assert result.data == stacked.tobytes()
+    with pytest.raises(ValueError, match="one shape"):
+        _worker.write_frames("memory://v.mp4", [*frames[:9], frames[9][:5]], _quantizer())
