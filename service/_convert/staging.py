@@ -8,7 +8,8 @@ yet. A pipe references at most its capacity in pages, always the most recently
 sent ones, so before a slot is rewritten the tail of what it last sent (pipe
 capacity plus a page) is punched out (``MADV_REMOVE``): the pipe keeps the old
 pages, the next write gets fresh ones. Punching whole slots would cost a page
-fault and a zero-fill per page of every chunk.
+fault and a zero-fill per page of every chunk; a slot whose last send was followed
+by that much more is not punched at all (with slots ahead, the usual case).
 
 Staging that a GPU copies into is page-locked (``cudaHostRegister``), and
 punching a page-locked page would leave the GPU writing to a page the memfd no
@@ -55,6 +56,10 @@ class Staging(Closing):
         self.pinned_on: object = None  # the CUDA device it is page-locked for, once it is
         self._before_close: list[Callable[[], None]] = []
         self._sent = [0] * slots
+        # Bytes whose sends completed, in all; and that count when each slot's last send
+        # completed (None: taken since, its send not known to be over).
+        self._written = 0
+        self._ends: list[int | None] = [0] * slots
         self._kept = kept
         self._memfd = Memfd.new(self.size) if kept is None else kept.take(self.size)
         self.fd, self._map = self._memfd.fd, self._memfd.map
@@ -80,13 +85,28 @@ class Staging(Closing):
         if punch:
             self._punch(index)
         self._sent[index] = nbytes
+        self._ends[index] = None
         start = index * self.slot_bytes
         return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=start)
+
+    def sent(self, index: int, nbytes: int) -> None:
+        """Slot ``index``'s send of ``nbytes`` completed (the sending thread's word)."""
+        self._written += nbytes
+        self._ends[index] = self._written
+
+    def pipe_may_hold(self, index: int) -> bool:
+        """Whether the pipe may still hold pages of slot ``index``'s last send: not once
+        sends completed after it filled the pipe's capacity (the pipe holds at most that
+        much of the latest sends)."""
+        end = self._ends[index]
+        if self.in_flight is None or end is None:
+            return True
+        return self._written - end < self.in_flight + mmap.PAGESIZE
 
     def _punch(self, index: int) -> None:
         """Punch out what the pipe may still hold of slot ``index``'s last send."""
         sent = self._sent[index]
-        if sent:
+        if sent and self.pipe_may_hold(index):
             start = index * self.slot_bytes
             tail = sent if self.in_flight is None else min(sent, self.in_flight + mmap.PAGESIZE)
             lo = (start + sent - tail) // mmap.PAGESIZE * mmap.PAGESIZE

@@ -100,6 +100,11 @@ class FrameSource:
         """(fd, offset) of contiguous THWC uint8 bytes that can be sent as they are."""
         return None
 
+    def read_into(self, t0: int, t1: int, out: torch.Tensor) -> bool:
+        """Frames [t0, t1) copied into ``out`` (uint8 host memory of their bytes) as
+        they are, where they are THWC uint8 in a file: False where this source cannot."""
+        return False
+
     def chunk_writer(self) -> ChunkWriter | None:
         """A converter of its own (a GPU source converts where its frames are); None: the
         host converts what ``read`` returns."""
@@ -132,6 +137,21 @@ class TensorSource(FrameSource):
         rows = slice(r0, r1)
         layout = self.geometry.layout
         return (x[:, :, rows] if layout is not Layout.THWC else x[:, rows]), False
+
+
+def pread_rgb24(g: Geometry, fd: int, offset: int, t0: int, t1: int, out: torch.Tensor) -> bool:
+    """``read_into`` for frames at ``offset`` of ``fd``: one ``pread``, the kernel copying
+    from the file's pages (mapping them would fault each in, and drop it after)."""
+    if rgb24_span(g, fd, offset) is None:
+        return False
+    frame = 3 * g.height * g.width
+    want = (t1 - t0) * frame
+    view = out.numpy().reshape(-1)[:want].data
+    if pread_full(fd, view, offset + t0 * frame) < want:
+        raise BadRequest(
+            "the shared-memory segment shrank while it was being read", code="segment_truncated"
+        )
+    return True
 
 
 def pread_full(fd: int, view: memoryview, offset: int) -> int:
@@ -185,6 +205,9 @@ class FileSource(FrameSource):
 
     def zero_copy(self) -> tuple[int, int] | None:
         return rgb24_span(self.geometry, self.fd, self.offset)
+
+    def read_into(self, t0: int, t1: int, out: torch.Tensor) -> bool:
+        return pread_rgb24(self.geometry, self.fd, self.offset, t0, t1, out)
 
     def close(self) -> None:
         self._buffer = None
@@ -258,6 +281,10 @@ class MappedSource(FrameSource):
 
     def zero_copy(self) -> tuple[int, int] | None:
         return rgb24_span(self.geometry, self.fd, self.offset)
+
+    def read_into(self, t0: int, t1: int, out: torch.Tensor) -> bool:
+        # Holes read as zeros here too, and allocate nothing.
+        return pread_rgb24(self.geometry, self.fd, self.offset, t0, t1, out)
 
     def close(self) -> None:
         if self._holes is not None:

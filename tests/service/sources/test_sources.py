@@ -124,3 +124,48 @@ def test_a_hole_is_found_in_the_run_that_holds_it_and_nowhere_else():
             assert os.fstat(fd).st_blocks * 512 == 32 * page  # looking allocated nothing
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("kind", ["mapped", "file"])
+def test_rgb24_frames_are_read_into_staging_by_pread_never_through_a_mapping(kind):
+    """uint8 THWC frames in a memfd (a rank's region) or a segment: copied into the
+    destination by one ``pread`` (the mapping's pages would each fault in, and be
+    dropped after), holes read as zeros; a file cut short is refused; other dtypes or
+    layouts are the converter's."""
+    import mmap
+
+    from framewire.service._encode.pump import HostWriter
+    from framewire.service._sources.frames import MappedSource
+
+    frames = np.random.default_rng(5).integers(0, 256, (5, 16, 24, 3), dtype=np.uint8)
+    fd = os.memfd_create("test-frames")
+    size = 4096 + frames.nbytes + 4096  # a hole of a page before the frames, none after
+    os.ftruncate(fd, size)
+    os.pwrite(fd, frames.tobytes()[: 3 * frames[0].nbytes], 4096)  # frames 3, 4 a hole
+    mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    g = Geometry(DType.uint8, Layout.THWC, 5, 16, 24)
+    try:
+        source = (
+            MappedSource(mapping, fd, 4096, g)
+            if kind == "mapped"
+            else FileSource(fd, 4096, g, owns_fd=False)
+        )
+
+        def no_read(*args: object) -> None:
+            raise AssertionError("read through the mapping or a buffer")
+
+        source.read = no_read  # type: ignore[method-assign]
+        out = torch.full((5 * frames[0].nbytes,), 7, dtype=torch.uint8)
+        HostWriter(source).write(lambda: out, 0, 5)
+        hole = np.zeros(2 * frames[0].nbytes, np.uint8)
+        expected = np.concatenate([frames[:3].reshape(-1), hole])
+        assert (out.numpy() == expected).all()
+        floats = Geometry(DType.float32, Layout.THWC, 1, 16, 24)
+        assert FileSource(fd, 0, floats, owns_fd=False).read_into(0, 1, out) is False
+        os.ftruncate(fd, 4096 + 2 * frames[0].nbytes)  # an unsealed one shrunk meanwhile
+        with pytest.raises(BadRequest) as err:
+            source.read_into(0, 5, out)
+        assert err.value.code == "segment_truncated"
+    finally:
+        mapping.close()
+        os.close(fd)
