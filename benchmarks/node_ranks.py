@@ -202,7 +202,10 @@ class Memory(threading.Thread):
         self._skip: set[int] = set()
         self._base = {pid: status_kib(str(pid), self.OWN)[1] for pid in self.parents}
         self._top = dict(self._base)
-        self._shared_base = self.shared_top = self._shared()
+        # The staging the worker keeps between encodes is counted whole, whenever it was
+        # made: it is memory the node holds for these saves.
+        self._shared_base = self._shared(kept=False)
+        self.shared_top = self._shared()
 
     def run(self) -> None:
         tick = 0
@@ -232,15 +235,19 @@ class Memory(threading.Thread):
                     continue
                 self.peaks[pid] = max(self.peaks.get(pid, 0), hwm)
 
-    def _shared(self) -> int:
-        """KiB allocated to the distinct memfds and /dev/shm files the processes hold."""
+    def _shared(self, kept: bool = True) -> int:
+        """KiB allocated to the distinct memfds and /dev/shm files the processes hold (but
+        the worker's kept staging unless ``kept``)."""
         seen: dict[tuple[int, int], int] = {}
         for pid in self.parents:
             with contextlib.suppress(OSError):
                 for fd in os.listdir(f"/proc/{pid}/fd"):
                     link = f"/proc/{pid}/fd/{fd}"
                     with contextlib.suppress(OSError):
-                        if os.readlink(link).startswith(("/memfd:", "/dev/shm/")):
+                        name = os.readlink(link)
+                        if not kept and name.startswith("/memfd:framewire-staging"):
+                            continue
+                        if name.startswith(("/memfd:", "/dev/shm/")):
                             st = os.stat(link)
                             seen[(st.st_dev, st.st_ino)] = st.st_blocks // 2
         return sum(seen.values())
