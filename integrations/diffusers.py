@@ -101,7 +101,7 @@ def _scaler() -> Into:
     return into
 
 
-def _converter(video_frames: Any) -> Any:
+def _converter(video_frames: Any) -> Into:
     """How each frame is handed over: float32 arrays scaled to 8 bits as diffusers scales
     them (a chunk at a time: a quarter of the bytes to hand over, and never more of the
     clip held here than diffusers holds), PIL images as their 8-bit arrays; Declined for
