@@ -11,8 +11,10 @@ integration is on or off), then runs the engine's own save
 function once (SGLang's ``save_outputs``, vLLM-omni's ``ChunkedVideoMP4Session`` and
 its one-shot ``_encode_video_bytes``, diffusers' ``export_to_video``; framewire's
 integration on or off as the
-environment says) and prints one JSON line: wall seconds, the process's peak
-resident memory above its level before the save (VmHWM, reset first), sha256.
+environment says) and prints one JSON line: wall seconds, the CPU seconds of the
+process and of the children it waited for (an engine's own ffmpeg; not the worker's),
+the process's peak resident memory above its level before the save (VmHWM, reset
+first), sha256.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -105,6 +108,12 @@ def _diffusers(clip: Any, out: Path) -> None:
     _timed(lambda: export_to_video(frames, str(out), fps=24), out)
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its children waited for (an engine's ffmpeg)."""
+    mine, theirs = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return mine.ru_utime + mine.ru_stime + theirs.ru_utime + theirs.ru_stime
+
+
 WARMING = True  # the first save of a process is the warm-up: not timed
 SETTLE_S = 1.0  # between the warm-up and the timed save
 
@@ -116,12 +125,13 @@ def _timed(save: Any, out: Path) -> None:
         WARMING = False
         return
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here
-    before, t0 = _status("VmRSS"), time.perf_counter()
+    before, t0, cpu0 = _status("VmRSS"), time.perf_counter(), _cpu_s()
     save()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
     peak = max(0, _status("VmHWM") - before)
     digest = hashlib.sha256(out.read_bytes()).hexdigest()
-    print(json.dumps({"wall_s": wall, "peak_extra_mib": peak / (1 << 20), "sha256": digest}))
+    figures = {"wall_s": wall, "cpu_s": cpu, "peak_extra_mib": peak / (1 << 20)}
+    print(json.dumps({**figures, "sha256": digest}))
 
 
 def main() -> None:
