@@ -10,8 +10,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 def memfds_open() -> int:
     """The memfds this process holds (decoded references, staged frames, audio): what a
-    leak of them would grow."""
-    count = 0
+    leak of them would grow. Each once, however many descriptors it has (a mapped one
+    has two: its own and the mapping's)."""
+    seen: set[tuple[int, int]] = set()
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
@@ -19,10 +20,11 @@ def memfds_open() -> int:
     for name in names:
         try:
             if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:"):
-                count += 1
+                st = os.stat(f"/proc/self/fd/{name}")
+                seen.add((st.st_dev, st.st_ino))
         except OSError:
             continue  # closed while counted
-    return count
+    return len(seen)
 
 
 # The settings exported as framewire_limit{setting}, so that alerts can read a gauge's

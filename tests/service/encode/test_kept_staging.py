@@ -155,3 +155,23 @@ def test_a_page_locked_staging_is_not_kept():
         assert kept.kept_bytes == 32 * PAGE
     finally:
         kept.close()
+
+
+def test_framewire_memfds_counts_each_memfd_once_however_many_fds_it_has():
+    """A mapped memfd has two descriptors (its own, and the mapping's); a kept staging
+    is one memfd, and so is a dup of one."""
+    from framewire.service._ops.metrics import memfds_open
+
+    before = memfds_open()
+    kept = KeptStaging(64 << 20)
+    try:
+        with Staging(16 * PAGE, 2, kept=kept) as s:
+            extra = os.dup(s.fd)
+            try:
+                assert memfds_open() == before + 1
+            finally:
+                os.close(extra)
+        assert memfds_open() == before + 1  # kept
+    finally:
+        kept.close()
+    assert memfds_open() == before
