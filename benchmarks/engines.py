@@ -16,7 +16,8 @@ made before the timing:
   diffusers         export_to_video of T float32 (H, W, 3) frames (the drop-in when on)
 
 "off": the engine's own code (the plugin installed, not enabled); "on":
-FRAMEWIRE_INTEGRATIONS names it, against one worker holding SGLang's ffmpeg. Figures,
+FRAMEWIRE_INTEGRATIONS names it, against one worker holding SGLang's ffmpeg, its encodes
+yielding as it ships (niceness 19, SCHED_BATCH, each in a session of its own). Figures,
 medians of --repeat runs (min..max beside): the save's wall, the calling process's
 peak resident memory above its level before the save, and whether every run's
 sha256 equals the engine's own. Goal (DESIGN 8): never slower; the memory flat where
@@ -88,7 +89,7 @@ def main() -> int:
     args = p.parse_args()
     sglang_ffmpeg = engine_ffmpeg(engine_site("sglang"))
     with tempfile.TemporaryDirectory() as tmp:
-        worker = start_worker(Path(tmp), "--encoders", str(sglang_ffmpeg))
+        worker = start_worker(Path(tmp), "--encoders", str(sglang_ffmpeg), yielding=True)
         try:
             rows, runs = [], []
             for engine in args.engines:
