@@ -57,9 +57,10 @@ class Staging(Closing):
         self._before_close: list[Callable[[], None]] = []
         self._sent = [0] * slots
         # Bytes whose sends completed, in all; and that count when each slot's last send
-        # completed (None: taken since, its send not known to be over).
-        self._written = 0
-        self._ends: list[int | None] = [0] * slots
+        # completed (None: taken since, its send not known to be over). Told by the
+        # sending thread (``sent``); read by the punch and by ``pump.PipeDrain``.
+        self.written = 0
+        self.ends: list[int | None] = [0] * slots
         self._kept = kept
         self._memfd = Memfd.new(self.size) if kept is None else kept.take(self.size)
         self.fd, self._map = self._memfd.fd, self._memfd.map
@@ -85,23 +86,23 @@ class Staging(Closing):
         if punch:
             self._punch(index)
         self._sent[index] = nbytes
-        self._ends[index] = None
+        self.ends[index] = None
         start = index * self.slot_bytes
         return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=start)
 
     def sent(self, index: int, nbytes: int) -> None:
         """Slot ``index``'s send of ``nbytes`` completed (the sending thread's word)."""
-        self._written += nbytes
-        self._ends[index] = self._written
+        self.written += nbytes
+        self.ends[index] = self.written
 
     def pipe_may_hold(self, index: int) -> bool:
         """Whether the pipe may still hold pages of slot ``index``'s last send: not once
         sends completed after it filled the pipe's capacity (the pipe holds at most that
         much of the latest sends)."""
-        end = self._ends[index]
+        end = self.ends[index]
         if self.in_flight is None or end is None:
             return True
-        return self._written - end < self.in_flight + mmap.PAGESIZE
+        return self.written - end < self.in_flight + mmap.PAGESIZE
 
     def _punch(self, index: int) -> None:
         """Punch out what the pipe may still hold of slot ``index``'s last send."""

@@ -146,21 +146,21 @@ class PipeDrain:
     """Tells a writer when the pipe's reader has consumed all a slot last sent.
 
     For pinned slots, which cannot be punched. The reader has consumed at least
-    ``written - unread`` bytes, where ``written`` counts completed sends only: a
-    send still running adds to ``unread`` alone, so the estimate errs low, never high.
+    ``written - unread`` bytes, where ``written`` counts completed sends only (the
+    staging's count, ``Staging.sent``): a send still running adds to ``unread`` alone,
+    so the estimate errs low, never high.
     """
 
-    def __init__(self, fd: int, slots: int):
+    def __init__(self, fd: int, staging: Staging):
         self.fd = fd
-        self.written = 0
-        self.ends = [0] * slots  # ``written`` when each slot's last send completed
+        self.staging = staging
         self._cond = threading.Condition()
         self._stopped = False
 
     def sent(self, slot: int, nbytes: int) -> None:
+        """Slot ``slot``'s send completed: counted by the staging, told to the waiters."""
         with self._cond:
-            self.written += nbytes
-            self.ends[slot] = self.written
+            self.staging.sent(slot, nbytes)
             self._cond.notify_all()
 
     def stop(self) -> None:
@@ -171,7 +171,8 @@ class PipeDrain:
     def wait(self, slot: int) -> None:
         with self._cond:
             while not self._stopped:
-                if self.written - pipe_unread(self.fd) >= self.ends[slot]:
+                end = self.staging.ends[slot]
+                if end is not None and self.staging.written - pipe_unread(self.fd) >= end:
                     return
                 # Bytes left in a pipe nobody reads never drain, and the sender waits on us.
                 if reader_gone(self.fd):
@@ -212,7 +213,7 @@ class Pump(Closing):
         slot_bytes = per_chunk * self.frame_bytes
         slots = 2 + ahead_bytes // slot_bytes
         self.staging = Staging(slot_bytes, slots, in_flight=pipe_capacity(pipe.fd), kept=kept)
-        self.drain = PipeDrain(pipe.fd, slots)
+        self.drain = PipeDrain(pipe.fd, self.staging)
         self._sends: list[Future[None] | None] = [None] * slots
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="framewire-send")
 
@@ -307,7 +308,6 @@ class Pump(Closing):
         except BaseException as exc:
             self._fail(exc)
             raise
-        self.staging.sent(slot, nbytes)
         self.drain.sent(slot, nbytes)
         if progress is not None:
             progress(frames)
