@@ -8,11 +8,13 @@ range, fractional qualities, and audio from memory.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
 from pathlib import Path
 
+import av
 import numpy as np
 import pytest
 import torch
@@ -312,3 +314,56 @@ def test_the_pyav_child_starts_no_blas_threads(tmp_path: Path) -> None:
     ran = subprocess.run([*PYAV_CHILD, "--help"], env=env, capture_output=True, timeout=60)
     assert ran.returncode == 0, ran.stderr
     assert counted.read_text() == "1"
+
+
+def test_the_pyav_child_converts_in_a_thread_ahead_of_the_encoder(tmp_path: Path) -> None:
+    """The rgb24 -> yuv420p conversion runs in a thread of its own beside x264 (a
+    ``sitecustomize`` notes each thread the child starts), at a size where swscale's
+    slices and x264's threads both come into play, and the bytes stay the engine's."""
+    started = tmp_path / "threads"
+    (tmp_path / "sitecustomize.py").write_text(
+        "import threading\n"
+        "_start = threading.Thread.start\n"
+        "def start(self):\n"
+        f"    open({str(started)!r}, 'a').write(self.name + '\\n')\n"
+        "    _start(self)\n"
+        "threading.Thread.start = start\n"
+    )
+    frames = vllm_omni_quantize(make_clip(4, 480, 832) * 2 - 1, (-1.0, 1.0))
+    want = vllm_omni_save(frames, tmp_path / "v.mp4", fps=24)
+    out = tmp_path / "fw.mp4"
+    argv = ["--size", "832x480", "--rate", "24/1", "--crf", "18", "--preset", "ultrafast",
+            "--threads", "0", str(out)]  # fmt: skip
+    ran = subprocess.run([*PYAV_CHILD, *argv], input=frames.tobytes(), capture_output=True,
+                         env=os.environ | {"PYTHONPATH": str(tmp_path)}, timeout=60)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert "convert" in started.read_text().split()
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == want
+
+
+def test_input_that_ends_inside_a_frame_fails_the_child_through_its_converter(
+    tmp_path: Path,
+) -> None:
+    """A short read in the converting thread is the encode's failure, said on stderr."""
+    out = tmp_path / "v.mp4"
+    argv = ["--size", "64x48", "--rate", "24/1", "--crf", "18", "--threads", "1", str(out)]
+    partial = bytes(64 * 48 * 3 + 100)  # one frame and a piece of the next
+    ran = subprocess.run([*PYAV_CHILD, *argv], input=partial, capture_output=True, timeout=60)
+    assert ran.returncode != 0
+    assert b"input ended inside a frame (100 of 9216 bytes)" in ran.stderr
+
+
+@pytest.mark.parametrize(("height", "width"), [(480, 832), (768, 1344), (34, 50)])
+def test_swscale_threads_do_not_change_a_pixel(height: int, width: int) -> None:
+    """The child converts on one swscale thread where PyAV's own encode would use its
+    codec's count: the same pixels either way, or the engine's bytes would part."""
+    from av.video.reformatter import VideoReformatter
+
+    rgb = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
+    pixels = {
+        VideoReformatter().reformat(frame, width, height, "yuv420p", threads=n).to_ndarray()
+        .tobytes()
+        for n in (0, 1, 2, 4)
+    }  # fmt: skip
+    assert len(pixels) == 1
