@@ -131,7 +131,7 @@ def _converted_ahead(
         try:
             for frame in frames:
                 ready.put(reformatter.reformat(frame, width, height, "yuv420p", **one_thread))
-        except BaseException as exc:  # raised again by the encoding thread
+        except (Exception, SystemExit) as exc:  # a short read exits: raised again there
             ready.put(exc)
         else:
             ready.put(_END)
