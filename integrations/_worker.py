@@ -204,13 +204,14 @@ def write_frames(
     into one chunk reused for every group (the writer has copied a chunk when ``write``
     returns): the list is never stacked whole and no frame's conversion allocates (the
     bytes are save_video's of the stack); the output checked."""
-    shape = np.asarray(frames[0]).shape
+    first = np.asarray(frames[0])  # a PIL image's conversion is a copy: made once
+    shape = first.shape
     chunk = np.empty((min(CHUNK_FRAMES, len(frames)), *shape), np.uint8)
     with WORKER.client().open_video(target, layout="THWC", **options) as writer:
         for t0 in range(0, len(frames), CHUNK_FRAMES):
             group = frames[t0 : t0 + CHUNK_FRAMES]
             for i, f in enumerate(group):
-                frame = np.asarray(f)
+                frame = first if t0 + i == 0 else np.asarray(f)
                 if frame.shape != shape:  # as np.stack would refuse them
                     raise ValueError("the frames are not all of one shape")
                 into(frame, chunk[i])

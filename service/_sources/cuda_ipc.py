@@ -259,7 +259,7 @@ class CudaRuntime:
         """Create device ``index``'s context and load the conversion kernels, once, so no
         encode's window pays for them; then forget the warm-up in the peak-memory figures.
         A CUDA error here is classified as any other (a full GPU: gpu_out_of_memory)."""
-        with self._warming.setdefault(index, threading.Lock()):
+        with self._warming[index]:
             if index in self.warmed:
                 return
             with classified(index):
