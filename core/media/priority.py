@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import time
 from dataclasses import dataclass
 
 # The scheduling policies an encoder may yield with: ``batch`` weighs as its niceness says
@@ -55,10 +57,93 @@ def group_nice(pid: int, nice: int) -> bool:
     session, whatever its encoders' niceness. Started in a session of its own, an encoder
     is its own group, and its group's niceness is what the ranks' threads are weighed
     against. Without autogroup (off, or the process in a container's cgroup, which the
-    container's CPU weight places) this changes nothing. False where it could not be set."""
+    container's CPU weight places) this changes nothing.
+
+    The kernel takes one such write a tenth of a second from a process without
+    CAP_SYS_ADMIN, counted across the whole host, and refuses the others (EAGAIN): a
+    worker not run as root starting encoders together would leave all but the first at
+    the ranks' weight. A refused write is retried in the background (:data:`LATER`) until
+    taken. False where it could not be set nor retried."""
+    LATER.forget(pid)  # this value replaces one still waiting
     try:
-        with open(f"/proc/{pid}/autogroup", "w") as group:
-            group.write(str(nice))
+        _write_group(pid, nice)
+    except BlockingIOError:  # within the kernel's tenth of a second since the last write
+        return LATER.retry(pid, nice)
     except OSError:  # no autogroup in this kernel, gone already, or a sandbox forbids it
         return False
     return True
+
+
+def _write_group(pid: int, nice: int) -> None:
+    with open(f"/proc/{pid}/autogroup", "w") as group:
+        group.write(str(nice))
+
+
+def _started(pid: int) -> str | None:
+    """When ``pid`` started (in clock ticks since boot): a pid reused is another start."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+# The kernel's spacing of unprivileged autogroup writes, and how long one is retried.
+GROUP_RETRY_EVERY_S = 0.1
+GROUP_RETRY_FOR_S = 10.0
+
+
+class GroupWrites:
+    """Autogroup writes the kernel refused for now, retried oldest first, one per
+    GROUP_RETRY_EVERY_S, by one thread that runs while any waits: each until taken, its
+    process gone (or its pid another process's), or GROUP_RETRY_FOR_S passed."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, tuple[int, str, float]] = {}  # pid: nice, start, until
+        self._lock = threading.Lock()
+        self._running = False
+
+    def retry(self, pid: int, nice: int) -> bool:
+        started = _started(pid)
+        if started is None:
+            return False
+        with self._lock:
+            self._waiting[pid] = (nice, started, time.monotonic() + GROUP_RETRY_FOR_S)
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._run, name="framewire-autogroups", daemon=True).start()
+        return True
+
+    def forget(self, pid: int) -> None:
+        with self._lock:
+            self._waiting.pop(pid, None)
+
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(GROUP_RETRY_EVERY_S)
+            with self._lock:
+                if not self._waiting:
+                    self._running = False
+                    return
+                pid, entry = next(iter(self._waiting.items()))
+            nice, started, until = entry
+            done = True
+            try:
+                if _started(pid) == started:
+                    _write_group(pid, nice)
+            except BlockingIOError:  # another write took this tenth of a second
+                done = time.monotonic() > until
+            except OSError:
+                pass  # gone, or forbidden now: nothing to retry
+            with self._lock:
+                if self._waiting.get(pid) == entry:
+                    del self._waiting[pid]
+                    if not done:  # to the back: the others' turn first
+                        self._waiting[pid] = entry
+
+
+LATER = GroupWrites()

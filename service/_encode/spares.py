@@ -3,12 +3,15 @@ start and PyAV's import on the encode's path (about 0.1 s of an encode that may 
 take 0.1 s).
 
 A spare is the PyAV child (service/_encode/pyav_writer.py ``--spare``) started before its
-encode, in a session of its own, at full priority and without a stall bound: it waits,
-using no CPU, on its end of a socket pair. An encode takes one, gives it the stall
-bound and priority an encode gets (:meth:`FfmpegProcess.begin`), and sends it its
-arguments and the descriptors they name; a new spare is started for the next encode
-once this one's child has ended, so that its start (an interpreter and PyAV's import,
-about 0.25 CPU-s) never takes the CPU from the encode itself. Each spare runs one
+encode, in a session of its own, without a stall bound: it waits, using no CPU, on its
+end of a socket pair. An encode takes one, gives it the stall bound and priority an
+encode gets (:meth:`FfmpegProcess.begin`), and sends it its arguments and the
+descriptors they name; a new spare is started for the next encode once this one's
+child has ended, so that its start (an interpreter and PyAV's import, about 0.25
+CPU-s) never takes the CPU from the encode itself. That start yields as an encode
+does: the spare's session (its autogroup) is at niceness 19 until an encode takes it,
+whose priority it then gets (its threads' niceness is left alone, which an unprivileged
+worker could not take back; a group's it can). Each spare runs one
 encode and exits, as a child started afresh does: no encode shares a process, nor
 x264's state, with another. A spare that died, or cannot take its job, is let go and
 the encode starts a child afresh; the worker's shutdown lets go of those still waiting
@@ -21,14 +24,17 @@ import array
 import contextlib
 import json
 import logging
+import os
 import socket
 import threading
 from collections.abc import Sequence
 
-from framewire.core.media.priority import Priority
+from framewire.core.media.priority import Priority, group_nice
 from framewire.core.media.process import FfmpegProcess
 
 log = logging.getLogger("framewire.encode")
+
+WAITING_NICE = 19  # a spare's session's niceness while it starts and waits
 
 
 class Spare:
@@ -46,6 +52,7 @@ class Spare:
         finally:
             theirs.close()
         self.control = mine
+        group_nice(self.process.proc.pid, WAITING_NICE)
 
     def give(self, args: Sequence[str], fds: Sequence[int]) -> bool:
         """Send the job; False if the spare cannot take it (it died)."""
@@ -97,6 +104,8 @@ class Spares:
             if taken.give(args, fds):
                 process = taken.process
                 process.begin(stall_s, priority)
+                if not priority.yields:  # an encode at full weight: its group's back too
+                    group_nice(process.proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
             else:
                 taken.discard()
         if process is None:

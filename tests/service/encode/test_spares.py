@@ -107,3 +107,29 @@ def test_a_writer_that_died_waiting_is_let_go_and_the_encode_starts_its_own(work
         wait_for_spare(w, {dead})
     assert again.sha256 == first.sha256
     assert dead not in w.children()  # reaped
+
+
+def group_nice_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+
+
+def test_a_writer_waits_yielding_and_an_encode_at_full_weight_takes_its_group_back(workers):
+    """A writer's start (an interpreter and PyAV's import, about 0.25 CPU-s after every
+    encode) and its wait weigh as an encode's: its session at niceness 19. An encode that
+    does not yield (this worker's: the suite's do not) gives the one it takes the
+    worker's weight back."""
+    w = workers.start()
+    clip = make_clip(frames=6, height=48, width=64)
+    with Client(w.uds_url, local_fallback=False) as c:
+        write(c, "a.mp4", clip)
+        spare = wait_for_spare(w, set())
+        assert group_nice_of(spare) == 19
+        writer = c.open_video("b.mp4", fps=24, profile="vllm-omni", encoder=ENCODER)
+        writer.write(clip)
+        writer.flush()  # the encoder took it: the spare runs the encode
+        assert spares(w) == [spare]
+        deadline = time.monotonic() + 3  # a write the kernel refused is retried
+        while group_nice_of(spare) != 0:
+            assert time.monotonic() < deadline, "the encode kept the waiting writer's weight"
+            time.sleep(0.02)
+        writer.close()
