@@ -8,8 +8,9 @@ identity: paid once per process, not per save), waits SETTLE_S, as a serving eng
 next save comes only after its next generation (what the warm-up set going in the
 background, the worker's next PyAV writer, is ready by then; the same wait whether the
 integration is on or off), then runs the engine's own save
-function once (SGLang's ``save_outputs``, vLLM-omni's ``ChunkedVideoMP4Session`` and
-its one-shot ``_encode_video_bytes``, diffusers' ``export_to_video``; framewire's
+function once (SGLang's ``save_outputs``, vLLM-omni's ``ChunkedVideoMP4Session``, its
+``ChunkedMP4Encoder`` fed uint8 chunks and its one-shot ``_encode_video_bytes``,
+diffusers' ``export_to_video``; framewire's
 integration on or off as the
 environment says) and prints one JSON line: wall seconds, the CPU seconds of the
 process and of the children it waited for (an engine's own ffmpeg; not the worker's),
@@ -82,6 +83,32 @@ def _vllm_omni(clip: Any, out: Path) -> None:
     _timed(save, out)
 
 
+def _vllm_omni_encoder(clip: Any, out: Path) -> None:
+    import torch
+
+    from tests.support.engine_vllm_omni import CHUNKED, enter_vllm_omni
+
+    if "vllm" not in sys.modules:
+        enter_vllm_omni()
+    importlib.import_module("vllm_omni.plugins").load_omni_general_plugins()
+    chunked = importlib.import_module(CHUNKED)
+    # The (T, H, W, 3) uint8 chunks vLLM-omni's session hands its encoder once it has
+    # quantized them (on a GPU host, on the GPU): made before the timing.
+    frames = (clip.permute(1, 2, 3, 0) * 255).round().to(torch.uint8).numpy()
+    chunks = [frames[t0 : t0 + 8].copy() for t0 in range(0, len(frames), 8)]
+
+    def save() -> None:
+        encoder = chunked.ChunkedMP4Encoder(
+            width=frames.shape[2], height=frames.shape[1], fps=24,
+            video_codec_options={"preset": "ultrafast", "threads": "0"},
+        )  # fmt: skip
+        for chunk in chunks:
+            encoder.push(chunk)
+        out.write_bytes(encoder.finish())
+
+    _timed(save, out)
+
+
 def _vllm_omni_bytes(clip: Any, out: Path) -> None:
     from tests.support.engine_vllm_omni import API, enter_vllm_omni
 
@@ -137,8 +164,8 @@ def _timed(save: Any, out: Path) -> None:
 def main() -> None:
     engine, out = sys.argv[1], Path(sys.argv[2])
     frames, width, height = (int(a) for a in sys.argv[3:6])
-    save = {"sglang": _sglang, "vllm-omni": _vllm_omni, "vllm-omni-bytes": _vllm_omni_bytes,
-            "diffusers": _diffusers}[engine]  # fmt: skip
+    save = {"sglang": _sglang, "vllm-omni": _vllm_omni, "vllm-omni-encoder": _vllm_omni_encoder,
+            "vllm-omni-bytes": _vllm_omni_bytes, "diffusers": _diffusers}[engine]  # fmt: skip
     clip = _clip(frames, width, height)
     warm = out.with_name("warm-" + out.name)
     save(_clip(8, 64, 48), warm)

@@ -12,6 +12,9 @@ made before the timing:
 
   SGLang            save_outputs of a CPU (3, T, H, W) tensor (the engine materializes it)
   vLLM-omni         ChunkedVideoMP4Session, 8-frame chunks, ultrafast, threads 0
+  vLLM-omni encoder ChunkedMP4Encoder fed the session's 8-frame uint8 chunks made
+                    before the timing (as on a GPU host, whose session quantizes on
+                    the GPU): the encode and the hand-over alone
   vLLM-omni bytes   _encode_video_bytes of (T, H, W, 3) float32 frames, ultrafast, threads 0
   diffusers         export_to_video of T float32 (H, W, 3) frames (the drop-in when on)
 
@@ -50,8 +53,8 @@ from tests.support.zygote import torch_zygote  # noqa: E402
 
 SAVE = HERE / "engine_save.py"
 
-ENGINES = ("sglang", "vllm-omni", "vllm-omni-bytes", "diffusers")
-SITES = {"vllm-omni-bytes": "vllm-omni"}  # a save of another engine's: its site
+ENGINES = ("sglang", "vllm-omni", "vllm-omni-encoder", "vllm-omni-bytes", "diffusers")
+SITES = {"vllm-omni-bytes": "vllm-omni", "vllm-omni-encoder": "vllm-omni"}  # its engine's site
 
 
 def one(engine: str, on: bool, worker: Any, args: argparse.Namespace, n: int) -> dict[str, Any]:

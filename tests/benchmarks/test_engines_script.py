@@ -15,7 +15,7 @@ pytestmark = pytest.mark.registry
 def test_engines_benchmark(tmp_path: Path) -> None:
     r, results = bench_json(tmp_path, "engines.py", "--frames", "8", "--width", "96",
                             "--height", "64", "--repeat", "1", timeout=600)  # fmt: skip
-    engines = ["sglang", "vllm-omni", "vllm-omni-bytes", "diffusers"]
+    engines = ["sglang", "vllm-omni", "vllm-omni-encoder", "vllm-omni-bytes", "diffusers"]
     assert [row["engine"] for row in results["rows"]] == engines
     assert all(row["same_bytes"] for row in results["rows"])
     assert len(results["runs"]) == 2 * len(engines)  # off and on, one run each
