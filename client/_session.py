@@ -228,6 +228,11 @@ class WriterBase:
 
     def _release(self) -> None:
         self._ended = True
+        self._free_buffers()
+
+    def _free_buffers(self) -> None:
+        """Let go of the chunk buffers (and their regions): once every chunk is answered,
+        the worker reads none of them again."""
         for i, segment in enumerate(self._buffers):
             if segment is not None:
                 segment.close()

@@ -207,6 +207,9 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
             self.result = yield from blocking(self._local.finish)
             return self.result
         yield from self._settle(wait=True)
+        # Every chunk answered: the buffers go before the output comes (a memory://
+        # output's bytes would be held beside them).
+        yield from blocking(self._free_buffers)
         try:
             finished = yield from sent(self._finish_call())
             self.result = yield from blocking(self._take_data, finished)

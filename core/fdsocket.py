@@ -8,7 +8,6 @@ from __future__ import annotations
 import array
 import contextlib
 import json
-import mmap
 import os
 import select
 import socket
@@ -196,10 +195,25 @@ def take_output(
         size = os.fstat(fd).st_size
         if size != reply.byte_size:
             raise FramewireError(f"{size} bytes held, {reply.byte_size} announced", code="protocol")
-        if size == 0:
-            return b""
-        # Sealed: its size cannot change under the mapping. One copy, into the bytes.
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as held:
-            return held[:]
+        return _read_whole(fd, size)
     finally:
         os.close(fd)
+
+
+def _read_whole(fd: int, size: int) -> bytes:
+    """The ``size`` bytes of a sealed memfd (its size cannot change), read into the bytes
+    returned: one copy, and none of its pages mapped here (a mapping's pages would count
+    in this process's memory beside the bytes while they are copied)."""
+    data = os.pread(fd, size, 0)
+    if len(data) == size:
+        return data
+    parts = [data]  # a read stops at about 2 GiB
+    done = len(data)
+    while done < size:
+        part = os.pread(fd, size - done, done)
+        if not part:
+            message = f"the held output ended at {done} of {size} bytes"
+            raise FramewireError(message, code="protocol")
+        parts.append(part)
+        done += len(part)
+    return b"".join(parts)

@@ -4,9 +4,12 @@ sealed memfd, taken once over the fd socket; the bytes are the file's, nothing s
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+import torch
 from framewire.client import BadRequest, Client, NotFound
 from framewire.core.fdsocket import take_output
 
@@ -37,3 +40,54 @@ def test_a_memory_output_is_the_files_bytes_taken_once(worker, tmp_path):
             assert refused.value.code == "bad_url"
     assert all(list(spool.iterdir()) == [] for spool in spools(worker.outputs))
     assert sorted(p.name for p in worker.outputs.iterdir() if not is_spool(p)) == ["a.mp4"]
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def test_taking_an_output_holds_one_copy_of_it(worker, segments):
+    """The held memfd is read into the bytes, not mapped: a mapping's pages count in the
+    taker's memory beside the bytes while they are copied (two copies at the peak)."""
+    noise = torch.rand(3, 12, 480, 832, generator=torch.Generator().manual_seed(1))
+    output = {"source": segments.source(noise), "path": "memory://n.mp4", "fps": 24, "quality": 10}
+    body = {"outputs": [output]}
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(worker.uds)), timeout=60) as http:
+        answer = http.post("http://framewire/v1/videos:encode", json=body).json()
+    [held] = answer["outputs"]
+    assert held["bytes"] > 4 << 20, "too small an output to tell one copy from two"
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # VmHWM from here
+    before = _status_bytes("VmRSS")
+    data = take_output(held["handoff"], worker.fd_socket, 10)
+    grew = _status_bytes("VmHWM") - before
+    assert hashlib.sha256(data).hexdigest() == held["sha256"]
+    assert grew < 1.25 * len(data), f"{grew} bytes at the peak for {len(data)} taken"
+
+
+def test_a_sessions_chunk_buffers_are_let_go_before_its_output_is_taken(worker, monkeypatch):
+    """Every chunk answered, the worker reads none of them again: the buffers (a chunk's
+    frames each) are not held beside the output's bytes."""
+    from framewire.client import _session
+
+    mapped_at_take: list[int] = []
+
+    def take(*args, **kw):
+        maps = Path("/proc/self/maps").read_text()
+        mapped_at_take.append(maps.count("memfd:framewire-frames"))
+        return take_output(*args, **kw)
+
+    monkeypatch.setattr(_session, "take_output", take)
+    clip = make_clip(frames=6, height=48, width=64, seed=5)
+    with (
+        Client(worker.uds_url, fd_socket=worker.fd_socket) as fw,
+        fw.open_video("memory://b.mp4", fps=24) as writer,
+    ):
+        for t0 in range(0, 6, 2):
+            writer.write(clip[:, t0 : t0 + 2])
+            assert "memfd:framewire-frames" in Path("/proc/self/maps").read_text()
+    assert writer.result is not None and writer.result.data is not None
+    assert mapped_at_take == [0]
