@@ -64,14 +64,7 @@ def group_nice(pid: int, nice: int) -> bool:
     worker not run as root starting encoders together would leave all but the first at
     the ranks' weight. A refused write is retried in the background (:data:`LATER`) until
     taken. False where it could not be set nor retried."""
-    LATER.forget(pid)  # this value replaces one still waiting
-    try:
-        _write_group(pid, nice)
-    except BlockingIOError:  # within the kernel's tenth of a second since the last write
-        return LATER.retry(pid, nice)
-    except OSError:  # no autogroup in this kernel, gone already, or a sandbox forbids it
-        return False
-    return True
+    return LATER.set(pid, nice)
 
 
 def _write_group(pid: int, nice: int) -> None:
@@ -94,33 +87,41 @@ GROUP_RETRY_FOR_S = 10.0
 
 
 class GroupWrites:
-    """Autogroup writes the kernel refused for now, retried oldest first, one per
-    GROUP_RETRY_EVERY_S, by one thread that runs while any waits: each until taken, its
-    process gone (or its pid another process's), or GROUP_RETRY_FOR_S passed."""
+    """Sets autogroups' niceness; a write the kernel refused for now is retried, oldest
+    first, one per GROUP_RETRY_EVERY_S, by one thread that runs while any waits: each
+    until taken, its process gone (or its pid another process's), or GROUP_RETRY_FOR_S
+    passed. Writes are made under one lock: a retry of an older value never lands after
+    a newer one for the same group."""
 
     def __init__(self) -> None:
         self._waiting: dict[int, tuple[int, str, float]] = {}  # pid: nice, start, until
         self._lock = threading.Lock()
         self._running = False
 
-    def retry(self, pid: int, nice: int) -> bool:
-        started = _started(pid)
-        if started is None:
-            return False
+    def set(self, pid: int, nice: int) -> bool:
         with self._lock:
-            self._waiting[pid] = (nice, started, time.monotonic() + GROUP_RETRY_FOR_S)
-            if not self._running:
-                self._running = True
-                threading.Thread(target=self._run, name="framewire-autogroups", daemon=True).start()
+            self._waiting.pop(pid, None)  # this value replaces one still waiting
+            try:
+                _write_group(pid, nice)
+            except BlockingIOError:  # within the kernel's tenth of a second since the last
+                return self._retry(pid, nice)
+            except OSError:  # no autogroup in this kernel, gone, or a sandbox forbids it
+                return False
         return True
-
-    def forget(self, pid: int) -> None:
-        with self._lock:
-            self._waiting.pop(pid, None)
 
     def waiting(self) -> int:
         with self._lock:
             return len(self._waiting)
+
+    def _retry(self, pid: int, nice: int) -> bool:
+        started = _started(pid)
+        if started is None:
+            return False
+        self._waiting[pid] = (nice, started, time.monotonic() + GROUP_RETRY_FOR_S)
+        if not self._running:
+            self._running = True
+            threading.Thread(target=self._run, name="framewire-autogroups", daemon=True).start()
+        return True
 
     def _run(self) -> None:
         while True:
@@ -129,21 +130,16 @@ class GroupWrites:
                 if not self._waiting:
                     self._running = False
                     return
-                pid, entry = next(iter(self._waiting.items()))
-            nice, started, until = entry
-            done = True
-            try:
-                if _started(pid) == started:
-                    _write_group(pid, nice)
-            except BlockingIOError:  # another write took this tenth of a second
-                done = time.monotonic() > until
-            except OSError:
-                pass  # gone, or forbidden now: nothing to retry
-            with self._lock:
-                if self._waiting.get(pid) == entry:
-                    del self._waiting[pid]
-                    if not done:  # to the back: the others' turn first
-                        self._waiting[pid] = entry
+                pid, (nice, started, until) = next(iter(self._waiting.items()))
+                entry = self._waiting.pop(pid)
+                try:
+                    if _started(pid) == started:
+                        _write_group(pid, nice)
+                except BlockingIOError:  # another write took this tenth of a second
+                    if time.monotonic() < until:
+                        self._waiting[pid] = entry  # to the back: the others' turn first
+                except OSError:
+                    pass  # gone, or forbidden now: nothing to retry
 
 
 LATER = GroupWrites()

@@ -10,8 +10,9 @@ descriptors they name; a new spare is started for the next encode once this one'
 child has ended, so that its start (an interpreter and PyAV's import, about 0.25
 CPU-s) never takes the CPU from the encode itself. That start yields as an encode
 does: the spare's session (its autogroup) is at niceness 19 until an encode takes it,
-whose priority it then gets (its threads' niceness is left alone, which an unprivileged
-worker could not take back; a group's it can). Each spare runs one
+whose priority it then gets, its group back at the worker's niceness for an encode
+that adds none (its threads' niceness is left alone while it waits, which an
+unprivileged worker could not take back; a group's it can). Each spare runs one
 encode and exits, as a child started afresh does: no encode shares a process, nor
 x264's state, with another. A spare that died, or cannot take its job, is let go and
 the encode starts a child afresh; the worker's shutdown lets go of those still waiting
@@ -104,7 +105,7 @@ class Spares:
             if taken.give(args, fds):
                 process = taken.process
                 process.begin(stall_s, priority)
-                if not priority.yields:  # an encode at full weight: its group's back too
+                if priority.nice <= 0:  # its group left as it waited: the worker's weight
                     group_nice(process.proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
             else:
                 taken.discard()
