@@ -9,6 +9,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from framewire.core.media.procstat import stat_fields
+
 # The scheduling policies an encoder may yield with: ``batch`` weighs as its niceness says
 # but never preempts a thread on waking; ``idle`` weighs least whatever its niceness.
 POLICIES = {"normal": os.SCHED_OTHER, "batch": os.SCHED_BATCH, "idle": os.SCHED_IDLE}
@@ -72,13 +74,11 @@ def _write_group(pid: int, nice: int) -> None:
         group.write(str(nice))
 
 
-def _started(pid: int) -> str | None:
-    """When ``pid`` started (in clock ticks since boot): a pid reused is another start."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+def _started(pid: int) -> bytes | None:
+    """When ``pid`` started (field 22, clock ticks since boot): a pid reused is another
+    start."""
+    fields = stat_fields(pid)
+    return fields[19] if fields is not None and len(fields) > 19 else None
 
 
 # The kernel's spacing of unprivileged autogroup writes, and how long one is retried.
@@ -94,7 +94,7 @@ class GroupWrites:
     a newer one for the same group."""
 
     def __init__(self) -> None:
-        self._waiting: dict[int, tuple[int, str, float]] = {}  # pid: nice, start, until
+        self._waiting: dict[int, tuple[int, bytes, float]] = {}  # pid: nice, start, until
         self._lock = threading.Lock()
         self._running = False
 

@@ -34,6 +34,7 @@ from framewire.core.closing import Closing
 from framewire.core.errors import BadRequest, Stalled, Unavailable
 from framewire.core.media.binary import exe_fd
 from framewire.core.media.priority import FULL, Priority, lower_priority
+from framewire.core.media.procstat import stat_fields
 
 STDERR_TAIL = 4096
 POLL_S = 0.1  # how often a blocked send or a wait looks at cancellation and progress
@@ -169,15 +170,9 @@ def _tail(fd: int, limit: int) -> str:
 
 def cpu_ticks(pid: int) -> int | None:
     """User plus system CPU time of ``pid`` in clock ticks; None once it cannot be read."""
+    fields = stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after its last ")".
-    fields = stat.rsplit(b")", 1)[-1].split()
-    try:
-        return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+        return None if fields is None else int(fields[11]) + int(fields[12])  # fields 14, 15
     except (IndexError, ValueError):
         return None
 
