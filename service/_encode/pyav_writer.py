@@ -107,6 +107,8 @@ def _one_swscale_thread() -> dict[str, int]:
     return {"threads": 1}
 
 
+SWSCALE = _one_swscale_thread()  # asked at the import, before any encode's job
+
 # Frames converted and not yet encoded: two keep x264 fed, each a yuv420p picture.
 CONVERTED_AHEAD = 2
 _END = object()
@@ -124,13 +126,12 @@ def _converted_ahead(
     nothing, and its bytes are those of the rgb24 frames. A failure to read or convert
     is raised here, in the encoding thread."""
     ready: queue.Queue[object] = queue.Queue(CONVERTED_AHEAD)
-    one_thread = _one_swscale_thread()
 
     def convert() -> None:
         reformatter = VideoReformatter()
         try:
             for frame in frames:
-                ready.put(reformatter.reformat(frame, width, height, "yuv420p", **one_thread))
+                ready.put(reformatter.reformat(frame, width, height, "yuv420p", **SWSCALE))
         except (Exception, SystemExit) as exc:  # a short read exits: raised again there
             ready.put(exc)
         else:
