@@ -280,11 +280,16 @@ class BaseClient(abc.ABC, Generic[H, W]):
         return self._take_data(results)
 
     def _take_data(self, results: list[OutputResult]) -> list[OutputResult]:
-        """Take the bytes of each ``memory://`` output into its result's ``data``."""
+        """Take the bytes of each ``memory://`` output into its result's ``data``, checked
+        against its sha256 as they are read."""
         for result in results:
             if result.handoff is not None and result.data is None:
                 result.data = take_output(
-                    result.handoff, self._fd_path(), self.fd_timeout, worker_uid=self.worker_uid
+                    result.handoff,
+                    self._fd_path(),
+                    self.fd_timeout,
+                    worker_uid=self.worker_uid,
+                    sha256=result.sha256,
                 )
         return results
 

@@ -99,11 +99,14 @@ class WriterBase:
         self._local: LocalStream | None = None  # in this process, when no worker took it
 
     def _take_data(self, result: OutputResult) -> OutputResult:
-        """A ``memory://`` output's bytes, taken into ``result.data`` (over the fd socket)."""
+        """A ``memory://`` output's bytes, taken into ``result.data`` (over the fd socket),
+        checked against its sha256 as they are read."""
         if result.handoff is not None and result.data is None:
             regions = self._regions
             path, uid = (regions.path, regions.worker_uid) if regions is not None else (None, None)
-            result.data = take_output(result.handoff, path, TAKE_TIMEOUT_S, worker_uid=uid)
+            result.data = take_output(
+                result.handoff, path, TAKE_TIMEOUT_S, worker_uid=uid, sha256=result.sha256
+            )
         return result
 
     def _check_open(self) -> None:

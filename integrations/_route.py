@@ -17,6 +17,9 @@ from framewire.integrations._switch import Declined, clean, clean_code, count, l
 from framewire.integrations._worker import WORKER, Mismatch, Silent, timed_out, timeout_s
 
 T = TypeVar("T")
+# The client's code for a memory output's bytes that do not hash as the worker said
+# (docs/api.md): they did not check out, as a Mismatch here.
+TAKEN_OTHER_BYTES = "output_mismatch"
 
 
 def why_not(exc: Exception) -> tuple[str, int, str]:
@@ -30,7 +33,7 @@ def why_not(exc: Exception) -> tuple[str, int, str]:
         WORKER.went_silent()
         why = f"the worker did not answer within {timeout_s():g} s"
         return why, logging.WARNING, f"{why} (FRAMEWIRE_INTEGRATION_TIMEOUT_S)"
-    if isinstance(exc, Mismatch):
+    if isinstance(exc, Mismatch) or getattr(exc, "code", None) == TAKEN_OTHER_BYTES:
         return "the worker's output did not check out", logging.WARNING, clean(exc)
     if isinstance(exc, FramewireError):  # no worker, another encoder, a refusal
         why = f"the worker answered {clean_code(exc.code)}"

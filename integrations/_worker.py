@@ -138,11 +138,11 @@ def checked(target: str, result: OutputResult) -> OutputResult:
     """``result`` once the output it names is as the worker said: the file at ``target``
     (the bytes it sent back, for a ``memory://`` output) of its size and sha256."""
     if target.startswith("memory://"):
+        # The client took them from a sealed memfd hashed as it was read
+        # (framewire.core.fdsocket.take_output): other bytes would have raised there.
         data = result.data
         if data is None or len(data) != result.bytes:
             raise Mismatch("the worker sent back other bytes than it encoded")
-        if hashlib.sha256(data).hexdigest() != result.sha256:
-            raise Mismatch("the bytes the worker sent back do not have its sha256")
         return result
     digest = hashlib.sha256()
     try:

@@ -3,14 +3,18 @@ sealed memfd, taken once over the fd socket; the bytes are the file's, nothing s
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import os
+import threading
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
-from framewire.client import BadRequest, Client, NotFound
+from framewire.client import BadRequest, Client, FramewireError, NotFound
+from framewire.core import fdsocket
 from framewire.core.fdsocket import take_output
 
 from tests.support.media import make_clip
@@ -62,10 +66,63 @@ def test_taking_an_output_holds_one_copy_of_it(worker, segments):
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # VmHWM from here
     before = _status_bytes("VmRSS")
-    data = take_output(held["handoff"], worker.fd_socket, 10)
+    data = take_output(held["handoff"], worker.fd_socket, 10, sha256=held["sha256"])
     grew = _status_bytes("VmHWM") - before
     assert hashlib.sha256(data).hexdigest() == held["sha256"]
     assert grew < 1.25 * len(data), f"{grew} bytes at the peak for {len(data)} taken"
+
+
+def _memfd(data: bytes, seals: int) -> int:
+    fd = os.memfd_create("held", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, data)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def test_taken_bytes_are_checked_against_the_sha256_while_they_are_read(monkeypatch):
+    """The sealed memfd is hashed on a second thread beside the copy into the bytes; other
+    bytes raise output_mismatch, a memfd that could still change is refused."""
+    data = np.random.default_rng(3).integers(0, 256, 3 << 20, np.uint8).tobytes()
+    digest = hashlib.sha256(data).hexdigest()
+    sealed = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    hashing: list[list[str]] = []
+    whole = fdsocket._read_whole
+
+    def read_whole(fd: int, size: int) -> bytes:
+        hashing.append([t.name for t in threading.enumerate()])
+        return whole(fd, size)
+
+    monkeypatch.setattr(fdsocket, "_read_whole", read_whole)
+    fd = _memfd(data, sealed)
+    try:
+        assert fdsocket._read_checked(fd, len(data), digest) == data
+        assert "framewire-take-sha256" in hashing[0]  # beside the copy, not after it
+        with pytest.raises(FramewireError) as other:
+            fdsocket._read_checked(fd, len(data), hashlib.sha256(b"x").hexdigest())
+        assert other.value.code == "output_mismatch"
+    finally:
+        os.close(fd)
+    for seals in (0, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW, fcntl.F_SEAL_WRITE):
+        fd = _memfd(data, seals)
+        try:
+            with pytest.raises(FramewireError) as open_to_change:
+                fdsocket._read_checked(fd, len(data), digest)
+            assert open_to_change.value.code == "protocol"
+        finally:
+            os.close(fd)
+    assert not [t for t in threading.enumerate() if t.name == "framewire-take-sha256"]
+
+
+def test_a_held_output_taken_with_another_sha256_raises(worker, segments):
+    clip = make_clip(frames=4, height=48, width=64, seed=6)
+    output = {"source": segments.source(clip), "path": "memory://m.mp4", "fps": 24}
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(worker.uds)), timeout=60) as http:
+        answer = http.post("http://framewire/v1/videos:encode", json={"outputs": [output]}).json()
+    [held] = answer["outputs"]
+    with pytest.raises(FramewireError) as other:
+        take_output(held["handoff"], worker.fd_socket, 10, sha256="0" * 64)
+    assert other.value.code == "output_mismatch"
 
 
 def test_a_sessions_chunk_buffers_are_let_go_before_its_output_is_taken(worker, monkeypatch):
