@@ -23,8 +23,9 @@ import os
 import re
 import secrets
 import stat
+import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Literal, Protocol
@@ -73,6 +74,37 @@ class TempOutput:
             raise changed("cannot read back the output") from exc
         with open(fd, "rb") as f:
             return sha256_of(f)
+
+    def digest_inspected(self, inspect: Callable[[str], None] | None) -> tuple[int, str]:
+        """:meth:`digest`, and ``inspect`` run on the file meanwhile (the hash, on a thread
+        of its own, releases the GIL: the two cost the encode's tail the longer of them,
+        not their sum). Raises what the digest raised (as it did when it came first), else
+        what ``inspect`` raised."""
+        if inspect is None:
+            return self.digest()
+        digested: list[tuple[int, str]] = []
+        failed: list[Exception] = []
+
+        def digest() -> None:
+            try:
+                digested.append(self.digest())
+            except Exception as exc:  # raised again on the encode's thread
+                failed.append(exc)
+
+        hasher = threading.Thread(target=digest, name="framewire-digest")
+        hasher.start()
+        refused: Exception | None = None
+        try:
+            inspect(self.path)
+        except Exception as exc:
+            refused = exc
+        finally:
+            hasher.join()  # bounded: one read of a finished file; it must not outlive it
+        if failed:
+            raise failed[0]
+        if refused is not None:
+            raise refused
+        return digested[0]
 
 
 class Follower(Protocol):

@@ -235,9 +235,7 @@ class Encoder:
                 route, fast_error = "fallback", str(exc)
                 self._fallback_route(source, temp, params, check, progress)
             encode_ms = (time.perf_counter() - started) * 1e3
-            size, sha256 = temp.digest()
-            if inspect is not None:
-                inspect(temp.path)
+            size, sha256 = temp.digest_inspected(inspect)
         return Encoded(
             path=path,
             bytes=size,

@@ -111,9 +111,7 @@ class StreamOutput(Closing):
             self._pump.close()
             self._encoder.children.wait_for(self._ff, check)
             encode_ms = (time.perf_counter() - self._started) * 1e3
-            size, sha256 = self._staged.digest()
-            if inspect is not None:
-                inspect(self._staged.path)
+            size, sha256 = self._staged.digest_inspected(inspect)
         except BaseException:
             self.abort()
             raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -181,6 +182,49 @@ def test_a_spooled_output_is_not_fsynced(tmp_path, monkeypatch):
         TensorSource(clip), tmp_path / "b.mp4", EncodeParams(fps=24), durable=False
     )
     assert synced == [] and spooled.sha256 == kept.sha256 == sha256(tmp_path / "b.mp4")
+
+
+def test_the_output_is_hashed_while_it_is_inspected(tmp_path, monkeypatch):
+    """The sha256 runs on a thread of its own beside the inspection (validation), not
+    after it; an output the inspection refuses is refused, and one the hash could not read
+    back is answered as that (what was raised when the hash came first), nothing left."""
+    from framewire.core.errors import Conflict, MediaError
+    from framewire.service import _outputs
+
+    clip = make_clip(frames=3)
+    inspecting, digested = threading.Event(), threading.Event()
+    seen: list[bool] = []
+    real = _outputs.TempOutput.digest
+
+    def digest(self: _outputs.TempOutput) -> tuple[int, str]:
+        seen.append(inspecting.wait(5))  # one after the other, this waits in vain
+        try:
+            return real(self)
+        finally:
+            digested.set()
+
+    def inspect(path: str) -> None:
+        inspecting.set()
+        seen.append(digested.wait(5))
+
+    monkeypatch.setattr(_outputs.TempOutput, "digest", digest)
+    params = EncodeParams(fps=24)
+    result = Encoder().encode(TensorSource(clip), tmp_path / "a.mp4", params, inspect=inspect)
+    assert seen == [True, True] and result.sha256 == sha256(tmp_path / "a.mp4")
+
+    def refuse(path: str) -> None:
+        raise MediaError("not what was asked", code="validation_failed")
+
+    with pytest.raises(MediaError):
+        Encoder().encode(TensorSource(clip), tmp_path / "b.mp4", params, inspect=refuse)
+
+    def unreadable(self: object) -> tuple[int, str]:
+        raise _outputs.changed("cannot read back the output")
+
+    monkeypatch.setattr(_outputs.TempOutput, "digest", unreadable)
+    with pytest.raises(Conflict):
+        Encoder().encode(TensorSource(clip), tmp_path / "b.mp4", params, inspect=refuse)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.mp4"]
 
 
 def test_parallel_encodes_do_not_share_buffers(tmp_path):

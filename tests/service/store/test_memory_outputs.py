@@ -83,7 +83,7 @@ def _memfd(data: bytes, seals: int) -> int:
 def test_taken_bytes_are_checked_against_the_sha256_while_they_are_read(monkeypatch):
     """The sealed memfd is hashed on a second thread beside the copy into the bytes; other
     bytes raise output_mismatch, a memfd that could still change is refused."""
-    data = np.random.default_rng(3).integers(0, 256, 3 << 20, np.uint8).tobytes()
+    data = np.random.default_rng(3).integers(0, 256, fdsocket.HASH_BESIDE, np.uint8).tobytes()
     digest = hashlib.sha256(data).hexdigest()
     sealed = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
     hashing: list[list[str]] = []
@@ -112,6 +112,16 @@ def test_taken_bytes_are_checked_against_the_sha256_while_they_are_read(monkeypa
         finally:
             os.close(fd)
     assert not [t for t in threading.enumerate() if t.name == "framewire-take-sha256"]
+    small = data[:4096]  # hashed once read: no thread
+    fd = _memfd(small, sealed)
+    try:
+        assert fdsocket._read_checked(fd, len(small), hashlib.sha256(small).hexdigest()) == small
+        assert "framewire-take-sha256" not in hashing[-1]
+        with pytest.raises(FramewireError) as other:
+            fdsocket._read_checked(fd, len(small), digest)
+        assert other.value.code == "output_mismatch"
+    finally:
+        os.close(fd)
 
 
 def test_a_held_output_taken_with_another_sha256_raises(worker, segments):
