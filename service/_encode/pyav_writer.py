@@ -220,13 +220,7 @@ def wait_for_job(control: int) -> list[str] | None:
     return _renumbered([str(a) for a in job["argv"]], dict(zip(theirs, fds, strict=True)))
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--spare"]:
-        job = wait_for_job(int(argv[1]))
-        if job is None:
-            return 0
-        argv = job
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyav_writer")
     parser.add_argument("--size", required=True)
     parser.add_argument("--rate", required=True)
@@ -236,7 +230,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--audio", default=None)
     parser.add_argument("--pyav-version", default=None)
     parser.add_argument("output")
-    args = parser.parse_args(argv)
+    return parser
+
+
+# Made at the import, a spare's idle start: argparse's first parser imports shutil (and
+# through it lzma, bz2...), 4-6 ms of an encode's start when made after the job came.
+PARSER = _parser()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--spare"]:
+        job = wait_for_job(int(argv[1]))
+        if job is None:
+            return 0
+        argv = job
+    args = PARSER.parse_args(argv)
     if args.pyav_version not in (None, av.__version__):
         # Its bytes would be another build's than the identity the request named.
         print(
