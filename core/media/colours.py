@@ -16,7 +16,8 @@ from types import ModuleType
 
 import numpy as np
 from framewire.core.errors import FramewireError
-from framewire.core.media.process import FfmpegExited, FfmpegProcess
+from framewire.core.media.pipe import FfmpegExited
+from framewire.core.media.process import FfmpegProcess
 
 # White, yellow, cyan, green, magenta, red, blue, black: each primary and its complement.
 BARS = (

@@ -20,27 +20,24 @@ memfd) both run ffmpeg through :class:`FfmpegProcess`. Hazards handled here:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import resource
 import select
 import shutil
+import socket
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 from framewire.core.closing import Closing
-from framewire.core.errors import BadRequest, Stalled, Unavailable
+from framewire.core.errors import Stalled, Unavailable
 from framewire.core.media.binary import exe_fd
+from framewire.core.media.pipe import POLL_S, PipeWriter, no_check
 from framewire.core.media.priority import FULL, Priority, lower_priority
 from framewire.core.media.procstat import stat_fields
 
 STDERR_TAIL = 4096
-POLL_S = 0.1  # how often a blocked send or a wait looks at cancellation and progress
-PIPE_BYTES = 1 << 20  # fewer wakeups per chunk than the 64 KiB default
-SEND_SLICE = 16 << 20  # bytes per sendfile call
-F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
 def resolve_ffmpeg(configured: str | None = None) -> str:
@@ -71,14 +68,6 @@ def find_ffmpeg() -> str:
     return resolve_ffmpeg(os.environ.get("FRAMEWIRE_FFMPEG"))
 
 
-def _no_check() -> None:
-    pass
-
-
-class FfmpegExited(Exception):
-    """ffmpeg stopped reading before it had every frame (it died or failed)."""
-
-
 # Every ffmpeg child alive in this process, so a shutdown can stop them all at once.
 _running: set[FfmpegProcess] = set()
 _running_lock = threading.Lock()
@@ -91,73 +80,6 @@ def kill_running() -> int:
     for ff in procs:
         ff.kill()
     return len(procs)
-
-
-class PipeWriter:
-    """The write end of a pipe, made non-blocking and fed in bounded steps.
-
-    While the pipe is full, ``watch(check)`` runs every ``POLL_S`` (it may raise to
-    stop); ``progressed()`` runs after every write that moved bytes.
-    """
-
-    def __init__(
-        self,
-        fd: int,
-        *,
-        watch: Callable[[Callable[[], None]], None] | None = None,
-        progressed: Callable[[], None] = _no_check,
-    ):
-        self.fd = fd
-        self._watch = watch or (lambda check: check())
-        self._progressed = progressed
-        os.set_blocking(fd, False)
-        with contextlib.suppress(OSError):  # capped by /proc/sys/fs/pipe-max-size
-            fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
-
-    def _wait_writable(self, check: Callable[[], None]) -> None:
-        poll = select.poll()
-        poll.register(self.fd, select.POLLOUT)
-        while not poll.poll(POLL_S * 1e3):
-            self._watch(check)
-        check()
-
-    def send_file(
-        self, in_fd: int, offset: int, count: int, check: Callable[[], None] = _no_check
-    ) -> None:
-        """sendfile ``count`` bytes at ``offset`` of ``in_fd`` into the pipe.
-
-        EPIPE means the reader is gone (:class:`FfmpegExited`); a zero return means
-        the source file got shorter (``segment_truncated``).
-        """
-        while count > 0:
-            try:
-                n = os.sendfile(self.fd, in_fd, offset, min(count, SEND_SLICE))
-            except BlockingIOError:
-                self._wait_writable(check)
-                continue
-            except BrokenPipeError as exc:
-                raise FfmpegExited("ffmpeg closed its input early") from exc
-            if n == 0:
-                raise BadRequest(
-                    "the source file shrank while it was being sent", code="segment_truncated"
-                )
-            self._progressed()
-            offset += n
-            count -= n
-
-    def send(self, data: memoryview, check: Callable[[], None] = _no_check) -> None:
-        """Write all of ``data`` (a byte-format memoryview) into the pipe."""
-        view = data
-        while view:
-            try:
-                n = os.write(self.fd, view[:SEND_SLICE])
-            except BlockingIOError:
-                self._wait_writable(check)
-                continue
-            except BrokenPipeError as exc:
-                raise FfmpegExited("ffmpeg closed its input early") from exc
-            self._progressed()
-            view = view[n:]
 
 
 def _tail(fd: int, limit: int) -> str:
@@ -177,25 +99,49 @@ def cpu_ticks(pid: int) -> int | None:
         return None
 
 
-class _ExitWatch:
-    """A pidfd in a poll set: readable once the process has exited."""
+# What a child that says so (PyAV's writer started ahead) writes on its socket once its
+# output is complete and closed, before it exits.
+DONE = b"done\n"
 
-    def __init__(self, pidfd: int):
+
+class _ExitWatch:
+    """A pidfd in a poll set: readable once the process has exited; and the socket on
+    which the child says it is done, if it does."""
+
+    def __init__(self, pidfd: int, word: socket.socket | None):
         self.fd = pidfd
+        self._word = word
         self._poll = select.poll()
         self._poll.register(pidfd, select.POLLIN)
+        if word is not None:
+            self._poll.register(word, select.POLLIN)
 
     def poll(self, timeout_ms: float) -> bool:
-        return bool(self._poll.poll(timeout_ms))
+        """True once the child has exited, or said it is done."""
+        return any(fd == self.fd or self._said_done() for fd, _ in self._poll.poll(timeout_ms))
+
+    def _said_done(self) -> bool:
+        assert self._word is not None
+        try:
+            said = self._word.recv(len(DONE), socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            said = b""
+        if said != DONE:  # it closed without the word (it failed, or died): its exit tells
+            self._poll.unregister(self._word)
+            self._word = None
+        return said == DONE
 
     def close(self) -> None:
         os.close(self.fd)
 
 
-def _exit_watch(pid: int) -> _ExitWatch | None:
-    """A watch on ``pid``'s exit, or None where pidfds are not to be had (Linux < 5.3)."""
+def _exit_watch(pid: int, word: socket.socket | None) -> _ExitWatch | None:
+    """A watch on ``pid``'s exit (and ``word``), or None where pidfds are not to be had
+    (Linux < 5.3: then only the exit ends a wait)."""
     try:
-        return _ExitWatch(os.pidfd_open(pid))
+        return _ExitWatch(os.pidfd_open(pid), word)
     except (AttributeError, OSError):
         return None
 
@@ -229,6 +175,7 @@ class FfmpegProcess(Closing):
         self.argv = list(argv)
         self.stall_s = stall_s
         self._after_close: list[Callable[[], None]] = []
+        self._word: socket.socket | None = None  # where the child says DONE, if it does
         self._stderr = os.memfd_create("framewire-ffmpeg-stderr", os.MFD_CLOEXEC)
         # stdout, when it is wanted (``-version``), goes to a memfd too, for the same reason.
         self._stdout = os.memfd_create("framewire-ffmpeg-stdout", os.MFD_CLOEXEC) if stdout else -1
@@ -286,6 +233,13 @@ class FfmpegProcess(Closing):
         self._progressed()
         self._track()
 
+    def hears_done_on(self, sock: socket.socket) -> None:
+        """The child says :data:`DONE` on ``sock`` once its output is complete, before it
+        exits: :meth:`wait` returns 0 at the word, and the child's teardown (5-10 ms for
+        a PyAV writer) runs beside what its caller does next. :meth:`close` reaps it as
+        ever, and closes ``sock``."""
+        self._word = sock
+
     def _progressed(self) -> None:
         self._progress_at = time.monotonic()
 
@@ -311,8 +265,9 @@ class FfmpegProcess(Closing):
             with contextlib.suppress(BrokenPipeError):
                 self.proc.stdin.close()
 
-    def wait(self, check: Callable[[], None] = _no_check) -> int:
-        """Close stdin (end of frames) and wait for ffmpeg to exit; returns its status.
+    def wait(self, check: Callable[[], None] = no_check) -> int:
+        """Close stdin (end of frames) and wait for ffmpeg to exit (or say it is done:
+        :meth:`hears_done_on`); returns its status.
 
         x264's lookahead can hold many frames, so the flush after the last one may
         take seconds: ``check`` runs while waiting and may raise (cancellation);
@@ -320,14 +275,16 @@ class FfmpegProcess(Closing):
         """
         self.close_stdin()
         self._progressed()  # the flush begins now
-        exited = _exit_watch(self.proc.pid)
+        exited = _exit_watch(self.proc.pid, self._word)
         try:
             while True:
                 if exited is not None:
                     # Woken the moment it exits. Popen.wait(timeout=) polls with sleeps
                     # that grow to 50 ms: that much latency on every short encode.
                     if exited.poll(POLL_S * 1e3):
-                        return self.proc.wait()
+                        # Done, said before its exit: 0, as its exit will be (main's
+                        # return); close() reaps it.
+                        return 0 if self.proc.poll() is None else self.proc.wait()
                 else:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         return self.proc.wait(timeout=POLL_S)
@@ -370,6 +327,9 @@ class FfmpegProcess(Closing):
         self.kill()
         self.close_stdin()
         self.proc.wait()
+        if self._word is not None:
+            self._word.close()
+            self._word = None
         with _running_lock:
             _running.discard(self)
         self._close_memfds()

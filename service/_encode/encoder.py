@@ -32,7 +32,8 @@ from framewire.core.media.argv import (
     x264_auto_threads,
 )
 from framewire.core.media.inputs import InputFile
-from framewire.core.media.process import FfmpegExited, FfmpegProcess
+from framewire.core.media.pipe import FfmpegExited
+from framewire.core.media.process import FfmpegProcess
 from framewire.service._convert.convert import chunk_frames, convert_into
 from framewire.service._convert.kept import KeptStaging
 from framewire.service._convert.staging import ChunkWriter, slot_frames

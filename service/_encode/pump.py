@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from framewire.core.closing import Closing
-from framewire.core.media.process import FfmpegExited, PipeWriter
+from framewire.core.media.pipe import FfmpegExited, PipeWriter
 from framewire.core.wire import DType, Layout
 from framewire.service._convert import kernels
 from framewire.service._convert.convert import convert_into

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import contextlib
 import json
 import os
 import queue
@@ -179,6 +180,7 @@ def encode(args: argparse.Namespace) -> None:
 
 
 JOB_BYTES = 1 << 16  # the job's JSON
+DONE = b"done\n"  # a spare's word, on its socket, that its output is complete (core.media.process)
 MAX_FDS = 8
 PROC_FD = "/proc/self/fd/"
 
@@ -197,15 +199,11 @@ def _renumbered(argv: list[str], numbers: dict[int, int]) -> list[str]:
     return out
 
 
-def wait_for_job(control: int) -> list[str] | None:
+def wait_for_job(sock: socket.socket) -> list[str] | None:
     """The job a spare was started for: its arguments (naming the descriptors sent along
     by the numbers they have here); None when the worker let it go."""
-    sock = socket.socket(fileno=control)
     fds = array.array("i")
-    try:
-        message, ancillary, _, _ = sock.recvmsg(JOB_BYTES, socket.CMSG_LEN(MAX_FDS * fds.itemsize))
-    finally:
-        sock.close()
+    message, ancillary, _, _ = sock.recvmsg(JOB_BYTES, socket.CMSG_LEN(MAX_FDS * fds.itemsize))
     for level, kind, data in ancillary:
         if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
@@ -240,11 +238,22 @@ PARSER = _parser()
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--spare"]:
-        job = wait_for_job(int(argv[1]))
-        if job is None:
-            return 0
-        argv = job
+    if argv[:1] != ["--spare"]:
+        return run(argv)
+    control = socket.socket(fileno=int(argv[1]))
+    job = wait_for_job(control)
+    if job is None:
+        return 0
+    code = run(job)
+    if code == 0:
+        # The output is whole and closed: the worker goes on without waiting for this
+        # process's end (its teardown, 5-10 ms), which it reaps afterwards.
+        with contextlib.suppress(OSError):
+            control.sendall(DONE)
+    return code
+
+
+def run(argv: list[str]) -> int:
     args = PARSER.parse_args(argv)
     if args.pyav_version not in (None, av.__version__):
         # Its bytes would be another build's than the identity the request named.

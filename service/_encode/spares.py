@@ -64,9 +64,10 @@ class Spare:
         try:
             self.control.sendmsg([message], ancillary)
         except OSError:
-            return False
-        finally:
             self.control.close()
+            return False
+        # It says on the same socket when its output is complete (before its exit).
+        self.process.hears_done_on(self.control)
         return True
 
     def discard(self) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from framewire.core.closing import Closing
-from framewire.core.media.process import FfmpegExited
+from framewire.core.media.pipe import FfmpegExited
 from framewire.service._encode.encoder import Encoded, EncodeParams, Encoder
 from framewire.service._encode.pump import Pump
 from framewire.service._outputs import Follower, atomic_output

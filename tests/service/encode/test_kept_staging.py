@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from framewire.client.wire import Layout
-from framewire.core.media.process import PipeWriter
+from framewire.core.media.pipe import PipeWriter
 from framewire.service._convert.kept import KeptStaging
 from framewire.service._convert.staging import REFUSED, Staging
 from framewire.service._encode.pump import Pump

@@ -13,7 +13,7 @@ import pytest
 import torch
 from framewire.client.wire import Layout
 from framewire.core.errors import BadRequest
-from framewire.core.media.process import FfmpegExited, PipeWriter
+from framewire.core.media.pipe import FfmpegExited, PipeWriter
 from framewire.service._convert import staging
 from framewire.service._convert.staging import ChunkWriter, Staging
 from framewire.service._encode import pump as stream
