@@ -8,7 +8,8 @@
 it waits on the Unix socket FD for its job: one message, the arguments above as JSON
 and the descriptors they name (``SCM_RIGHTS``), named again by the numbers they have
 here. Then it runs as above, once: an encode never shares a process, nor anything of
-x264's, with another.
+x264's, with another; once its output is whole and closed it says so on the socket
+(``DONE``) before it exits, and the worker goes on without waiting for its teardown.
 
 vLLM-omni 0.30 encodes with PyAV, not the ffmpeg command line
 (``media_utils.mux_video_audio_bytes`` and ``ChunkedMP4Encoder``): an mp4
@@ -180,7 +181,8 @@ def encode(args: argparse.Namespace) -> None:
 
 
 JOB_BYTES = 1 << 16  # the job's JSON
-DONE = b"done\n"  # a spare's word, on its socket, that its output is complete (core.media.process)
+# core.media.process.DONE, spelled here: a spare's word that its output is complete.
+DONE = b"done\n"
 MAX_FDS = 8
 PROC_FD = "/proc/self/fd/"
 
