@@ -14,10 +14,10 @@ import os
 import select
 import socket
 import struct
-import threading
 from pathlib import Path
 from typing import Any
 
+from framewire.core.beside import Beside
 from framewire.core.closing import Closing
 from framewire.core.errors import FramewireError, Unavailable, error_class, rebuild
 from framewire.core.trust import check_dir, check_unix_peer, worker_uids
@@ -250,27 +250,20 @@ def _read_checked(fd: int, size: int, sha256: str) -> bytes:
         if hashlib.sha256(data).hexdigest() != sha256:
             raise FramewireError(OTHER_BYTES, code=MISMATCH)
         return data
-    digest = hashlib.sha256()
-    failed: list[BaseException] = []
 
-    def hash_pieces() -> None:
-        piece = memoryview(bytearray(min(size, HASH_PIECE)))
+    def hashed() -> str:
+        digest, piece = hashlib.sha256(), memoryview(bytearray(min(size, HASH_PIECE)))
         done = 0
-        try:
-            while n := os.preadv(fd, [piece[: size - done]], done):
-                digest.update(piece[:n])
-                done += n
-        except OSError as exc:  # raised again on the taking thread
-            failed.append(exc)
+        while n := os.preadv(fd, [piece[: size - done]], done):
+            digest.update(piece[:n])
+            done += n
+        return digest.hexdigest()
 
-    hasher = threading.Thread(target=hash_pieces, name="framewire-take-sha256")
-    hasher.start()
+    hashing = Beside(hashed, "framewire-take-sha256")
     try:
         data = _read_whole(fd, size)
     finally:
-        hasher.join()  # bounded: a sealed memfd's pages; and it reads ``fd`` until then
-    if failed:
-        raise failed[0]
-    if digest.hexdigest() != sha256:  # a short memfd, too: the read above said so first
+        hashing.join()  # bounded: a sealed memfd's pages; and it reads ``fd`` until then
+    if hashing.result() != sha256:  # a short memfd, too: the read above said so first
         raise FramewireError(OTHER_BYTES, code=MISMATCH)
     return data

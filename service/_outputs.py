@@ -23,13 +23,13 @@ import os
 import re
 import secrets
 import stat
-import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Literal, Protocol
 
+from framewire.core.beside import Beside
 from framewire.core.errors import Conflict, FramewireError, MediaError, host_error
 from framewire.core.shm import pid_alive
 
@@ -82,29 +82,15 @@ class TempOutput:
         what ``inspect`` raised."""
         if inspect is None:
             return self.digest()
-        digested: list[tuple[int, str]] = []
-        failed: list[Exception] = []
-
-        def digest() -> None:
-            try:
-                digested.append(self.digest())
-            except Exception as exc:  # raised again on the encode's thread
-                failed.append(exc)
-
-        hasher = threading.Thread(target=digest, name="framewire-digest")
-        hasher.start()
-        refused: Exception | None = None
+        digested = Beside(self.digest, "framewire-digest")
         try:
             inspect(self.path)
-        except Exception as exc:
-            refused = exc
+        except Exception:
+            digested.result()  # the digest's error first, as when it came first
+            raise
         finally:
-            hasher.join()  # bounded: one read of a finished file; it must not outlive it
-        if failed:
-            raise failed[0]
-        if refused is not None:
-            raise refused
-        return digested[0]
+            digested.join()  # bounded: one read of a finished file; it must not outlive it
+        return digested.result()
 
 
 class Follower(Protocol):
