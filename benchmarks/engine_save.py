@@ -62,19 +62,30 @@ def _sglang(clip: Any, out: Path) -> None:
                                              lambda i: str(out)), out)  # fmt: skip
 
 
-def _vllm_omni(clip: Any, out: Path) -> None:
-    from tests.support.engine_vllm_omni import CHUNKED, enter_vllm_omni
+# vLLM-omni's serving default: x264's ultrafast, its own thread count.
+VLLM_OMNI_OPTIONS = {"preset": "ultrafast", "threads": "0"}
+
+
+def _vllm_omni_module(name: str) -> Any:
+    """vLLM-omni's module ``name``, its environment entered and its plugins loaded."""
+    from tests.support.engine_vllm_omni import enter_vllm_omni
 
     if "vllm" not in sys.modules:
         enter_vllm_omni()
     importlib.import_module("vllm_omni.plugins").load_omni_general_plugins()
-    chunked = importlib.import_module(CHUNKED)
+    return importlib.import_module(name)
+
+
+def _vllm_omni(clip: Any, out: Path) -> None:
+    from tests.support.engine_vllm_omni import CHUNKED
+
+    chunked = _vllm_omni_module(CHUNKED)
     batch = clip.unsqueeze(0) * 2 - 1  # a Wan VAE's (-1, 1), made before the timing
 
     def save() -> None:
         session = chunked.ChunkedVideoMP4Session(
             value_range=(-1.0, 1.0), fps=24,
-            video_codec_options={"preset": "ultrafast", "threads": "0"},
+            video_codec_options=VLLM_OMNI_OPTIONS,
         )  # fmt: skip
         for t0 in range(0, batch.shape[2], 8):  # the VAE's chunks
             session.push(batch[:, :, t0 : t0 + 8])
@@ -86,22 +97,19 @@ def _vllm_omni(clip: Any, out: Path) -> None:
 def _vllm_omni_encoder(clip: Any, out: Path) -> None:
     import torch
 
-    from tests.support.engine_vllm_omni import CHUNKED, enter_vllm_omni
+    from tests.support.engine_vllm_omni import CHUNKED
 
-    if "vllm" not in sys.modules:
-        enter_vllm_omni()
-    importlib.import_module("vllm_omni.plugins").load_omni_general_plugins()
-    chunked = importlib.import_module(CHUNKED)
+    chunked = _vllm_omni_module(CHUNKED)
     # The (T, H, W, 3) uint8 chunks vLLM-omni's session hands its encoder once it has
     # quantized them (on a GPU host, on the GPU): made before the timing.
     frames = (clip.permute(1, 2, 3, 0) * 255).round().to(torch.uint8).numpy()
     chunks = [frames[t0 : t0 + 8].copy() for t0 in range(0, len(frames), 8)]
 
     def save() -> None:
+        height, width = frames.shape[1:3]
         encoder = chunked.ChunkedMP4Encoder(
-            width=frames.shape[2], height=frames.shape[1], fps=24,
-            video_codec_options={"preset": "ultrafast", "threads": "0"},
-        )  # fmt: skip
+            width=width, height=height, fps=24, video_codec_options=VLLM_OMNI_OPTIONS
+        )
         for chunk in chunks:
             encoder.push(chunk)
         out.write_bytes(encoder.finish())
@@ -110,17 +118,15 @@ def _vllm_omni_encoder(clip: Any, out: Path) -> None:
 
 
 def _vllm_omni_bytes(clip: Any, out: Path) -> None:
-    from tests.support.engine_vllm_omni import API, enter_vllm_omni
+    from tests.support.engine_vllm_omni import API
 
-    if "vllm" not in sys.modules:
-        enter_vllm_omni()
-    importlib.import_module("vllm_omni.plugins").load_omni_general_plugins()
-    api = importlib.import_module(API)
+    api = _vllm_omni_module(API)
     frames = clip.permute(1, 2, 3, 0).contiguous().numpy()  # (T, H, W, 3) float32 in [0, 1]
-    options = {"preset": "ultrafast", "threads": "0"}  # its serving default
 
     def save() -> None:
-        out.write_bytes(api._encode_video_bytes(frames, fps=24, video_codec_options=options))
+        out.write_bytes(
+            api._encode_video_bytes(frames, fps=24, video_codec_options=VLLM_OMNI_OPTIONS)
+        )
 
     _timed(save, out)
 
