@@ -75,16 +75,21 @@ class TempOutput:
         with open(fd, "rb") as f:
             return sha256_of(f)
 
-    def digest_inspected(self, inspect: Callable[[str], None] | None) -> tuple[int, str]:
-        """:meth:`digest`, and ``inspect`` run on the file meanwhile (the hash, on a thread
-        of its own, releases the GIL: the two cost the encode's tail the longer of them,
-        not their sum). Raises what the digest raised (as it did when it came first), else
-        what ``inspect`` raised."""
-        if inspect is None:
+    def digest_inspected(
+        self, inspect: Callable[[str], None] | None, follower: Follower | None = None
+    ) -> tuple[int, str]:
+        """:meth:`digest`, and meanwhile ``inspect`` run on the file, then ``follower``
+        told it is whole (the hash, on a thread of its own, releases the GIL: the two cost
+        the encode's tail the longer of them, not their sum). Raises what the digest
+        raised (as it did when it came first), else what ``inspect`` raised."""
+        if inspect is None and follower is None:
             return self.digest()
         digested = Beside(self.digest, "framewire-digest")
         try:
-            inspect(self.path)
+            if inspect is not None:
+                inspect(self.path)
+            if follower is not None:
+                follower.written(self)
         except Exception:
             digested.result()  # the digest's error first, as when it came first
             raise
@@ -95,12 +100,15 @@ class TempOutput:
 
 class Follower(Protocol):
     """What follows an output while it is written (an object's early upload:
-    service/_store/early.py): told where the file is, asked between pieces of the encode
-    whether to go on (it raises to stop it)."""
+    service/_store/early.py; a memory output's early copy: service/_store/handoff.py):
+    told where the file is, asked between pieces of the encode whether to go on (it
+    raises to stop it), told when the file is whole (beside its digest)."""
 
     def writing(self, temp: TempOutput) -> None: ...
 
     def check(self) -> None: ...
+
+    def written(self, temp: TempOutput) -> None: ...
 
 
 def sha256_of(f: BinaryIO) -> tuple[int, str]:

@@ -236,7 +236,7 @@ class Encoder:
                 route, fast_error = "fallback", str(exc)
                 self._fallback_route(source, temp, params, check, progress)
             encode_ms = (time.perf_counter() - started) * 1e3
-            size, sha256 = temp.digest_inspected(inspect)
+            size, sha256 = temp.digest_inspected(inspect, follower)
         return Encoded(
             path=path,
             bytes=size,

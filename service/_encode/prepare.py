@@ -48,12 +48,11 @@ from framewire.service._sources.cuda_versions import importable
 from framewire.service._sources.frames import FileSource, FrameSource, Geometry, MappedSource
 from framewire.service._sources.regions import CudaRegion, FdRegion, RegionRegistry, SystemRegion
 from framewire.service._sources.shm import open_shm
-from framewire.service._store.early import EarlyUpload
 from framewire.service._store.spool import discard
 
 if TYPE_CHECKING:
     from framewire.service._sources.cuda_ipc import CudaRuntime
-    from framewire.service._store.uploads import Target, Uploads
+    from framewire.service._store.uploads import Early, Target, Uploads
 
 
 @dataclass
@@ -65,7 +64,7 @@ class Prepared:
     url: Target | None = None  # an object or memory output: ``path`` is its spool file
     directory: int = -1  # fd of path's directory, opened without following links
     made: list[Path] = field(default_factory=list)  # directories made for it, outermost first
-    early: EarlyUpload | None = None  # an object output's parts sent while it is encoded
+    early: Early | None = None  # an object's parts sent, a memory output's copy made
 
     @property
     def shown(self) -> str:  # the output as its caller named it

@@ -84,6 +84,9 @@ class EarlyUpload:
         if self.failure is not None:
             raise self.failure
 
+    def written(self, temp: TempOutput) -> None:
+        """The file is whole: what is left goes at :meth:`handover`, after its digest."""
+
     # --- the follow, on its own thread --------------------------------------------------
 
     def _follow(self, name: str) -> None:

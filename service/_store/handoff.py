@@ -33,6 +33,7 @@ from framewire.core.media.argv import OUTPUT_EXTENSIONS
 from framewire.service._access.peers import Access
 from framewire.service._access.peers import allowed as may_use_fd_socket
 from framewire.service._ops.shares import Share
+from framewire.service._outputs import TempOutput
 from framewire.service._settings import Settings
 
 SCHEME = "memory://"
@@ -96,6 +97,77 @@ class _Held:
     share: int | None
 
 
+def copied(src: int, name: str) -> tuple[int, int]:
+    """A new memfd (unsealed, the caller's to close) holding the file open at ``src``, and
+    its size."""
+    size = os.fstat(src).st_size
+    fd = os.memfd_create(f"framewire-output:{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        done = 0
+        while done < size:  # in the kernel, no copy through this process
+            n = os.sendfile(fd, src, done, size - done)
+            if n == 0:
+                raise OSError("the spooled output shrank while it was copied")
+            done += n
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, size
+
+
+class EarlyHold:
+    """A memory output's bytes copied into a memfd as soon as its file is whole, by the
+    thread that inspects the file while another hashes it (a follower of the encode:
+    service/_outputs.py), so that the hold after the encode copies nothing: the copy
+    (85 MB: 35-53 ms here) runs beside the digest instead of after it. The owner of the
+    output closes it when the output ends; a copy not taken by then goes with it."""
+
+    def __init__(self, target: MemoryTarget):
+        self.target = target
+        self._copy: tuple[int, int] | None = None  # (memfd, size), until taken
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def writing(self, temp: TempOutput) -> None:
+        """Nothing to follow while the file is written."""
+
+    def check(self) -> None:
+        """Nothing can stop the encode from here."""
+
+    def written(self, temp: TempOutput) -> None:
+        """The file at ``temp`` is whole: copy it. A copy that fails is left to the hold,
+        which copies again and says why."""
+        try:
+            src = os.open(temp.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=temp.fd)
+            try:
+                copy: tuple[int, int] | None = copied(src, self.target.name)
+            finally:
+                os.close(src)
+        except OSError:
+            return
+        with self._lock:
+            if not self._closed and self._copy is None:
+                self._copy, copy = copy, None
+        if copy is not None:  # closed meanwhile, or a second route's file: not kept
+            os.close(copy[0])
+
+    def taken(self, size: int) -> int | None:
+        """The copy's memfd (the caller's from now on), if one was made of ``size`` bytes."""
+        with self._lock:
+            copy, self._copy = self._copy, None
+        if copy is not None and copy[1] != size:
+            os.close(copy[0])
+            return None
+        return None if copy is None else copy[0]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            copy, self._copy = self._copy, None
+        if copy is not None:
+            os.close(copy[0])
+
+
 class Handoffs:
     """Sealed memfds of finished outputs, by ticket, until taken or expired."""
 
@@ -139,19 +211,15 @@ class Handoffs:
 
     def hold(self, src: int, target: MemoryTarget) -> tuple[str, int]:
         """Copy the finished file open at ``src`` into a sealed memfd; returns (ticket, size)."""
-        size = os.fstat(src).st_size
-        with self._lock:
-            self._admit(target.share, size)
-        fd = os.memfd_create(
-            f"framewire-output:{target.name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
-        )
+        with self._lock:  # before the copy: a refused hold copies nothing
+            self._admit(target.share, os.fstat(src).st_size)
+        fd, size = copied(src, target.name)
+        return self.keep(fd, size, target)
+
+    def keep(self, fd: int, size: int, target: MemoryTarget) -> tuple[str, int]:
+        """Seal the memfd ``fd`` (``size`` bytes: an output's, copied) and hold it; returns
+        (ticket, size). ``fd`` is held from here, or closed when refused."""
         try:
-            copied = 0
-            while copied < size:  # in the kernel, no copy through this process
-                n = os.sendfile(fd, src, copied, size - copied)
-                if n == 0:
-                    raise OSError("the spooled output shrank while it was copied")
-                copied += n
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             ticket = secrets.token_hex(16)
             with self._lock:

@@ -26,13 +26,15 @@ from framewire.service._ops.threads import in_thread
 from framewire.service._settings import Settings
 from framewire.service._store.early import EarlyUpload
 from framewire.service._store.handoff import SCHEME as MEMORY
-from framewire.service._store.handoff import Handoffs, MemoryTarget, judge_memory
+from framewire.service._store.handoff import EarlyHold, Handoffs, MemoryTarget, judge_memory
 from framewire.service._store.multipart import Upload, Uploaded
 from framewire.service._store.owners import OwnedUrl, judge_owner
 from framewire.service._store.s3 import S3Store
 from framewire.service._store.spool import Spool, discard
 
 Target = OwnedUrl | MemoryTarget
+# What follows an output while it is encoded, for what comes after the encode.
+Early = EarlyUpload | EarlyHold
 
 log = logging.getLogger("framewire.store")
 
@@ -78,9 +80,12 @@ class Uploads:
         url: Target | None,
         cancel: threading.Event,
         on_failure: Callable[[FramewireError], None] = lambda exc: None,
-    ) -> EarlyUpload | None:
-        """What sends an object output's parts while it is encoded (None for any other
-        output); its owner closes it when the output ends."""
+    ) -> Early | None:
+        """What follows the output while it is encoded: an object's parts sent meanwhile,
+        a memory output's copy made beside its digest (None for a file); its owner closes
+        it when the output ends."""
+        if isinstance(url, MemoryTarget):
+            return EarlyHold(url)
         if not isinstance(url, OwnedUrl) or not self.settings.upload_while_encoding:
             return None
         try:
@@ -98,14 +103,16 @@ class Uploads:
         url: Target,
         presign_s: int | None,
         cancel: threading.Event,
-        early: EarlyUpload | None = None,
+        early: Early | None = None,
     ) -> OutputResult:
         """The result once the encoded file ``name`` in the spool open at ``spool`` is
         stored at ``url`` (raises what failed: nothing stored); it is removed either way.
         The file is reached through the spool's fd, never by path. ``early``: what sent
-        its parts while it was encoded."""
+        its parts while it was encoded, or copied it."""
         if isinstance(url, MemoryTarget):
-            return await self._hold(result, spool, name, url)
+            copy = early.taken(result.bytes or 0) if isinstance(early, EarlyHold) else None
+            return await self._hold(result, spool, name, url, copy)
+        early = early if isinstance(early, EarlyUpload) else None
         t0 = time.perf_counter()
         try:
             try:
@@ -134,10 +141,15 @@ class Uploads:
         return result
 
     async def _hold(
-        self, result: OutputResult, spool: int, name: str, url: MemoryTarget
+        self, result: OutputResult, spool: int, name: str, url: MemoryTarget, copy: int | None
     ) -> OutputResult:
+        """Hold the output's bytes: ``copy``, a memfd of them made beside the digest (ours
+        from here), else a copy of the spool file made now."""
         try:
-            result.handoff, _ = await asyncio.to_thread(self._hold_file, spool, name, url)
+            if copy is not None:
+                result.handoff, _ = self.handoffs.keep(copy, result.bytes or 0, url)
+            else:
+                result.handoff, _ = await asyncio.to_thread(self._hold_file, spool, name, url)
         finally:
             await asyncio.to_thread(discard, spool, name)
         result.path = result.url = str(url)

@@ -56,6 +56,7 @@ class StreamOutput(Closing):
         self.frames = 0
         self.threads = encoder.threads_for(geometry.height, params)
         self._encoder, self._params = encoder, params
+        self._follower = follower
         self._started = time.perf_counter()
         self._stack = contextlib.ExitStack()
         try:
@@ -111,7 +112,7 @@ class StreamOutput(Closing):
             self._pump.close()
             self._encoder.children.wait_for(self._ff, check)
             encode_ms = (time.perf_counter() - self._started) * 1e3
-            size, sha256 = self._staged.digest_inspected(inspect)
+            size, sha256 = self._staged.digest_inspected(inspect, self._follower)
         except BaseException:
             self.abort()
             raise

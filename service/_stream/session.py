@@ -13,8 +13,7 @@ from framewire.core.errors import Cancelled, Conflict, FramewireError
 from framewire.core.wire import StreamOpen, StreamStateName
 from framewire.service._encode.params import EncodeParams
 from framewire.service._sources.frames import Geometry
-from framewire.service._store.early import EarlyUpload
-from framewire.service._store.uploads import Target
+from framewire.service._store.uploads import Early, Target
 from framewire.service._stream.live import LiveFeed
 from framewire.service._stream.output import StreamOutput
 
@@ -47,7 +46,7 @@ class Session:
     aborted_by: str | None = None  # why it is being aborted, while a request still runs
     waiting_since: float | None = None  # monotonic, while its first chunk waits for slots
     live: LiveFeed | None = None  # its live view, when it asked for one
-    early: EarlyUpload | None = None  # an object output's parts sent while it is encoded
+    early: Early | None = None  # an object's parts sent, a memory output's copy made
 
     def stop(self, cause: str) -> None:
         """Abort from outside the request in progress: it stops at its next step, or
