@@ -2,8 +2,9 @@
 
 Some engines' save contract is bytes (vLLM-omni hands an MP4's bytes to its
 storage manager). Such an output is encoded and validated exactly as a file is,
-into the spool; then its bytes are copied into a sealed memfd held under a
-ticket (128 random bits, in the result's ``handoff``), and the spool file goes.
+into the spool; its bytes are copied into a memfd while the file's sha256 is
+computed (``EarlyHold``), then that memfd is sealed and held under a ticket (128
+random bits, in the result's ``handoff``), and the spool file goes.
 The caller takes the memfd with one ``take`` on the fd socket: the descriptor
 crosses with ``SCM_RIGHTS`` and the caller maps or reads it.
 
