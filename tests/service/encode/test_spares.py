@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
 import av
 import pytest
 from framewire.client import Client, pyav_identity
+from framewire.service._encode.spares import REFILL_AFTER_S
 
 from tests.support.engines import vllm_omni_quantize, vllm_omni_save
 from tests.support.media import make_clip
@@ -86,8 +88,40 @@ def test_the_writers_started_ahead_are_a_setting(workers, count):
     clip = make_clip(frames=4, height=48, width=64)
     with Client(w.uds_url, local_fallback=False) as c:
         write(c, "a.mp4", clip)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while len(spares(w)) < int(count):
+            assert time.monotonic() < deadline, f"{len(spares(w))} writers started ahead"
+            time.sleep(0.02)
+        time.sleep(REFILL_AFTER_S + 0.25)  # and no more than that
         assert len(spares(w)) == int(count)
+
+
+def test_the_next_writer_is_started_once_the_output_is_handed_over(monkeypatch):
+    """Not when the encode's writer ends: its output's hand-over (the worker's answer,
+    the caller's take) comes then, and the start of an interpreter beside it slows it."""
+    from framewire.core.media.priority import FULL
+    from framewire.service._encode import spares as module
+
+    monkeypatch.setattr(module, "REFILL_AFTER_S", 1.0)
+    waiting = [
+        sys.executable,
+        "-c",
+        "import socket, sys; socket.socket(fileno=int(sys.argv[2])).recv(1)",
+    ]
+    ahead = module.Spares(waiting, 1)
+    try:
+        writer = ahead.start([], [], None, FULL)  # none ahead yet: started afresh
+        writer.close()
+        ended = time.monotonic()
+        time.sleep(0.3)
+        assert ahead._ready == []  # not yet
+        deadline = ended + 10
+        while not ahead._ready:
+            assert time.monotonic() < deadline, "no writer was started ahead"
+            time.sleep(0.02)
+        assert time.monotonic() - ended >= 1.0
+    finally:
+        ahead.close()
 
 
 def test_a_writer_that_died_waiting_is_let_go_and_the_encode_starts_its_own(workers):
@@ -123,7 +157,11 @@ def test_a_writer_waits_yielding_and_an_encode_at_full_weight_takes_its_group_ba
     with Client(w.uds_url, local_fallback=False) as c:
         write(c, "a.mp4", clip)
         spare = wait_for_spare(w, set())
-        assert group_nice_of(spare) == 19
+        # Set by the worker right after the spawn: the writer is seen a moment before.
+        deadline = time.monotonic() + 3
+        while group_nice_of(spare) != 19:
+            assert time.monotonic() < deadline, "the waiting writer's group is not at 19"
+            time.sleep(0.01)
         writer = c.open_video("b.mp4", fps=24, profile="vllm-omni", encoder=ENCODER)
         writer.write(clip)
         writer.flush()  # the encoder took it: the spare runs the encode
