@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from tests.support.order import in_order
-from tests.support.processes import child_pids, framewire_temps
+from tests.support.processes import child_pids, framewire_temps, open_memfds
 from tests.support.real import unavailable
 from tests.support.worker import FORK, Worker, Workers
 from tests.support.zygote import Shared, share, start_variables
@@ -141,21 +141,11 @@ def no_leaks(tmp_path: Path) -> Iterator[None]:
     """Every test: no ffmpeg child, no temp output, no memfd left behind, and the variables
     an interpreter reads as it starts as they were (else every later worker of this
     process would start afresh, silently: an import that sets one, say)."""
-
-    def memfds() -> int:
-        n = 0
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:framewire")
-            except OSError:
-                pass
-        return n
-
-    before_children, before_memfds = child_pids(), memfds()
+    before_children, before_memfds = child_pids(), open_memfds()
     yield
     assert child_pids() - before_children == set(), "child processes left running"
     assert framewire_temps(tmp_path) == [], "temp outputs left behind"
-    assert memfds() <= before_memfds, "memfds left open"
+    assert open_memfds() <= before_memfds, "memfds left open"
     now = start_variables()
     changed = sorted(k for k in {*now, *STARTED_WITH} if now.get(k) != STARTED_WITH.get(k))
     assert not changed, f"os.environ's start variables changed: {changed}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -18,6 +19,17 @@ def child_pids(pid: int | str = "self") -> set[int]:
         except OSError:
             pass
     return {p for p in pids if not _daemon(p)}
+
+
+def open_memfds(prefix: str = "framewire") -> int:
+    """This process's descriptors of memfds named ``prefix...``."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:" + prefix)
+        except OSError:
+            pass  # the listing's own descriptor, gone already
+    return n
 
 
 def _daemon(pid: int) -> bool:

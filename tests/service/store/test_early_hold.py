@@ -22,19 +22,9 @@ from framewire.service._store.handoff import EarlyHold, MemoryTarget
 from framewire.service._store.uploads import Uploads
 
 from tests.support.media import make_clip, sha256
+from tests.support.processes import open_memfds
 
 TARGET = MemoryTarget("a.mp4", uid=os.getuid())
-
-
-def _held_memfds() -> int:
-    """This process's descriptors of memfds a hold makes (framewire-output:...)."""
-    found = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            found += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:framewire-output:")
-        except OSError:
-            pass  # the listing's own descriptor, gone already
-    return found
 
 
 def _read(fd: int) -> bytes:
@@ -86,21 +76,21 @@ def _written(tmp_path: Path, data: bytes) -> EarlyHold:
 
 
 def test_a_copy_not_taken_goes_with_its_output(tmp_path):
-    before = _held_memfds()
+    before = open_memfds("framewire-output:")
     early = _written(tmp_path, b"x" * 5000)
-    assert _held_memfds() == before + 1
+    assert open_memfds("framewire-output:") == before + 1
     early.close()
-    assert _held_memfds() == before
+    assert open_memfds("framewire-output:") == before
     early.close()  # idempotent
     early = _written(tmp_path, b"y" * 100)
     assert early.taken(99) is None  # not the digest's size: dropped, the hold copies again
-    assert _held_memfds() == before
+    assert open_memfds("framewire-output:") == before
     late = EarlyHold(TARGET)
     late.close()  # the output ended before its file was whole (a cancel): nothing is kept
     with _outputs.atomic_output(os.open(tmp_path, os.O_RDONLY), "b.mp4", durable=False) as temp:
         Path(temp.path).write_bytes(b"z")
         late.written(temp)
-    assert late.taken(1) is None and _held_memfds() == before
+    assert late.taken(1) is None and open_memfds("framewire-output:") == before
 
 
 def _deliver(uploads: Uploads, spool: Path, early: EarlyHold | None, size: int) -> OutputResult:
@@ -157,13 +147,13 @@ def test_a_refused_hold_closes_the_copy(tmp_path):
     spool.mkdir()
     (spool / "spooled.mp4").write_bytes(data)
     uploads = Uploads(Settings(output_roots=[str(tmp_path)], held_output_bytes=65536))
-    before = _held_memfds()
+    before = open_memfds("framewire-output:")
     early = _written(tmp_path, data)
     try:
         with pytest.raises(Overloaded) as refused:
             _deliver(uploads, spool, early, len(data))
         assert refused.value.code == "handoffs_full"
-        assert _held_memfds() == before and not (spool / "spooled.mp4").exists()
+        assert open_memfds("framewire-output:") == before and not (spool / "spooled.mp4").exists()
     finally:
         early.close()
         uploads.handoffs.close()
