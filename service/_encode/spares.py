@@ -13,11 +13,10 @@ output. That start yields as an encode does: the spare's session (its autogroup)
 at niceness 19 until an encode takes it, whose priority it then gets, its group back
 at the worker's niceness for an encode that adds none (its threads' niceness is left
 alone while it waits, which an unprivileged worker could not take back; a group's it
-can). Each spare runs one
-encode and exits, as a child started afresh does: no encode shares a process, nor
-x264's state, with another. A spare that died, or cannot take its job, is let go and
-the encode starts a child afresh; the worker's shutdown lets go of those still waiting
-(they exit on their socket's end).
+can). Each spare runs one encode and exits, as a child started afresh does: no encode
+shares a process, nor x264's state, with another. A spare that died, or cannot take
+its job, is let go and the encode starts a child afresh; the worker's shutdown lets go
+of those still waiting (they exit on their socket's end).
 """
 
 from __future__ import annotations
@@ -50,9 +49,14 @@ class Spare:
     def __init__(self, child: Sequence[str]):
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.process = FfmpegProcess([*child, "--spare", str(theirs.fileno())],
-                                         pass_fds=[theirs.fileno()], stall_s=None, cwd="/",
-                                         new_session=True, tracked=False)  # fmt: skip
+            self.process = FfmpegProcess(
+                [*child, "--spare", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stall_s=None,
+                cwd="/",
+                new_session=True,
+                tracked=False,
+            )
         except BaseException:
             mine.close()
             raise

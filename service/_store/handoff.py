@@ -259,8 +259,10 @@ class Handoffs:
             theirs = held is not None and uid not in (0, os.getuid()) and held.uid != uid
             if held is None or theirs:
                 # Another's ticket answers as an unknown one does: it tells nothing.
-                raise NotFound("no output is held under that ticket (taken, or expired)",
-                               code="handoff_not_found")  # fmt: skip
+                raise NotFound(
+                    "no output is held under that ticket (taken, or expired)",
+                    code="handoff_not_found",
+                )
             self._drop(ticket)
         return held.fd, held.size
 
