@@ -69,13 +69,24 @@ def post_raw(uds: Path, body: dict[str, Any]) -> socket.socket:
     return sock
 
 
-def wait_for_ffmpeg(worker: Worker, timeout: float = 20) -> set[int]:
+def wait_for_ffmpeg(worker: Worker, timeout: float = 20, naming: str | None = None) -> set[int]:
+    """The worker's children once it has one (``naming``: one whose argv names it, not
+    another child, as the check of a binary after a failure is)."""
     deadline = time.monotonic() + timeout
-    while not (pids := worker.children()):
+    while not (pids := {p for p in worker.children() if _names(p, naming)}):
         assert worker.proc.poll() is None, worker.log.read_text()
         assert time.monotonic() < deadline, "ffmpeg never started"
         time.sleep(0.02)
     return pids
+
+
+def _names(pid: int, naming: str | None) -> bool:
+    if naming is None:
+        return True
+    try:
+        return naming.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False  # gone already
 
 
 def shm_names() -> set[str]:

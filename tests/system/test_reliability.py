@@ -173,7 +173,7 @@ def test_client_killed_mid_request(worker, baseline, segments, tmp_path, request
          repr(HANDOVERS[handover])]
     )  # fmt: skip
     try:
-        ffmpeg = wait_for_ffmpeg(worker)
+        ffmpeg = wait_for_ffmpeg(worker, naming="orphan.mp4")  # its encode's
         # What it holds as it dies is what it leaves (read while it lives: once it is dead,
         # any process of the suite that shares or starts a worker may sweep it).
         left = owned_segments(client.pid)
