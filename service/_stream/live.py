@@ -37,6 +37,7 @@ from dataclasses import InitVar, dataclass
 from fractions import Fraction
 
 from framewire.core.errors import BadRequest, Conflict, Overloaded
+from framewire.core.media.pipe import F_SETPIPE_SZ
 from framewire.service._ops.metrics import Metrics
 from framewire.service._stream.fmp4 import boxes, end_box, starts_with_keyframe, video_samples
 from framewire.service._stream.history import History
@@ -48,7 +49,6 @@ VIEWERS_PER_STREAM = 16
 HLS_REQUESTS_PER_STREAM = 2 * VIEWERS_PER_STREAM  # a player has a playlist and a part out
 PIPE_BYTES = 1 << 20  # the pipe ffmpeg writes the fragments into (F_SETPIPE_SZ)
 READ_BYTES = 1 << 16
-F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 EOF_WAIT_S = 10.0  # ffmpeg has exited or been killed when this is awaited
 
 
