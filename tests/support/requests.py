@@ -71,7 +71,7 @@ def post_raw(uds: Path, body: dict[str, Any]) -> socket.socket:
 
 def wait_for_ffmpeg(worker: Worker, timeout: float = 20, naming: str | None = None) -> set[int]:
     """The worker's children once it has one (``naming``: one whose argv names it, not
-    another child, as the check of a binary after a failure is)."""
+    another child: a request may start a binary's ``-version`` check first)."""
     deadline = time.monotonic() + timeout
     while not (pids := {p for p in worker.children() if _names(p, naming)}):
         assert worker.proc.poll() is None, worker.log.read_text()

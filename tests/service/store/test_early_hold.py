@@ -66,12 +66,21 @@ def test_the_copy_is_made_while_the_output_is_hashed(tmp_path, monkeypatch):
     early.close()
 
 
+def _told(early: EarlyHold, tmp_path: Path, name: str, data: bytes) -> None:
+    """Tell ``early`` that a file holding ``data`` is whole."""
+    directory = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with _outputs.atomic_output(directory, name, durable=False) as temp:
+            Path(temp.path).write_bytes(data)
+            early.written(temp)
+    finally:
+        os.close(directory)
+
+
 def _written(tmp_path: Path, data: bytes) -> EarlyHold:
     """An EarlyHold told that a file holding ``data`` is whole."""
     early = EarlyHold(TARGET)
-    with _outputs.atomic_output(os.open(tmp_path, os.O_RDONLY), "a.mp4", durable=False) as temp:
-        Path(temp.path).write_bytes(data)
-        early.written(temp)
+    _told(early, tmp_path, "a.mp4", data)
     return early
 
 
@@ -87,9 +96,7 @@ def test_a_copy_not_taken_goes_with_its_output(tmp_path):
     assert open_memfds("framewire-output:") == before
     late = EarlyHold(TARGET)
     late.close()  # the output ended before its file was whole (a cancel): nothing is kept
-    with _outputs.atomic_output(os.open(tmp_path, os.O_RDONLY), "b.mp4", durable=False) as temp:
-        Path(temp.path).write_bytes(b"z")
-        late.written(temp)
+    _told(late, tmp_path, "b.mp4", b"z")
     assert late.taken(1) is None and open_memfds("framewire-output:") == before
 
 
