@@ -8,7 +8,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import av
 import pytest
@@ -20,6 +22,7 @@ from tests.support.media import make_clip
 from tests.support.worker import Worker
 
 ENCODER = pyav_identity(av.__version__)
+T = TypeVar("T")
 
 
 def spares(w: Worker) -> list[int]:
@@ -36,12 +39,21 @@ def spares(w: Worker) -> list[int]:
     return found
 
 
+def until(ready: Callable[[], T], timeout: float, failed: str) -> T:
+    """What ``ready()`` returns once it is true, looked at every 10 ms for at most
+    ``timeout`` seconds (else ``failed``)."""
+    deadline = time.monotonic() + timeout
+    while not (value := ready()):
+        assert time.monotonic() < deadline, failed
+        time.sleep(0.01)
+    return value
+
+
 def wait_for_spare(w: Worker, other_than: set[int]) -> int:
     """The writer started ahead, not one of ``other_than``."""
-    deadline = time.monotonic() + 30
-    while not (ready := [p for p in spares(w) if p not in other_than]):
-        assert time.monotonic() < deadline, "no writer was started ahead"
-        time.sleep(0.02)
+    ready = until(
+        lambda: [p for p in spares(w) if p not in other_than], 30, "no writer was started ahead"
+    )
     [pid] = ready
     return pid
 
@@ -88,10 +100,7 @@ def test_the_writers_started_ahead_are_a_setting(workers, count):
     clip = make_clip(frames=4, height=48, width=64)
     with Client(w.uds_url, local_fallback=False) as c:
         write(c, "a.mp4", clip)
-        deadline = time.monotonic() + 10
-        while len(spares(w)) < int(count):
-            assert time.monotonic() < deadline, f"{len(spares(w))} writers started ahead"
-            time.sleep(0.02)
+        until(lambda: len(spares(w)) >= int(count), 10, f"fewer than {count} started ahead")
         time.sleep(REFILL_AFTER_S + 0.25)  # and no more than that
         assert len(spares(w)) == int(count)
 
@@ -115,10 +124,7 @@ def test_the_next_writer_is_started_once_the_output_is_handed_over(monkeypatch):
         ended = time.monotonic()
         time.sleep(0.3)
         assert ahead._ready == []  # not yet
-        deadline = ended + 10
-        while not ahead._ready:
-            assert time.monotonic() < deadline, "no writer was started ahead"
-            time.sleep(0.02)
+        until(lambda: ahead._ready, ended + 10 - time.monotonic(), "no writer was started ahead")
         assert time.monotonic() - ended >= 1.0
     finally:
         ahead.close()
@@ -133,10 +139,11 @@ def test_a_writer_that_died_waiting_is_let_go_and_the_encode_starts_its_own(work
         first = write(c, "a.mp4", clip)
         dead = wait_for_spare(w, set())
         os.kill(dead, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{dead}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-            assert time.monotonic() < deadline, "the writer did not die"
-            time.sleep(0.01)
+
+        def zombie() -> bool:
+            return Path(f"/proc/{dead}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+        until(zombie, 10, "the writer did not die")
         again = write(c, "b.mp4", clip)
         wait_for_spare(w, {dead})
     assert again.sha256 == first.sha256
@@ -158,16 +165,11 @@ def test_a_writer_waits_yielding_and_an_encode_at_full_weight_takes_its_group_ba
         write(c, "a.mp4", clip)
         spare = wait_for_spare(w, set())
         # Set by the worker right after the spawn: the writer is seen a moment before.
-        deadline = time.monotonic() + 3
-        while group_nice_of(spare) != 19:
-            assert time.monotonic() < deadline, "the waiting writer's group is not at 19"
-            time.sleep(0.01)
+        until(lambda: group_nice_of(spare) == 19, 3, "the waiting writer's group is not at 19")
         writer = c.open_video("b.mp4", fps=24, profile="vllm-omni", encoder=ENCODER)
         writer.write(clip)
         writer.flush()  # the encoder took it: the spare runs the encode
         assert spares(w) == [spare]
-        deadline = time.monotonic() + 3  # a write the kernel refused is retried
-        while group_nice_of(spare) != 0:
-            assert time.monotonic() < deadline, "the encode kept the waiting writer's weight"
-            time.sleep(0.02)
+        # Within 3 s: a write the kernel refused is retried.
+        until(lambda: group_nice_of(spare) == 0, 3, "the encode kept the waiting writer's weight")
         writer.close()
