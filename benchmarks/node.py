@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/node.py [--ranks 2 4 8] [--frames 48] [--width 640 --height 384]
                                         [--threads 1] [--repeat 3] [--idle-s 3]
+                                        [--reference shared|none]
                                         [--json OUT] [--figures DIR]
 
 N rank processes are started and connected before anything is timed, each
@@ -14,9 +15,13 @@ together (one event) and the run ends when the last has its file:
   (b) imageio             N processes converting their clip whole, imageio.mimsave
   (c) in-process pipe     N processes converting 8-frame chunks into their own ffmpeg's
                           stdin (SGLang's direct save, on the CPU, with the same argv)
-  framewire save          one reference decode through the worker (one ffmpeg run shared
-                          by all ranks), then save_video to the one worker
-  framewire stream        the same decode, then open_video, a write per 8-frame chunk
+  framewire save          save_video to the one worker, and beside it one reference
+                          decode through the worker (one ffmpeg run shared by all ranks)
+  framewire stream        open_video, a write per 8-frame chunk, the same decode beside
+
+With --reference none the framewire rows decode nothing: every row does the same
+work, the saves alone (the others never decode: an engine without the worker
+decodes the reference in each rank, which no row here does).
 
 Every encode pins the same x264 thread count (--threads), so every output must
 equal its rank's reference (the bare ffmpeg output of its frames, made before
@@ -113,7 +118,7 @@ class Node:
     def run(self, path: str, probed: bool) -> dict[str, Any]:
         self.runs += 1
         expected = ""
-        if path in WORKER_PATHS:
+        if path in WORKER_PATHS and self.spec["reference"] is not None:
             expected = local_decode(self.spec["reference"], self.runs)
         for _, conn in self.ranks:
             conn.send((path, self.runs))
@@ -146,7 +151,7 @@ class Node:
             "latencies_s": latencies, "memory_mib": sum(held.values()) / MIB,
             "memory_parts_mib": {k: v / MIB for k, v in held.items()},
             "worker_cpu": (own1 - own0) / (kids1 - kids0) if ours and kids1 > kids0 else None,
-            "probes": probes, "same": same,
+            "probes": probes, "same": same, "decodes": sum(1 for d in done if d["decoded"]),
         }  # fmt: skip
 
 
@@ -249,6 +254,12 @@ def main() -> int:
     parser.add_argument("--chunk", type=harness.count, default=8)
     parser.add_argument("--threads", type=harness.count, default=1, help="x264's, for all")
     parser.add_argument("--idle-s", type=float, default=IDLE_S, help="probes of the idle worker")
+    parser.add_argument(
+        "--reference",
+        choices=("shared", "none"),
+        default="shared",
+        help="none: the framewire rows save alone, the same work as the others",
+    )
     plots.add_option(parser)
     args = parser.parse_args()
     from framewire.core.media.process import resolve_ffmpeg
@@ -278,7 +289,8 @@ def main() -> int:
             "chunk": args.chunk, "threads": args.threads, "url": worker.uds_url,
             "uds": str(worker.uds), "fd_socket": str(worker.fd_socket),
             "outputs": str(worker.outputs), "segments": [str(s) for s in segments],
-            "rgbs": [str(r) for r in rgbs], "reference": REFERENCE | {"path": str(video)},
+            "rgbs": [str(r) for r in rgbs],
+            "reference": REFERENCE | {"path": str(video)} if args.reference == "shared" else None,
         }  # fmt: skip
         node = Node(worker, spec, refs)
         idle = node.probed(args.idle_s)
@@ -299,7 +311,8 @@ def main() -> int:
     rows = summarize(runs, idle)
     setup = (f"{args.frames} frames {args.width}x{args.height} float32 per rank, x264 fast "
              f"-threads {args.threads} for all; {len(os.sched_getaffinity(0))} CPUs (worker CPU "
-             f"slots as many), load average {os.getloadavg()[0]:.2f} at the end; "
+             f"slots as many), reference decode: {args.reference}; load average "
+             f"{os.getloadavg()[0]:.2f} at the end; "
              f"median of {args.repeat}")  # fmt: skip
     print(f"\n{setup}; {time.monotonic() - started:.0f} s in all")
     verdicts = report(rows, idle)

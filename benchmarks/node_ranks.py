@@ -10,7 +10,7 @@ clip that way:
   pipe      8-frame chunks converted in process and written into its own ffmpeg's
             stdin, the shape of SGLang's direct save (stream.in_process_ffmpeg)
   save      ``save_video``, and beside it (a thread) the reference decode through the
-            worker: one ffmpeg run shared by every rank
+            worker: one ffmpeg run shared by every rank (none with ``--reference none``)
   stream    ``open_video`` and a ``write`` per 8 frames, the decode beside it
 
 The prober issues, every ~50 ms, a ``GET /healthz`` on the Unix socket and a
@@ -88,7 +88,8 @@ def rank(index: int, spec: dict[str, Any], conn: Connection, go: Event) -> None:
             else:
                 got: list[str] = []  # the reference decode, at the same moment as the save
                 decode = threading.Thread(target=reference, args=(client, spec, run, got))
-                decode.start()
+                if spec["reference"] is not None:
+                    decode.start()
                 if path == "save":
                     result = client.save_video(clip, name, fps=FPS, threads=threads)
                 else:
@@ -99,8 +100,9 @@ def rank(index: int, spec: dict[str, Any], conn: Connection, go: Event) -> None:
                 assert result.sha256 is not None
                 digest = result.sha256
                 out.unlink()
-                decode.join()
-                decoded = got[0] if got else "failed"
+                if spec["reference"] is not None:
+                    decode.join()
+                    decoded = got[0] if got else "failed"
             done = time.monotonic()
             conn.send({"done": done, "sha256": digest, "decoded": decoded})
 

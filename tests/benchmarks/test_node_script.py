@@ -8,11 +8,26 @@ from pathlib import Path
 
 from tests.support.benchruns import bench_json
 
+# Two ranks of 8 frames 96x64, one run of each path: small enough for CI.
+SMALL = [
+    "--ranks",
+    "2",
+    "--frames",
+    "8",
+    "--width",
+    "96",
+    "--height",
+    "64",
+    "--repeat",
+    "1",
+    "--idle-s",
+    "1",
+]
+FIGURES = ("node.png",)
+
 
 def test_node_benchmark(tmp_path: Path) -> None:
-    r, results = bench_json(tmp_path, "node.py", "--ranks", "2", "--frames", "8", "--width", "96",
-                            "--height", "64", "--repeat", "1", "--idle-s", "1",
-                            figures=("node.png",))  # fmt: skip
+    r, results = bench_json(tmp_path, "node.py", *SMALL, figures=FIGURES)
     rows, runs = results["rows"], results["runs"]
     assert [row["path"] for row in rows] == [
         "(a) bare ffmpeg", "(b) imageio", "(c) in-process pipe", "framewire save",
@@ -20,6 +35,8 @@ def test_node_benchmark(tmp_path: Path) -> None:
     ]  # fmt: skip
     assert len(runs) == 10 and all(run["ranks"] == 2 for run in runs)  # 5 paths, timed + probed
     assert all(run["same"] for run in runs), runs
+    # Each rank of a framewire run decoded the reference beside its save; no other did.
+    assert all(run["decodes"] == (2 if run["path"] in ("save", "stream") else 0) for run in runs)
     # What the node held, in its four parts; the worker's only in the worker's runs.
     for run in runs:
         parts = run["memory_parts_mib"]
@@ -33,3 +50,12 @@ def test_node_benchmark(tmp_path: Path) -> None:
     assert "every output equal to its rank's reference, every decode to the local one: True" in (
         r.stdout
     )
+
+
+def test_node_benchmark_saves_alone(tmp_path: Path) -> None:
+    """``--reference none``: the framewire rows do the others' work, the saves alone."""
+    _, results = bench_json(tmp_path, "node.py", *SMALL, "--reference", "none", figures=FIGURES)
+    runs = results["runs"]
+    assert len(runs) == 10 and all(run["same"] for run in runs), runs
+    assert all(run["decodes"] == 0 for run in runs), runs
+    assert "reference decode: none" in results["setup"]
