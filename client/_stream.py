@@ -121,7 +121,10 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
         yield from self._settle(wait=False)
         chunk = self._describe(frames)
         if self.id is None and self._local is None:
-            yield from self._open_plan(chunk)
+            staged = yield from self._open_plan(chunk)
+            if staged is not None and self._local is None:
+                self._in_flight.append(self._submit(self._chunk_call(staged, chunk)))
+                return
         if self._local is not None:
             yield from blocking(self._write_here, chunk)
             return
@@ -139,13 +142,27 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
         source = yield from blocking(self._stage, chunk)
         self._in_flight.append(self._submit(self._chunk_call(source, chunk)))
 
-    def _open_plan(self, first: Frames) -> Plan[None]:
+    def _open_plan(self, first: Frames) -> Plan[Any]:
+        """Open the session; a host chunk ``first`` is copied into its buffer while the
+        worker opens it (the copy and the request were each a few ms of the first
+        write's wait, one after the other): its descriptor, else None."""
+        staged = None
         try:
             self._regions = yield from self._regions_of()
             with contextlib.ExitStack() as stack:  # closed here on a failure or a cancellation
                 audio = yield from blocking(stack.enter_context, self._shared_audio())
+                opening = self._submit_call(self._open_call(first, audio))
+                if not is_cuda(first.video):
+                    try:
+                        staged = yield from blocking(self._stage, first)
+                    except Exception:
+                        # Known once open, the session is ended by the abort that
+                        # follows rather than left to the worker's idle bound.
+                        with contextlib.suppress(Exception):
+                            self._opened((yield from waited(opening)))
+                        raise
                 try:
-                    opened = yield from sent(self._open_call(first, audio))
+                    opened = yield from waited(opening)
                 except BadRequest as exc:
                     if not self._older_worker(exc):
                         raise
@@ -154,6 +171,7 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
                 yield from blocking(stack.close)
         except Unavailable as exc:
             yield from blocking(self._open_here, exc, first)
+        return staged
 
     def _cuda_chunk(self, chunk: Frames) -> Plan[None]:
         from framewire.client._sharing.cuda import CudaShare  # imports torch

@@ -140,3 +140,21 @@ def test_a_worker_older_than_ahead_still_takes_a_chunked_save(worker, tmp_path):
         assert proxy.refused == 1
     assert result.ok and result.route == "stream"
     assert result.sha256 == reference_mp4(clip, tmp_path / "ref.mp4")
+
+
+def test_a_lone_output_waits_on_its_answers_without_polling(worker, tmp_path, monkeypatch):
+    """One output waits on its own chunks' answers: a poll's sleep was up to 5 ms of its
+    end. (Side by side, outputs poll so that none holds up another: the test above.)"""
+    slept: list[float] = []
+    real_sleep = time.sleep
+
+    def noting(seconds: float) -> None:
+        slept.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(chunked_module.time, "sleep", noting)
+    clip = make_clip(frames=26, height=128, width=160)  # 7 chunks of 4 frames
+    with Client(worker.uds_url) as c:
+        [alone] = c.save_videos([clip], ["alone.mp4"], fps=24)
+    assert slept == []
+    assert alone.ok and alone.sha256 == reference_mp4(clip, tmp_path / "ref.mp4")

@@ -184,6 +184,31 @@ def test_an_exception_in_the_block_aborts_and_leaves_nothing(worker):
     nothing_left(worker, "gone.mp4")
 
 
+@pytest.mark.parametrize("route", ["fd", "shm"])
+def test_a_first_chunk_that_cannot_be_copied_leaves_no_session(
+    worker, monkeypatch, tmp_path, route
+):
+    """The first chunk is copied while the session opens: a copy that fails still learns
+    the session's id, so the abort ends it (no session left to the idle bound)."""
+    monkeypatch.setattr(stream_module.WriterBase, "_stage", _failing_copy)
+    clip = make_clip(frames=4, height=48, width=64)
+    named = {} if route == "fd" else {"fd_socket": tmp_path / "nobody.sock"}
+    with (
+        Client(worker.uds_url, **named) as c,
+        pytest.raises(OSError, match="no memory"),
+        c.open_video("uncopied.mp4", fps=24) as w,
+    ):
+        w.write(clip)
+    assert w.id is not None
+    with worker.http() as h:
+        assert h.get(f"/v1/streams/{w.id}").json()["state"] == "aborted"
+    nothing_left(worker, "uncopied.mp4")
+
+
+def _failing_copy(self: Any, frames: Any) -> Any:
+    raise OSError(12, "no memory for a chunk buffer")
+
+
 def test_a_refused_chunk_raises_its_error_and_leaves_nothing(worker):
     """A chunk's error comes back at the next call; the block then aborts."""
     first = make_clip(frames=2, height=48, width=64)
