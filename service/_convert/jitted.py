@@ -52,3 +52,22 @@ def interleaved(src: Any, dst: Any) -> None:
     """Flat float32 ``src`` into flat uint8 ``dst`` of the same size."""
     for i in range(src.size):
         dst[i] = to_byte(src[i])
+
+
+@_jit
+def rounded_byte(v: Any, low: Any, high: Any, scale: Any) -> Any:
+    """vLLM-omni's ``clamp(low, high).sub(low).mul(scale).round()`` then the cast, each
+    step in float32 as torch takes it (its scalars cast to float32 first): no fused
+    multiply-add, ``rint`` rounds half to even as ``round`` does."""
+    if v != v:
+        return np.uint8(0)  # NaN: what torch's cast gives it on x86 (the tests compare)
+    v = v if v > low else low
+    v = v if v < high else high
+    return np.uint8(np.rint((v - low) * scale))
+
+
+@_jit
+def rounded(src: Any, dst: Any, low: Any, high: Any, scale: Any) -> None:
+    """Flat float32 ``src`` into flat uint8 ``dst`` of the same size, as ``rounded_byte``."""
+    for i in range(src.size):
+        dst[i] = rounded_byte(src[i], low, high, scale)

@@ -29,23 +29,29 @@ def test_a_default_worker_reports_the_compiled_route(worker):
 
 def test_warming_compiles_the_signatures_an_encode_uses():
     """kernels.warm() (run as a worker starts) leaves nothing for the first encode to
-    compile: converting a block adds no signature to either kernel."""
+    compile: converting a block adds no signature to any kernel (the vllm-omni
+    profile's too)."""
     import torch
     from framewire.client.wire import Layout
     from framewire.service._convert import kernels
     from framewire.service._convert.convert import convert_into
+    from framewire.service._encode.profiles import vllm_omni_convert
 
     kernels.use("auto")
     kernels.warm()
     found = kernels.kernels()
     assert found is not None
-    before = [list(k.signatures) for k in found]
+    every = [*found, kernels.rounded_kernel()]
+    before = [list(k.signatures) for k in every]
     assert all(before)
     planar = make_clip(2, 8, 8)
     interleaved = planar.permute(1, 2, 3, 0).contiguous()
     for layout, clip in [(Layout.CTHW, planar), (Layout.THWC, interleaved)]:
         convert_into(clip, layout, torch.empty(2, 8, 8, 3, dtype=torch.uint8))
-    assert [list(k.signatures) for k in found] == before
+    vllm_omni_convert((-1.0, 1.0))(
+        interleaved, Layout.THWC, torch.empty(2, 8, 8, 3, dtype=torch.uint8)
+    )
+    assert [list(k.signatures) for k in every] == before
 
 
 def test_later_processes_load_the_kernels_from_numba_s_cache(tmp_path):
