@@ -133,6 +133,19 @@ SPECIALS = [
 ]
 
 
+def around(centres: torch.Tensor) -> torch.Tensor:
+    """float32 ``centres`` (where a conversion's byte flips), each also one and two ulps
+    either side, then the special values."""
+    values = [centres]
+    for direction in (float("inf"), -float("inf")):
+        step = centres
+        for _ in range(2):
+            step = torch.nextafter(step, torch.full_like(step, direction))
+            values.append(step)
+    values.append(torch.tensor(SPECIALS, dtype=torch.float32))
+    return torch.cat(values)
+
+
 def with_specials(clip: torch.Tensor) -> torch.Tensor:
     flat = clip.clone().view(-1)
     specials = torch.tensor(SPECIALS, dtype=torch.float32).to(clip.dtype)

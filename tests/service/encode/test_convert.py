@@ -9,7 +9,7 @@ from framewire.client.wire import Layout
 from framewire.service._convert import kernels
 from framewire.service._convert.convert import chunk_frames, convert_into
 
-from tests.support.media import SPECIALS, make_clip, reference_uint8, with_specials
+from tests.support.media import around, make_clip, reference_uint8, with_specials
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -81,15 +81,7 @@ def steps_around_every_byte() -> torch.Tensor:
     """float32 values one and two ulps either side of every k / 255 and k / 255 + 1/510,
     where a cast's truncation flips, with the special values."""
     base = torch.arange(256, dtype=torch.float64)
-    centres = torch.cat([base / 255, (base + 0.5) / 255]).to(torch.float32)
-    values = [centres]
-    for direction in (float("inf"), -float("inf")):
-        step = centres
-        for _ in range(2):
-            step = torch.nextafter(step, torch.full_like(step, direction))
-            values.append(step)
-    values.append(torch.tensor(SPECIALS, dtype=torch.float32))
-    return torch.cat(values)
+    return around(torch.cat([base / 255, (base + 0.5) / 255]).to(torch.float32))
 
 
 @pytest.mark.parametrize("layout", list(Layout))

@@ -20,7 +20,7 @@ from framewire.service._encode.profiles import vllm_omni_convert
 
 from tests.service.encode.test_profiles import encode
 from tests.support.engines import vllm_omni_quantize, vllm_omni_save
-from tests.support.media import SPECIALS, make_clip, with_specials
+from tests.support.media import around, make_clip, with_specials
 
 RANGES = [(-1.0, 1.0), (0.0, 1.0), (-0.3, 2.7)]
 
@@ -38,15 +38,7 @@ def around_every_step(value_range: tuple[float, float]) -> torch.Tensor:
     low, high = value_range
     k = torch.arange(-2, 258, dtype=torch.float64)
     centres = torch.cat([k, k + 0.5]) * (high - low) / 255 + low
-    centres = centres.to(torch.float32)
-    values = [centres]
-    for direction in (float("inf"), -float("inf")):
-        step = centres
-        for _ in range(2):
-            step = torch.nextafter(step, torch.full_like(step, direction))
-            values.append(step)
-    values.append(torch.tensor(SPECIALS, dtype=torch.float32))
-    flat = torch.cat(values)
+    flat = around(centres.to(torch.float32))
     return flat[: flat.numel() // 3 * 3].reshape(1, 1, -1, 3).contiguous()  # (T, H, W, 3)
 
 
