@@ -30,7 +30,7 @@ from framewire.core.wire import ErrorInfo, OutputResult
 # most this, or two chunks. Below it one request carries the clip (its copy is small).
 WHOLE_BYTES = 64 << 20
 # A chunk request costs about 1.7 ms of CPU (worker and caller together): 8 MiB chunks
-# spent 5 % of a 640x384 save's CPU on them, 16 MiB half that, and two chunks stay small.
+# spent some 7 % of a 640x384 save's CPU on them, 16 MiB half that; two chunks stay small.
 CHUNK_BYTES = 16 << 20  # 1 frame of 1344x768 float32, 3 of 832x480, 4 of 640x384
 MAX_CHUNK_FRAMES = 8
 POLL_S = 0.005  # while every output waits on the worker's answers
