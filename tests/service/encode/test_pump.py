@@ -14,7 +14,7 @@ import torch
 from framewire.client.wire import Layout
 from framewire.core.errors import BadRequest
 from framewire.core.media.pipe import FfmpegExited, PipeWriter
-from framewire.service._convert import staging
+from framewire.service._convert import kernels, staging
 from framewire.service._convert.staging import ChunkWriter, Staging
 from framewire.service._encode import pump as stream
 from framewire.service._encode.pump import HostWriter, pump_converted
@@ -23,9 +23,15 @@ from framewire.service._sources.frames import TensorSource
 from tests.support.media import make_clip, reference_uint8
 
 
-def drain_later(fd: int, delay: float, out: bytearray) -> threading.Thread:
+def drain_later(
+    fd: int, delay: float, out: bytearray, reading: threading.Event | None = None
+) -> threading.Thread:
+    """A thread that reads ``fd`` to its end after ``delay`` (``reading`` set then)."""
+
     def run() -> None:
         time.sleep(delay)
+        if reading is not None:
+            reading.set()
         while block := os.read(fd, 1 << 16):
             out.extend(block)
 
@@ -243,16 +249,24 @@ def test_slots_followed_by_a_pipe_full_of_sends_are_rewritten_without_punching(m
         pytest.skip("this kernel copies on sendfile into a pipe; the hazard cannot show here")
     asked: list[bool] = []
     real = Staging.pipe_may_hold
+    reading = threading.Event()
 
     def pipe_may_hold(self: Staging, index: int) -> bool:
+        if reading.is_set():
+            # Once the reader reads, a converter slower than the pipe: the sends queued
+            # behind this slot's complete first (on a loaded host the converter could
+            # otherwise keep right behind the sender, no slot ever followed by a pipe's
+            # capacity of completed sends).
+            time.sleep(0.02)
         asked.append(real(self, index))
         return asked[-1]
 
     monkeypatch.setattr(Staging, "pipe_may_hold", pipe_may_hold)
+    kernels.warm()  # the slots filled before the reader reads, not while a kernel loads
     clip = make_clip(frames=40, height=128, width=128)  # 48 KiB a frame
     r, w = os.pipe()
     got = bytearray()
-    reader = drain_later(r, 0.3, got)
+    reader = drain_later(r, 0.3, got, reading)
     try:
         with stream.Pump(PipeWriter(w), 128, 128, per_chunk=1, ahead_bytes=6 * 3 * 128 * 128) as p:
             fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 16)  # PipeWriter raised it to 1 MiB
