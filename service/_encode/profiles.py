@@ -56,12 +56,17 @@ def diffusers_convert(chunk: torch.Tensor, layout: Layout, out: torch.Tensor) ->
     interleave_into(torch.from_numpy(cast), layout, out)
 
 
+def _vllm_omni_terms(value_range: tuple[float, float]) -> tuple[float, float, float]:
+    """``quantize_chunk``'s low, high and scale, ``255 / (hi - lo)``, as Python floats."""
+    low, high = float(value_range[0]), float(value_range[1])
+    return low, high, 255.0 / (high - low)
+
+
 def vllm_omni_scale(value_range: tuple[float, float]) -> Scale:
     """vLLM-omni's ``quantize_chunk`` up to its cast: ``clamp(lo, hi).sub(lo).mul(255 /
     (hi - lo)).round()``, each step in the frames' dtype, on whichever device they are
     (elementwise, rounded the same on a GPU)."""
-    low, high = float(value_range[0]), float(value_range[1])
-    scale = 255.0 / (high - low)
+    low, high, scale = _vllm_omni_terms(value_range)
 
     def into(x: torch.Tensor, out: torch.Tensor) -> None:
         torch.clamp(x, low, high, out=out)
@@ -78,8 +83,8 @@ def vllm_omni_convert(value_range: tuple[float, float]) -> Convert:
     quarter of torch's CPU for these five steps and their temporaries); the rest
     through torch, with the same bytes."""
     scale_into = vllm_omni_scale(value_range)
-    low, high = (np.float32(v) for v in value_range)
-    scale = np.float32(255.0 / (float(value_range[1]) - float(value_range[0])))
+    # float32, as torch casts a float32 tensor's scalar operands
+    low, high, scale = (np.float32(v) for v in _vllm_omni_terms(value_range))
 
     def convert(chunk: torch.Tensor, layout: Layout, out: torch.Tensor) -> None:
         compiled = kernels.rounded_kernel() if chunk.dtype == torch.float32 else None
