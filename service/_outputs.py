@@ -66,6 +66,11 @@ class TempOutput:
     def path(self) -> str:
         return f"/proc/self/fd/{self.fd}/{self.name}"
 
+    @property
+    def muxer(self) -> str | None:
+        """The container's muxer where ``path`` does not name it by its extension."""
+        return None
+
     def digest(self) -> tuple[int, str]:
         """Size and sha256 of what was written."""
         try:
@@ -100,9 +105,12 @@ class TempOutput:
 
 class Follower(Protocol):
     """What follows an output while it is written (an object's early upload:
-    service/_store/early.py; a memory output's early copy: service/_store/handoff.py):
-    told where the file is, asked between pieces of the encode whether to go on (it
-    raises to stop it), told when the file is whole (beside its digest)."""
+    service/_store/early.py; a memory output's memfd: service/_store/handoff.py): asked
+    where the encode writes (its own file, if it has one), told where the file is, asked
+    between pieces of the encode whether to go on (it raises to stop it), told when the
+    file is whole (beside its digest)."""
+
+    def destination(self) -> TempOutput | None: ...
 
     def writing(self, temp: TempOutput) -> None: ...
 
@@ -186,6 +194,20 @@ def atomic_output(directory: int, name: str, *, durable: bool = True) -> Iterato
         os.close(fd)
     if durable:
         os.fsync(directory)
+
+
+@contextlib.contextmanager
+def output_file(
+    directory: int, name: str, *, durable: bool, follower: Follower | None
+) -> Iterator[TempOutput]:
+    """Where the encode writes ``name``: the follower's own file if it has one (a memory
+    output's memfd, which stays the follower's), else :func:`atomic_output`'s."""
+    own = None if follower is None else follower.destination()
+    if own is not None:
+        yield own
+        return
+    with atomic_output(directory, name, durable=durable) as temp:
+        yield temp
 
 
 def _write_error(exc: OSError, what: str) -> FramewireError:

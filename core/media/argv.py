@@ -141,6 +141,7 @@ def encode_argv(
     guard: bool = True,
     profile: str = "imageio",
     live_fd: int | None = None,
+    muxer: str | None = None,
 ) -> list[str]:
     """The encode command of docs/byte-exactness.md (``profile="imageio"``) or of an
     engine's own save path (``sglang``, ``diffusers``; docs/engines.md).
@@ -152,6 +153,8 @@ def encode_argv(
     passes none (diffusers' ``export_to_video``). ``guard`` adds each input's protocol
     and demuxer whitelist (the worker always does). ``live_fd``: the same encode also
     muxes a fragmented MP4 into that fd (:func:`live_output`); the file keeps its bytes.
+    ``muxer``: the output's muxer, for an output whose name has no extension (a memfd's
+    ``/proc/self/fd/N``); the muxer its extension would pick writes the same bytes.
     """
     if profile not in ("imageio", "sglang", "diffusers"):
         raise ValueError(f"profile {profile!r} is not encoded by an ffmpeg command")
@@ -179,9 +182,10 @@ def encode_argv(
         argv += [] if preset is None else ["-preset", preset]
         argv += [*threads_arg, *audio_out]
     if live_fd is None:
+        argv += [] if muxer is None else ["-f", muxer]
         argv.append(os.fspath(output))
     else:
-        argv += live_output(os.fspath(output), live_fd, mapped=audio is not None)
+        argv += live_output(os.fspath(output), live_fd, mapped=audio is not None, muxer=muxer)
     return argv
 
 
@@ -201,7 +205,7 @@ def _tee_quoted(name: str) -> str:
     return "'" + name.replace("'", "'\\''") + "'"
 
 
-def live_output(output: str, fd: int, *, mapped: bool) -> list[str]:
+def live_output(output: str, fd: int, *, mapped: bool, muxer: str | None = None) -> list[str]:
     """The output options that write ``output`` as before and a fragmented MP4 of the
     same packets to ``pipe:{fd}``.
 
@@ -214,7 +218,8 @@ def live_output(output: str, fd: int, *, mapped: bool) -> list[str]:
     live = f"[f=mp4:movflags={LIVE_MOVFLAGS}:frag_duration={LIVE_FRAGMENT_US}:onfail=ignore]"
     out = [] if mapped else ["-map", "0:v:0"]
     out += ["-flags", "+global_header", "-f", "tee"]
-    return [*out, f"{_tee_quoted(output)}|{live}pipe:{fd}"]
+    named = "" if muxer is None else f"[f={muxer}]"
+    return [*out, f"{named}{_tee_quoted(output)}|{live}pipe:{fd}"]
 
 
 OTHER_PYAV_EXIT = 78  # sysexits' EX_CONFIG: the writer's PyAV is not the one named

@@ -45,8 +45,8 @@ from framewire.service._encode.pump import Progress, Pump, chunk_spans, send_in_
 from framewire.service._outputs import (
     Follower,
     TempOutput,
-    atomic_output,
     open_directory,
+    output_file,
     sha256_of,
 )
 from framewire.service._sources.audio import MemoryAudio
@@ -218,7 +218,7 @@ class Encoder:
         started = time.perf_counter()
         route: Route = "stream"
         fast_error: str | None = None
-        with atomic_output(directory, path.name, durable=durable) as temp:
+        with output_file(directory, path.name, durable=durable, follower=follower) as temp:
             if follower is not None:
                 follower.writing(temp)
             try:
@@ -280,6 +280,7 @@ class Encoder:
             **common,  # type: ignore[arg-type]
             audio=None if audio is None else audio.ffmpeg_path,
             profile=params.profile,
+            muxer=temp.muxer,
             **kw,  # type: ignore[arg-type]
         )
 

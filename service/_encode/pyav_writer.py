@@ -188,13 +188,13 @@ PROC_FD = "/proc/self/fd/"
 
 
 def _renumbered(argv: list[str], numbers: dict[int, int]) -> list[str]:
-    """``argv`` with each descriptor it names (the output's directory, the audio's
-    memfd) given the number it has here."""
+    """``argv`` with each descriptor it names (the output's directory or memfd, the
+    audio's memfd) given the number it has here."""
     out = list(argv)
     for i, arg in enumerate(out):
-        if arg.startswith(PROC_FD):
-            fd, _, rest = arg[len(PROC_FD) :].partition("/")
-            out[i] = f"{PROC_FD}{numbers[int(fd)]}/{rest}"
+        if arg.startswith(PROC_FD):  # a private directory's file, or a memfd itself
+            fd, slash, rest = arg[len(PROC_FD) :].partition("/")
+            out[i] = f"{PROC_FD}{numbers[int(fd)]}{slash}{rest}"
         elif i > 0 and out[i - 1] == "--audio":
             fd, _, rest = arg.partition(",")
             out[i] = f"{numbers[int(fd)]},{rest}"

@@ -69,6 +69,10 @@ class EarlyUpload:
 
     # --- the encode's side (a follower of its output: service/_outputs.py) ---------------
 
+    def destination(self) -> TempOutput | None:
+        """The encode writes its own file (followed from :meth:`writing`)."""
+        return None
+
     def writing(self, temp: TempOutput) -> None:
         """The output is written at ``temp`` from now on: follow it."""
         if self._thread is not None:

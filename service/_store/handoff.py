@@ -1,10 +1,9 @@
 """Outputs to memory: ``memory://<name>`` outputs whose bytes the caller takes, not a file.
 
 Some engines' save contract is bytes (vLLM-omni hands an MP4's bytes to its
-storage manager). Such an output is encoded and validated exactly as a file is,
-into the spool; its bytes are copied into a memfd while the file's sha256 is
-computed (``EarlyHold``), then that memfd is sealed and held under a ticket (128
-random bits, in the result's ``handoff``), and the spool file goes.
+storage manager). Such an output is encoded and validated exactly as a file is, but
+into a memfd of its own (``MemoryHold``: no file, no copy), which is then sealed and
+held under a ticket (128 random bits, in the result's ``handoff``).
 The caller takes the memfd with one ``take`` on the fd socket: the descriptor
 crosses with ``SCM_RIGHTS`` and the caller maps or reads it.
 
@@ -29,12 +28,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from framewire.core.errors import BadRequest, Forbidden, NotFound, Overloaded
+from framewire.core.errors import BadRequest, Cancelled, Forbidden, NotFound, Overloaded
 from framewire.core.media.argv import OUTPUT_EXTENSIONS
 from framewire.service._access.peers import Access
 from framewire.service._access.peers import allowed as may_use_fd_socket
 from framewire.service._ops.shares import Share
-from framewire.service._outputs import TempOutput
+from framewire.service._outputs import TempOutput, sha256_of
 from framewire.service._settings import Settings
 
 SCHEME = "memory://"
@@ -98,36 +97,49 @@ class _Held:
     share: int | None
 
 
-def copied(src: int, name: str) -> tuple[int, int]:
-    """A new memfd (unsealed, the caller's to close) holding the file open at ``src``, and
-    its size."""
-    size = os.fstat(src).st_size
-    fd = os.memfd_create(f"framewire-output:{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        done = 0
-        while done < size:  # in the kernel, no copy through this process
-            n = os.sendfile(fd, src, done, size - done)
-            if n == 0:
-                raise OSError("the spooled output shrank while it was copied")
-            done += n
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, size
+# The muxer each output extension picks (core.media.argv.OUTPUT_EXTENSIONS): a memfd's
+# name has no extension to pick it by.
+MUXERS = {".mp4": "mp4", ".m4v": "ipod", ".mov": "mov", ".mkv": "matroska"}
 
 
-class EarlyHold:
-    """A memory output's bytes copied into a memfd as soon as its file is whole, by the
-    thread that inspects the file while another hashes it (a follower of the encode:
-    service/_outputs.py), so that the hold after the encode copies nothing: the copy
-    (85 MB: 35-53 ms here) runs beside the digest instead of after it. The owner of the
-    output closes it when the output ends; a copy not taken by then goes with it."""
+@dataclass(frozen=True)
+class MemfdOutput(TempOutput):
+    """A memory output's memfd as the place its encode writes: ``fd`` is the memfd, named
+    ``/proc/self/fd/<fd>`` (a child inherits it, as it would a private directory), and
+    ``name`` the output's own, whose extension gives the muxer."""
+
+    @property
+    def path(self) -> str:
+        return f"/proc/self/fd/{self.fd}"
+
+    @property
+    def muxer(self) -> str | None:
+        return MUXERS[os.path.splitext(self.name)[1].lower()]
+
+    def digest(self) -> tuple[int, str]:
+        # Opened again: a reader of its own, at its own offset.
+        with open(os.open(self.path, os.O_RDONLY | os.O_CLOEXEC), "rb") as f:
+            return sha256_of(f)
+
+
+class MemoryHold:
+    """A memory output's memfd, which its encode writes into (a follower of the encode:
+    service/_outputs.py), so the hold after the encode seals the very bytes written: no
+    spool file, no copy of it (85 MB: 35-53 ms here), nothing to remove. The owner of the
+    output closes it when the output ends; a memfd not taken by then goes with it."""
 
     def __init__(self, target: MemoryTarget):
         self.target = target
-        self._copy: tuple[int, int] | None = None  # (memfd, size), until taken
-        self._closed = False
+        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+        self._fd: int | None = os.memfd_create(f"framewire-output:{target.name}", flags)
         self._lock = threading.Lock()
+
+    def destination(self) -> TempOutput | None:
+        """The memfd, where the encode writes (every route truncates it first)."""
+        with self._lock:
+            if self._fd is None:
+                raise Cancelled("the output ended before its encode")
+            return MemfdOutput(self._fd, self.target.name)
 
     def writing(self, temp: TempOutput) -> None:
         """Nothing to follow while the file is written."""
@@ -136,37 +148,22 @@ class EarlyHold:
         """Nothing can stop the encode from here."""
 
     def written(self, temp: TempOutput) -> None:
-        """The file at ``temp`` is whole: copy it. A copy that fails is left to the hold,
-        which copies again and says why."""
-        try:
-            src = os.open(temp.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=temp.fd)
-            try:
-                copy: tuple[int, int] | None = copied(src, self.target.name)
-            finally:
-                os.close(src)
-        except OSError:
-            return
-        with self._lock:
-            if not self._closed and self._copy is None:
-                self._copy, copy = copy, None
-        if copy is not None:  # closed meanwhile, or a second route's file: not kept
-            os.close(copy[0])
+        """Nothing to do when the file is whole: it is the memfd."""
 
     def taken(self, size: int) -> int | None:
-        """The copy's memfd (the caller's from now on), if one was made of ``size`` bytes."""
+        """The memfd (the caller's from now on) if it holds ``size`` bytes, the digest's."""
         with self._lock:
-            copy, self._copy = self._copy, None
-        if copy is not None and copy[1] != size:
-            os.close(copy[0])
+            fd, self._fd = self._fd, None
+        if fd is not None and os.fstat(fd).st_size != size:
+            os.close(fd)
             return None
-        return None if copy is None else copy[0]
+        return fd
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
-            copy, self._copy = self._copy, None
-        if copy is not None:
-            os.close(copy[0])
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 class Handoffs:
@@ -210,15 +207,8 @@ class Handoffs:
         self._count.check(share, 1, self.ttl_s / 4)
         self._bytes.check(share, size, self.ttl_s / 4)
 
-    def hold(self, src: int, target: MemoryTarget) -> tuple[str, int]:
-        """Copy the finished file open at ``src`` into a sealed memfd; returns (ticket, size)."""
-        with self._lock:  # before the copy: a refused hold copies nothing
-            self._admit(target.share, os.fstat(src).st_size)
-        fd, size = copied(src, target.name)
-        return self.keep(fd, size, target)
-
     def keep(self, fd: int, size: int, target: MemoryTarget) -> tuple[str, int]:
-        """Seal the memfd ``fd`` (``size`` bytes: an output's, copied) and hold it; returns
+        """Seal the memfd ``fd`` (``size`` bytes: an output's) and hold it; returns
         (ticket, size). ``fd`` is held from here, or closed when refused."""
         try:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)

@@ -26,7 +26,7 @@ from framewire.service._ops.threads import in_thread
 from framewire.service._settings import Settings
 from framewire.service._store.early import EarlyUpload
 from framewire.service._store.handoff import SCHEME as MEMORY
-from framewire.service._store.handoff import EarlyHold, Handoffs, MemoryTarget, judge_memory
+from framewire.service._store.handoff import Handoffs, MemoryHold, MemoryTarget, judge_memory
 from framewire.service._store.multipart import Upload, Uploaded
 from framewire.service._store.owners import OwnedUrl, judge_owner
 from framewire.service._store.s3 import S3Store
@@ -34,7 +34,7 @@ from framewire.service._store.spool import Spool, discard
 
 Target = OwnedUrl | MemoryTarget
 # What follows an output while it is encoded, for what comes after the encode.
-Early = EarlyUpload | EarlyHold
+Early = EarlyUpload | MemoryHold
 
 log = logging.getLogger("framewire.store")
 
@@ -82,10 +82,10 @@ class Uploads:
         on_failure: Callable[[FramewireError], None] = lambda exc: None,
     ) -> Early | None:
         """What follows the output while it is encoded: an object's parts sent meanwhile,
-        a memory output's copy made beside its digest (None for a file); its owner closes
+        a memory output's memfd that it is encoded into (None for a file); its owner closes
         it when the output ends."""
         if isinstance(url, MemoryTarget):
-            return EarlyHold(url)
+            return MemoryHold(url)
         if not isinstance(url, OwnedUrl) or not self.settings.upload_while_encoding:
             return None
         try:
@@ -110,8 +110,8 @@ class Uploads:
         The file is reached through the spool's fd, never by path. ``early``: what sent
         its parts while it was encoded, or copied it."""
         if isinstance(url, MemoryTarget):
-            copy = early.taken(result.bytes or 0) if isinstance(early, EarlyHold) else None
-            return await self._hold(result, spool, name, url, copy)
+            memfd = early.taken(result.bytes or 0) if isinstance(early, MemoryHold) else None
+            return await self._hold(result, spool, name, url, memfd)
         early = early if isinstance(early, EarlyUpload) else None
         t0 = time.perf_counter()
         try:
@@ -141,27 +141,18 @@ class Uploads:
         return result
 
     async def _hold(
-        self, result: OutputResult, spool: int, name: str, url: MemoryTarget, copy: int | None
+        self, result: OutputResult, spool: int, name: str, url: MemoryTarget, memfd: int | None
     ) -> OutputResult:
-        """Hold the output's bytes: ``copy``, a memfd of them made beside the digest (ours
-        from here), else a copy of the spool file made now."""
+        """Hold the output's bytes: ``memfd``, the one it was encoded into (ours from here)."""
         try:
-            if copy is not None:
-                result.handoff, _ = self.handoffs.keep(copy, result.bytes or 0, url)
-            else:
-                result.handoff, _ = await asyncio.to_thread(self._hold_file, spool, name, url)
+            if memfd is None:  # a memory output is always encoded into its MemoryHold's
+                raise FramewireError("the memory output's memfd is missing", code="internal")
+            result.handoff, _ = self.handoffs.keep(memfd, result.bytes or 0, url)
         finally:
             await asyncio.to_thread(discard, spool, name)
         result.path = result.url = str(url)
         result.timings.finished_at = time.time()
         return result
-
-    def _hold_file(self, spool: int, name: str, target: MemoryTarget) -> tuple[str, int]:
-        fd = _open_spooled(spool, name)
-        try:
-            return self.handoffs.hold(fd, target)
-        finally:
-            os.close(fd)
 
     def _upload(
         self,

@@ -26,7 +26,7 @@ from framewire.core.closing import Closing
 from framewire.core.media.pipe import FfmpegExited
 from framewire.service._encode.encoder import Encoded, EncodeParams, Encoder
 from framewire.service._encode.pump import Pump
-from framewire.service._outputs import Follower, atomic_output
+from framewire.service._outputs import Follower, output_file
 from framewire.service._sources.frames import FrameSource, Geometry
 from framewire.service._stream.live import LiveFeed
 
@@ -60,7 +60,7 @@ class StreamOutput(Closing):
         self._started = time.perf_counter()
         self._stack = contextlib.ExitStack()
         try:
-            staged = atomic_output(directory, path.name, durable=durable)
+            staged = output_file(directory, path.name, durable=durable, follower=follower)
             self._staged = self._stack.enter_context(staged)
             if follower is not None:
                 follower.writing(self._staged)
