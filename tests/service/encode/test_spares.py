@@ -4,6 +4,7 @@ bytes are those of a writer started afresh, and none outlives the worker."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import sys
@@ -92,6 +93,20 @@ def test_an_encode_takes_the_writer_started_ahead_and_another_is_started(workers
     last = wait_for_spare(w, {spare, following})
     w.stop()  # the writers still waiting go with the worker
     assert not Path(f"/proc/{last}").exists()
+
+
+def test_a_writer_started_ahead_writes_a_memory_output_into_its_memfd(workers, tmp_path):
+    """The job names the memfd itself (``/proc/self/fd/N``, no file name after it): the
+    writer gets it under another number and writes the engine's bytes into it."""
+    w = workers.start(yielding=True)
+    clip = make_clip(frames=4, height=48, width=64) * 2 - 1
+    with Client(w.uds_url, local_fallback=False) as c:
+        write(c, "warm.mp4", clip)
+        spare = wait_for_spare(w, set())
+        result = write(c, "memory://m.mp4", clip)
+    until(lambda: spare not in spares(w), 10, "the writer started ahead did not take the job")
+    want = vllm_omni_save(vllm_omni_quantize(clip, (-1.0, 1.0)), tmp_path / "v.mp4", fps=24)
+    assert result.data is not None and hashlib.sha256(result.data).hexdigest() == want
 
 
 @pytest.mark.parametrize("count", ["0", "2"])
