@@ -12,11 +12,13 @@ frame is handed over).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -37,8 +39,25 @@ MARK = "__framewire__"  # on the functions framewire put in vLLM-omni's place
 
 _original: Any = None  # vLLM-omni's own ChunkedMP4Encoder
 
+# Set while a session left to vLLM-omni whole (integrations/_vllm_omni_session.py) makes
+# its encoders: vLLM-omni's own, and its fallback said once (by the session), not once
+# more per encoder.
+_ENGINE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "framewire_vllm_omni_engine_only", default=False
+)
 
-def _declined(
+
+@contextlib.contextmanager
+def left_to_engine() -> Iterator[None]:
+    """The encoders made inside are vLLM-omni's own."""
+    token = _ENGINE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _ENGINE_ONLY.reset(token)
+
+
+def declined(
     width: int,
     height: int,
     audio: Any,
@@ -69,7 +88,7 @@ def _samples(audio: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(samples)
 
 
-def _save_options(
+def save_options(
     fps: float, codec_options: dict[str, str] | None, samples: Any, rate: int | None
 ) -> dict[str, Any]:
     """What vLLM-omni's PyAV encode would do, as framewire's save options."""
@@ -96,7 +115,9 @@ class ChunkedMP4Encoder:
     or ``finish``, its message cleaned)."""
 
     def __new__(cls, **kw: Any) -> Any:
-        why = _declined(
+        if _ENGINE_ONLY.get():
+            return _original(**kw)
+        why = declined(
             kw["width"],
             kw["height"],
             kw.get("audio_waveform"),
@@ -115,7 +136,7 @@ class ChunkedMP4Encoder:
         self._kw = kw
         audio = kw.get("audio_waveform")
         rate = None if audio is None else kw.get("audio_sample_rate") or 44100
-        self._save = _save_options(kw["fps"], kw.get("video_codec_options"), audio, rate)
+        self._save = save_options(kw["fps"], kw.get("video_codec_options"), audio, rate)
         self._save["layout"] = "THWC"
         self._writer: VideoWriter | None = None
         self._engine: Any = None  # vLLM-omni's own, when the worker did not take the first chunk
@@ -250,11 +271,11 @@ def encode_bytes(original: Callable[..., bytes], version: str | None) -> Callabl
             if audio is not None:
                 rate = api._resolve_audio_sample_rate(audio, given["audio_sample_rate"])
                 samples = api._coerce_audio_to_numpy(audio)
-            why = _declined(shape[1], shape[0], samples, rate, "h264", "aac", "18", options)
+            why = declined(shape[1], shape[0], samples, rate, "h264", "aac", "18", options)
             if why is not None:
                 raise Declined(why)
             into = copied if dtype == np.uint8 else _quantizer()
-            save = _save_options(float(given["fps"]), options, samples, rate)
+            save = save_options(float(given["fps"]), options, samples, rate)
             result = write_frames(MEMORY, frames, into, **save)
             assert result.data is not None
             return result.data

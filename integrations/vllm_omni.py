@@ -15,6 +15,12 @@ raises):
   ``chunked_video``'s ``ChunkedVideoMP4Session`` looks it up when it opens its
   encoders: each batch entry a stream session. A chunk is copied out when ``push``
   returns, so ``on_consumed`` fires then (exactly once, also when the push fails).
+- ``ChunkedVideoMP4Session`` of ``chunked_video`` (0.30 on; ``decode_to_mp4`` makes
+  it), a subclass of vLLM-omni's own: a session whose chunks are float32 on the host
+  hands them to the worker as they are, and the worker quantizes them as vLLM-omni
+  does (``integrations/_vllm_omni_session.py``); on a GPU vLLM-omni quantizes, and
+  its encoders are the ones above. A module that imported the name before the
+  plugin loaded keeps vLLM-omni's class.
 - ``_encode_video_bytes`` (bound by name in ``video_api_utils`` and
   ``serving_video``): vLLM-omni's own frame preparation, then a stream session 8
   frames at a time. Its direct path hands PyAV planar ``gbrp`` frames, its legacy
@@ -30,6 +36,7 @@ import os
 import sys
 
 from framewire.integrations import _vllm_omni_hooks as hooks
+from framewire.integrations import _vllm_omni_session as session
 from framewire.integrations._probe import Engine, Probe, Target
 from framewire.integrations._route import guarded
 from framewire.integrations._switch import enabled, say_once
@@ -58,6 +65,21 @@ ENCODER = (
     ),
     Target(hooks.MEDIA, "ChunkedMP4Encoder.finish", _at(EVERY[2:], "(self)")),
     Target(hooks.MEDIA, "ChunkedMP4Encoder.abort", _at(EVERY[2:], "(self)")),
+)
+SESSION = (
+    Target(
+        hooks.CHUNKED,
+        "ChunkedVideoMP4Session.__init__",
+        _at(
+            EVERY[2:],
+            "(self, *, value_range, fps, audio_waveforms=None, audio_sample_rate=None, "
+            "batch_frames=1, max_pending=2, video_codec_options=None, crop=None, "
+            "transfer_slots=2)",
+        ),
+    ),
+    Target(hooks.CHUNKED, "ChunkedVideoMP4Session.push", _at(EVERY[2:], "(self, chunk)")),
+    Target(hooks.CHUNKED, "ChunkedVideoMP4Session.finish", _at(EVERY[2:], "(self)")),
+    Target(hooks.CHUNKED, "ChunkedVideoMP4Session.abort", _at(EVERY[2:], "(self)")),
 )
 _BYTES = "video, fps, audio=None, audio_sample_rate=None, video_codec_options=None"
 BYTES = Target(
@@ -96,6 +118,14 @@ def _register() -> None:
             if module is not None:
                 setattr(module, "ChunkedMP4Encoder", replacement)  # noqa: B010
         _replaced.append(f"{hooks.MEDIA}.ChunkedMP4Encoder")
+        if probe.allows(SESSION):
+            # Its host chunks quantized by the worker; a session on a GPU stays
+            # vLLM-omni's, with the encoders above.
+            chunked = importlib.import_module(hooks.CHUNKED)
+            own = chunked.ChunkedVideoMP4Session
+            if not issubclass(own, session.RoutedSession):
+                vars(chunked)["ChunkedVideoMP4Session"] = session.session_class(own)
+            _replaced.append(f"{hooks.CHUNKED}.ChunkedVideoMP4Session")
     calls = [t for t in BYTES_CALLS if probe.wanted(t)]
     if probe.allows((BYTES, *calls)):
         api = importlib.import_module(hooks.API)
@@ -116,7 +146,8 @@ def hooked() -> dict[str, bool]:
     for dotted in _replaced:
         module, _, name = dotted.rpartition(".")
         held = getattr(sys.modules.get(module), name, None)
-        found[dotted] = held is hooks.ChunkedMP4Encoder or getattr(held, hooks.MARK, False)
+        ours = isinstance(held, type) and issubclass(held, session.RoutedSession)
+        found[dotted] = ours or held is hooks.ChunkedMP4Encoder or getattr(held, hooks.MARK, False)
     return found
 
 
@@ -130,7 +161,7 @@ def check() -> dict[str, bool]:
             "vllm-omni:routes",
             "framewire: vLLM-omni's %s encode through the worker at "
             "%s; every other save runs vLLM-omni's own code",
-            " and ".join(routed),
+            " and ".join([", ".join(routed[:-1]), routed[-1]] if len(routed) > 1 else routed),
             url,
         )
     missing = [n for n, ok in found.items() if not ok]

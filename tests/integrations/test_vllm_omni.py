@@ -22,11 +22,12 @@ from tests.support.worker import Worker, Workers, free_port
 pytestmark = pytest.mark.registry
 
 ROUTED = ["wan-ultrafast", "minimax-fast-2-threads", "batch-with-audio", "mono-default-rate",
-          "no-codec-options"]  # fmt: skip
+          "no-codec-options", "encoder-uint8"]  # fmt: skip
 BYTES = ["bytes-float32-audio", "bytes-uint8", "bytes-big-no-options", "bytes-tensor",
          "bytes-pil"]  # fmt: skip
 LEFT = ["odd-size", "bytes-crf"]  # libx264 refuses the first in vLLM-omni itself
 MEDIA = "vllm_omni.diffusion.utils.media_utils"
+CHUNKED = "vllm_omni.diffusion.utils.chunked_video"
 API = "vllm_omni.entrypoints.openai.video_api_utils"
 API_FILE = "vllm_omni/entrypoints/openai/video_api_utils.py"
 
@@ -51,8 +52,12 @@ def own(site: Path) -> dict[str, Any]:
     return run(site, ROUTED + BYTES + LEFT)
 
 
-EVERY = {"media": True, "chunked": True, "bytes": True}  # both encoder names, the one-shot
-REPLACED = [f"{MEDIA}.ChunkedMP4Encoder", f"{API}._encode_video_bytes"]
+EVERY = {"media": True, "chunked": True, "session": True, "bytes": True}
+REPLACED = [
+    f"{MEDIA}.ChunkedMP4Encoder",
+    f"{CHUNKED}.ChunkedVideoMP4Session",
+    f"{API}._encode_video_bytes",
+]
 
 
 def test_not_enabled_nothing_is_replaced(own):
@@ -76,7 +81,8 @@ def test_the_chunked_pre_encode_through_the_worker_has_vllm_omnis_bytes(site, ow
         "vllm-omni:engine:an odd size": 1,
         "vllm-omni:engine:codec options other than preset and threads": 1,
     }
-    assert "ChunkedMP4Encoder and _encode_video_bytes encode through the worker" in on["log"]
+    said = "ChunkedMP4Encoder, ChunkedVideoMP4Session and _encode_video_bytes encode through"
+    assert said in on["log"]
     assert warnings(on["log"]) == []
     assert [p for p in worker.outputs.iterdir() if not is_spool(p)] == []
     assert all(list(spool.iterdir()) == [] for spool in spools(worker.outputs))
@@ -86,7 +92,8 @@ def test_no_worker_leaves_it_to_vllm_omni(site, own):
     on = run(site, ["wan-ultrafast", "batch-with-audio"], FRAMEWIRE_INTEGRATIONS="vllm-omni",
              FRAMEWIRE_URL=f"http://127.0.0.1:{free_port()}")  # fmt: skip
     assert on["results"] == {n: own["results"][n] for n in ("wan-ultrafast", "batch-with-audio")}
-    assert on["counts"] == {"vllm-omni:engine:the worker answered unavailable": 3}
+    # Once per session (batch-with-audio's two encoders are its own, not asked again).
+    assert on["counts"] == {"vllm-omni:engine:the worker answered unavailable": 2}
 
 
 def test_vllm_plugins_without_framewire_loads_nothing(site, own, workers):
@@ -167,7 +174,7 @@ def test_a_drifted_target_is_left_to_vllm_omni_with_one_warning(version, shared,
     assert f"vLLM-omni {version}: {API}._encode_video_bytes has the parameters (" in said
     assert "tune=None" in said
     if version == "0.30.0":  # the chunked pre-encode did not drift: still routed
-        assert on["hooked"] == {f"{MEDIA}.ChunkedMP4Encoder": True}
+        assert on["hooked"] == dict.fromkeys(REPLACED[:2], True)
         assert on["counts"] == {"vllm-omni:routed": 1}
     else:
         assert (on["hooked"], on["counts"]) == ({}, {})

@@ -145,6 +145,10 @@ def cases() -> dict[str, tuple[list[Any], dict[str, Any]]]:
             "video_codec_options": {"preset": "ultrafast", "threads": "1"}}),
         "odd-size": (_chunks(7, 1, 4, 31, 33, 4), {"value_range": (-1.0, 1.0), "fps": 8}),
         "no-codec-options": (_chunks(8, 1, 6, 96, 160, 3), {"value_range": (0.0, 1.0), "fps": 8}),
+        # The encoder alone, fed the uint8 chunks a session quantized on a GPU would give it.
+        "encoder-uint8": (_chunks(9, 1, 10, 48, 64, 4), {
+            "value_range": (-1.0, 1.0), "fps": 24,
+            "video_codec_options": {"preset": "ultrafast", "threads": "1"}}),
     }  # fmt: skip
 
 
@@ -184,7 +188,11 @@ def main() -> None:
     chunked = importlib.import_module(CHUNKED) if hasattr(media, "ChunkedMP4Encoder") else None
     originals = {"bytes": api._encode_video_bytes}
     if chunked is not None:
-        originals |= {"media": media.ChunkedMP4Encoder, "chunked": chunked.ChunkedMP4Encoder}
+        originals |= {
+            "media": media.ChunkedMP4Encoder,
+            "chunked": chunked.ChunkedMP4Encoder,
+            "session": chunked.ChunkedVideoMP4Session,
+        }
     inject_failure(os.environ.get("FRAMEWIRE_TEST_INJECT"))
     plugins = importlib.import_module("vllm_omni.plugins")
     plugins.load_omni_general_plugins()
@@ -193,7 +201,11 @@ def main() -> None:
 
     now = {"bytes": api._encode_video_bytes}
     if chunked is not None:
-        now |= {"media": media.ChunkedMP4Encoder, "chunked": chunked.ChunkedMP4Encoder}
+        now |= {
+            "media": media.ChunkedMP4Encoder,
+            "chunked": chunked.ChunkedMP4Encoder,
+            "session": chunked.ChunkedVideoMP4Session,
+        }
     report: dict[str, Any] = {
         "unchanged": {k: now[k] is v for k, v in originals.items()},
         "hooked": fw_vllm_omni.hooked(),
@@ -207,6 +219,9 @@ def main() -> None:
         try:
             if name.startswith("bytes-"):
                 videos = [api._encode_video_bytes(video, **kw)]
+            elif name.startswith("encoder-"):
+                assert chunked is not None, f"{name}: no chunked pre-encode in this version"
+                videos = [chunked_encoder(chunked, video, kw)]
             else:
                 assert chunked is not None, f"{name}: no chunked pre-encode in this version"
                 videos = chunked_session(chunked, video, kw)
@@ -228,6 +243,26 @@ def chunked_session(chunked: Any, chunks: list[Any], kw: dict[str, Any]) -> list
     except BaseException:
         session.abort()
         raise
+
+
+def chunked_encoder(chunked: Any, chunks: list[Any], kw: dict[str, Any]) -> bytes:
+    """vLLM-omni's ChunkedMP4Encoder fed ``chunks`` as its session would give them once
+    quantized (entry 0, (T, H, W, 3) uint8)."""
+    frames = [chunked.quantize_chunk(c, kw["value_range"])[0].numpy() for c in chunks]
+    encoder = chunked.ChunkedMP4Encoder(
+        width=frames[0].shape[2],
+        height=frames[0].shape[1],
+        fps=kw["fps"],
+        video_codec_options=kw["video_codec_options"],
+    )
+    try:
+        for chunk in frames:
+            encoder.push(chunk)
+        data: bytes = encoder.finish()
+    except BaseException:
+        encoder.abort()
+        raise
+    return data
 
 
 if __name__ == "__main__":
