@@ -74,6 +74,11 @@ def test_the_chunked_pre_encode_through_the_worker_has_vllm_omnis_bytes(site, ow
     assert on["unchanged"] == dict.fromkeys(EVERY, False)
     assert on["hooked"] == dict.fromkeys(REPLACED, True)
     assert on["results"] == own["results"]
+    # The sessions' host chunks quantized by the worker, none here; the odd size's by
+    # vLLM-omni, which has it whole.
+    sessions = [n for n in own["quantized"] if n != "odd-size"]
+    assert all(own["quantized"][n] > 0 for n in own["quantized"])
+    assert on["quantized"] == {n: 0 for n in sessions} | {"odd-size": own["quantized"]["odd-size"]}
     # One stream session per batch entry (batch-with-audio has two) and per one-shot
     # encode; the odd size and another crf left to vLLM-omni.
     assert on["counts"] == {

@@ -224,17 +224,31 @@ def main() -> None:
                 videos = [chunked_encoder(chunked, video, kw)]
             else:
                 assert chunked is not None, f"{name}: no chunked pre-encode in this version"
+                QUANTIZED[name] = 0
                 videos = chunked_session(chunked, video, kw)
             report["results"][name] = [hashlib.sha256(v).hexdigest() for v in videos]
         except Exception as exc:
             report["results"][name] = {"error": f"{type(exc).__name__}: {exc}"}
         report["seconds"][name] = time.monotonic() - started
     report["counts"] = integrations.counts()
+    report["quantized"] = QUANTIZED
     print(json.dumps(report))
 
 
+QUANTIZED: dict[str, int] = {}  # by case: the chunks vLLM-omni quantized in this process
+
+
 def chunked_session(chunked: Any, chunks: list[Any], kw: dict[str, Any]) -> list[bytes]:
-    """vLLM-omni's ChunkedVideoMP4Session fed ``chunks``: one MP4 per batch entry."""
+    """vLLM-omni's ChunkedVideoMP4Session fed ``chunks``: one MP4 per batch entry (the
+    chunks it quantized here counted in QUANTIZED under the last key)."""
+    own = chunked.quantize_chunk
+    key = next(reversed(QUANTIZED))
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        QUANTIZED[key] += 1
+        return own(*args, **kwargs)
+
+    chunked.quantize_chunk = counted
     session = chunked.ChunkedVideoMP4Session(**kw)
     try:
         for chunk in chunks:
@@ -243,6 +257,8 @@ def chunked_session(chunked: Any, chunks: list[Any], kw: dict[str, Any]) -> list
     except BaseException:
         session.abort()
         raise
+    finally:
+        chunked.quantize_chunk = own
 
 
 def chunked_encoder(chunked: Any, chunks: list[Any], kw: dict[str, Any]) -> bytes:
