@@ -112,12 +112,17 @@ def copy_into(mapping: Any, frames: Frames) -> None:
     if is_torch(video):
         import torch
 
-        raw = torch.frombuffer(mapping, dtype=torch.uint8, count=frames.nbytes)
-        with torch.no_grad():  # a tensor that requires grad is copied as plain data
-            raw.view(video.dtype).view(video.shape).copy_(video)
-    else:
-        target = np.frombuffer(mapping, np.dtype(video.dtype), count=video.size)
-        np.copyto(target.reshape(video.shape), video)
+        if video.device.type != "cpu" or video.dtype == torch.bfloat16:  # numpy has none
+            raw = torch.frombuffer(mapping, dtype=torch.uint8, count=frames.nbytes)
+            with torch.no_grad():  # a tensor that requires grad is copied as plain data
+                raw.view(video.dtype).view(video.shape).copy_(video)
+            return
+        # numpy's copy, on this thread: torch's own runs on its intra-op pool, whose
+        # OpenMP threads then spin between copies on the cores the worker encodes on
+        # (0.9 CPU-s of a 120-frame 1344x768 float clip's 1.3 in this process, measured).
+        video = video.detach().numpy()
+    target = np.frombuffer(mapping, np.dtype(video.dtype), count=video.size)
+    np.copyto(target.reshape(video.shape), video)
 
 
 def contiguous_bytes(video: Any) -> memoryview | None:

@@ -83,7 +83,7 @@ def convert_into(
     if chunk.dtype == torch.uint8:
         interleave_into(chunk, layout, out)
         return
-    if chunk.dtype == torch.float32 and _compiled(chunk, layout, out):
+    if chunk.dtype == torch.float32 and compiled_into(chunk, layout, out):
         return
     if inplace:
         scaled = chunk.mul_(255)
@@ -107,8 +107,12 @@ def convert_into(
         interleave_into(scaled, layout, out)
 
 
-def _compiled(chunk: torch.Tensor, layout: Layout, out: torch.Tensor) -> bool:
-    """Convert with a compiled kernel if there is one for this block; whether it did."""
+def compiled_into(
+    chunk: torch.Tensor, layout: Layout, out: torch.Tensor, terms: kernels.Terms | None = None
+) -> bool:
+    """Convert float32 ``chunk`` with a compiled kernel if there is one for this block;
+    whether it did. ``terms``: vLLM-omni's (low, high, scale) for its rounded
+    quantization (the vllm-omni profile), else the standard conversion."""
     found = kernels.kernels()
     if found is None or not out.is_contiguous():
         return False
@@ -117,7 +121,10 @@ def _compiled(chunk: torch.Tensor, layout: Layout, out: torch.Tensor) -> bool:
     if layout is Layout.THWC:
         if not chunk.is_contiguous():
             return False
-        interleaved(chunk.numpy().reshape(-1), dst)
+        if terms is None:
+            interleaved(chunk.numpy().reshape(-1), dst)
+        else:
+            kernels.rounded_kernel()(chunk.numpy().reshape(-1), dst, *terms)  # type: ignore[misc]
         return True
     planes = chunk if layout is Layout.CTHW else chunk.permute(1, 0, 2, 3)
     if planes.stride(3) != 1:
@@ -127,7 +134,7 @@ def _compiled(chunk: torch.Tensor, layout: Layout, out: torch.Tensor) -> bool:
     # One flat run from the block's first element to its last, for the kernel's indexing.
     span = 2 * plane + (frames - 1) * frame + (rows - 1) * row + width
     flat = np.lib.stride_tricks.as_strided(planes.numpy(), shape=(span,), strides=(4,))
-    planar(flat, plane, frame, row, (frames, rows, width), dst)
+    planar(flat, plane, frame, row, (frames, rows, width), dst, terms or kernels.STANDARD)
     return True
 
 

@@ -26,9 +26,32 @@ def to_byte(v: Any) -> Any:
 
 
 @_jit
-def planar(src: Any, plane: int, frame: int, row: int, shape: Any, dst: Any) -> None:
+def rounded_byte(v: Any, low: Any, high: Any, scale: Any) -> Any:
+    """vLLM-omni's ``clamp(low, high).sub(low).mul(scale).round()`` then the cast, each
+    step in float32 as torch takes it (its scalars cast to float32 first): no fused
+    multiply-add, ``rint`` rounds half to even as ``round`` does."""
+    if v != v:
+        return np.uint8(0)  # NaN: what torch's cast gives it on x86 (the tests compare)
+    v = v if v > low else low
+    v = v if v < high else high
+    return np.uint8(np.rint((v - low) * scale))
+
+
+@_jit
+def byte(v: Any, terms: Any) -> Any:
+    """``to_byte``, or ``rounded_byte`` with ``terms`` (low, high, scale) when they are
+    given (a low below the high): the branch does not change within a kernel's call,
+    so the compiler takes it outside the loop and vectorizes each."""
+    if terms[0] < terms[1]:
+        return rounded_byte(v, terms[0], terms[1], terms[2])
+    return to_byte(v)
+
+
+@_jit
+def planar(src: Any, plane: int, frame: int, row: int, shape: Any, dst: Any, terms: Any) -> None:
     """``shape`` (t, r, w) frames from planes ``plane`` elements apart in flat ``src``
-    (each row contiguous, ``row`` and ``frame`` apart) into flat (t, r, w, 3) ``dst``.
+    (each row contiguous, ``row`` and ``frame`` apart) into flat (t, r, w, 3) ``dst``,
+    each value as ``byte`` with ``terms`` (kernels.STANDARD: section 3's conversion).
 
     Flat, unit-stride arrays: with them the compiler knows the rows are contiguous
     and vectorizes the loop (on strided 4-D arrays it cannot)."""
@@ -42,9 +65,9 @@ def planar(src: Any, plane: int, frame: int, row: int, shape: Any, dst: Any) -> 
             p0, p1, p2 = src[s : s + width], src[s + plane :], src[s + 2 * plane :]
             out = dst[d : d + 3 * width]
             for x in range(width):
-                out[3 * x] = to_byte(p0[x])
-                out[3 * x + 1] = to_byte(p1[x])
-                out[3 * x + 2] = to_byte(p2[x])
+                out[3 * x] = byte(p0[x], terms)
+                out[3 * x + 1] = byte(p1[x], terms)
+                out[3 * x + 2] = byte(p2[x], terms)
 
 
 @_jit
@@ -52,18 +75,6 @@ def interleaved(src: Any, dst: Any) -> None:
     """Flat float32 ``src`` into flat uint8 ``dst`` of the same size."""
     for i in range(src.size):
         dst[i] = to_byte(src[i])
-
-
-@_jit
-def rounded_byte(v: Any, low: Any, high: Any, scale: Any) -> Any:
-    """vLLM-omni's ``clamp(low, high).sub(low).mul(scale).round()`` then the cast, each
-    step in float32 as torch takes it (its scalars cast to float32 first): no fused
-    multiply-add, ``rint`` rounds half to even as ``round`` does."""
-    if v != v:
-        return np.uint8(0)  # NaN: what torch's cast gives it on x86 (the tests compare)
-    v = v if v > low else low
-    v = v if v < high else high
-    return np.uint8(np.rint((v - low) * scale))
 
 
 @_jit

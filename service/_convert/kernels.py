@@ -34,6 +34,11 @@ log = logging.getLogger("framewire.kernels")
 
 Mode = Literal["auto", "compiled", "pure"]
 
+# jitted.byte's terms for the standard conversion (a low not below the high); the
+# vllm-omni profile's are its (low, high, scale), the same types: one compiled kernel.
+STANDARD = (np.float32(0.0), np.float32(0.0), np.float32(0.0))
+Terms = tuple[np.float32, np.float32, np.float32]
+
 _lock = threading.Lock()
 _mode: Mode = "auto"
 _kernels: tuple[Any, Any] | None = None
@@ -84,7 +89,7 @@ def warm() -> None:
         return
     planar, interleaved = found
     src, dst = np.zeros(3 * 4, np.float32), np.zeros(3 * 4, np.uint8)
-    planar(src, 4, 4, 2, (1, 2, 2), dst)
+    planar(src, 4, 4, 2, (1, 2, 2), dst, STANDARD)
     interleaved(src, dst)
     one = np.float32(1)
     rounded_kernel()(src, dst, -one, one, one)  # type: ignore[misc]

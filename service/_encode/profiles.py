@@ -29,8 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from framewire.core.wire import Layout
-from framewire.service._convert import kernels
-from framewire.service._convert.convert import interleave_into
+from framewire.service._convert.convert import compiled_into, interleave_into
 from framewire.service._convert.staging import ChunkWriter
 from framewire.service._encode.pump import HostWriter
 from framewire.service._sources.cuda_convert import CudaTensorSource, CudaWriter, Scale
@@ -78,23 +77,17 @@ def vllm_omni_scale(value_range: tuple[float, float]) -> Scale:
 def vllm_omni_convert(value_range: tuple[float, float]) -> Convert:
     """vLLM-omni's ``quantize_chunk`` for a VAE whose output spans ``value_range``.
 
-    Contiguous float32 (T, H, W, 3) blocks, what its one-shot save hands over, go
-    through the compiled kernel where there is one (``jitted.rounded``: one pass, a
-    quarter of torch's CPU for these five steps and their temporaries); the rest
-    through torch, with the same bytes."""
+    float32 blocks (its one-shot save's (T, H, W, 3) frames, its session's (C, T, H, W)
+    chunks) go through a compiled kernel where there is one (``jitted.rounded``, or
+    ``jitted.planar`` with these terms: one pass, a tenth of torch's CPU for these five
+    steps, their temporaries and the interleave); the rest through torch, with the same
+    bytes."""
     scale_into = vllm_omni_scale(value_range)
     # float32, as torch casts a float32 tensor's scalar operands
     low, high, scale = (np.float32(v) for v in _vllm_omni_terms(value_range))
 
     def convert(chunk: torch.Tensor, layout: Layout, out: torch.Tensor) -> None:
-        compiled = kernels.rounded_kernel() if chunk.dtype == torch.float32 else None
-        if (
-            compiled is not None
-            and layout is Layout.THWC
-            and chunk.is_contiguous()
-            and out.is_contiguous()
-        ):
-            compiled(chunk.numpy().reshape(-1), out.numpy().reshape(-1), low, high, scale)
+        if chunk.dtype == torch.float32 and compiled_into(chunk, layout, out, (low, high, scale)):
             return
         if chunk.dtype != torch.uint8:
             scaled = torch.empty_like(chunk)

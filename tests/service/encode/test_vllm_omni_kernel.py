@@ -42,11 +42,21 @@ def around_every_step(value_range: tuple[float, float]) -> torch.Tensor:
     return flat[: flat.numel() // 3 * 3].reshape(1, 1, -1, 3).contiguous()  # (T, H, W, 3)
 
 
+LAYOUTS = [Layout.THWC, Layout.CTHW, Layout.TCHW]  # the one-shot save's, a session's chunk
+
+
+def laid_out(frames: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """(T, H, W, 3) ``frames`` in ``layout``, contiguous."""
+    order = {Layout.THWC: (0, 1, 2, 3), Layout.CTHW: (3, 0, 1, 2), Layout.TCHW: (0, 3, 1, 2)}
+    return frames.permute(*order[layout]).contiguous()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("value_range", RANGES)
-def test_every_rounding_step_is_the_engines(kernel, value_range):
+def test_every_rounding_step_is_the_engines(kernel, value_range, layout):
     frames = around_every_step(value_range)
     out = torch.empty(frames.shape, dtype=torch.uint8)
-    vllm_omni_convert(value_range)(frames, Layout.THWC, out)
+    vllm_omni_convert(value_range)(laid_out(frames, layout), layout, out)
     want = vllm_omni_quantize(frames.permute(3, 0, 1, 2), value_range)
     assert np.array_equal(out.numpy(), want)
 
@@ -58,6 +68,26 @@ def test_the_compiled_kernel_is_the_one_that_ran(kernel):
         assert kernels.rounded_kernel() is not None
     else:
         assert kernels.rounded_kernel() is None
+
+
+def test_a_sessions_chunk_takes_the_planar_kernel(monkeypatch):
+    """(C, T, H, W) float32, a session's chunk: one pass of ``planar`` with the profile's
+    terms, not torch's steps (and the standard conversion gives it none)."""
+    found = kernels.kernels()
+    assert found is not None
+    planar, interleaved = found
+    terms: list[tuple[float, ...]] = []
+
+    def counted(*args: object) -> None:
+        terms.append(tuple(float(v) for v in args[-1]))  # type: ignore[attr-defined]
+        planar(*args)
+
+    monkeypatch.setattr(kernels, "kernels", lambda: (counted, interleaved))
+    frames = around_every_step((-1.0, 1.0))
+    out = torch.empty(frames.shape, dtype=torch.uint8)
+    vllm_omni_convert((-1.0, 1.0))(laid_out(frames, Layout.CTHW), Layout.CTHW, out)
+    assert terms == [(-1.0, 1.0, 127.5)]
+    assert np.array_equal(out.numpy(), vllm_omni_quantize(frames.permute(3, 0, 1, 2), (-1.0, 1.0)))
 
 
 @pytest.mark.parametrize("route", ["stream", "fallback"])
