@@ -19,7 +19,7 @@ from framewire.client._local import LocalFallback, worker_gone
 from framewire.client._sharing.audio import shared_audio
 from framewire.client._sharing.fd import NO_ROOM, FdRegions, RegisteredMemfd
 from framewire.core.errors import BadRequest, FramewireError, Unavailable
-from framewire.core.fdsocket import take_output
+from framewire.core.fdsocket import MISMATCH, OTHER_BYTES, take_hashed, take_output
 from framewire.core.frames import Frames, describe
 from framewire.core.local import LocalStream
 from framewire.core.shm import Segment
@@ -42,6 +42,9 @@ def _nothing(body: Any) -> None:
 
 
 TAKE_TIMEOUT_S = 60.0  # taking a finished output's bytes: one request on a local socket
+# How long a take before the finish's answer waits for the file (a longer encode's bytes
+# are taken after the answer instead).
+FINISH_WAIT_S = 600.0
 # Ending a session: a worker that is alive ends it at once; one that is not ends it by its
 # own idle bound, so a writer giving up on a silent worker does not wait out its bound again.
 ABORT_TIMEOUT_S = 5.0
@@ -95,19 +98,46 @@ class WriterBase:
         self._error: Exception | None = None  # the first refused chunk's, raised again
         self._ended = False
         self._instance: str | None = None  # the worker process holding the session
+        self._handoff: str | None = None  # a memory output's ticket, named at the opening
         self._fallback = local
         self._local: LocalStream | None = None  # in this process, when no worker took it
 
-    def _take_data(self, result: OutputResult) -> OutputResult:
-        """A ``memory://`` output's bytes, taken into ``result.data`` (over the fd socket),
-        checked against its sha256 as they are read."""
-        if result.handoff is not None and result.data is None:
-            regions = self._regions
-            path, uid = (regions.path, regions.worker_uid) if regions is not None else (None, None)
-            result.data = take_output(
-                result.handoff, path, TAKE_TIMEOUT_S, worker_uid=uid, sha256=result.sha256
-            )
+    def _take_early(self) -> tuple[bytes, str] | None:
+        """A ``memory://`` output's bytes and their sha256, taken under the ticket the
+        session's opening named as soon as the worker holds its file (while the worker
+        still hashes and checks it), to be checked once its answer comes; None when they
+        could not be (the answer says why, or the take after it gets them)."""
+        if self._handoff is None:
+            return None
+        path, uid = self._fd_socket()
+        try:
+            return take_hashed(self._handoff, path, FINISH_WAIT_S, worker_uid=uid)
+        except (FramewireError, OSError):
+            return None
+
+    def _take_data(
+        self, result: OutputResult, early: tuple[bytes, str] | None = None
+    ) -> OutputResult:
+        """A ``memory://`` output's bytes in ``result.data``: ``early``'s, taken before
+        the answer, or taken now (over the fd socket); checked against its sha256."""
+        if result.handoff is None or result.data is not None:
+            return result
+        if early is not None and result.handoff == self._handoff:
+            data, digest = early
+            if digest != result.sha256 or len(data) != result.bytes:
+                raise FramewireError(OTHER_BYTES, code=MISMATCH)
+            result.data = data
+            return result
+        path, uid = self._fd_socket()
+        result.data = take_output(
+            result.handoff, path, TAKE_TIMEOUT_S, worker_uid=uid, sha256=result.sha256
+        )
         return result
+
+    def _fd_socket(self) -> tuple[str | None, int | None]:
+        """Where the worker's fd socket is, and whose it is (None: the defaults)."""
+        regions = self._regions
+        return (str(regions.path), regions.worker_uid) if regions is not None else (None, None)
 
     def _check_open(self) -> None:
         if self._error is not None:
@@ -188,6 +218,7 @@ class WriterBase:
     def _opened(self, opened: StreamOpened) -> None:
         self.id, self._instance = opened.id, opened.instance
         self.watch_url, self.hls_url = opened.watch_url, opened.hls_url
+        self._handoff = opened.handoff
 
     def _open_here(self, exc: Unavailable, first: Frames) -> None:
         """No worker took the session: write it in this process, or raise ``exc``."""

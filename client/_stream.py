@@ -236,8 +236,11 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
         finishing = self._submit_call(self._finish_call())
         yield from blocking(self._free_buffers)
         try:
+            # A memory output's bytes, read and hashed as soon as its file is whole: beside
+            # the worker's own hash and checks, not after its answer.
+            early = yield from blocking(self._take_early)
             finished = yield from waited(finishing)
-            self.result = yield from blocking(self._take_data, finished)
+            self.result = yield from blocking(self._take_data, finished, early)
         except Unavailable as exc:
             raise self._lost(exc) from exc
         return self.result

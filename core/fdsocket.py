@@ -22,11 +22,13 @@ from framewire.core.closing import Closing
 from framewire.core.errors import FramewireError, Unavailable, error_class, rebuild
 from framewire.core.trust import check_dir, check_unix_peer, worker_uids
 from framewire.core.wire import FdReply
+from framewire.core.wire._fdsocket import MAX_TAKE_WAIT_S
 from pydantic import ValidationError
 
 LENGTH = struct.Struct(">I")
 MAX_HEADER = 1 << 20
 DEFAULT_TIMEOUT = 3600.0  # a long decode is legitimate; a dead worker shows up as EOF
+REPLY_S = 60.0  # a take's reply once its output is held: one answer on a local socket
 
 
 def runtime_dir() -> Path:
@@ -188,9 +190,50 @@ def take_output(
     """The bytes of the ``memory://`` output held under ``ticket`` (its result's
     ``handoff``), taken from the worker behind the fd socket; once per ticket.
     ``sha256``: the worker's for the output; bytes that do not have it raise
-    (``output_mismatch``), hashed while they are read (:func:`_read_checked`)."""
+    (``output_mismatch``), hashed while they are read (:func:`_read_hashed`)."""
+    fd, size = _taken(ticket, path, timeout, worker_uid, 0.0)
+    try:
+        if sha256 is None:
+            return _read_whole(fd, size)
+        data, digest = _read_hashed(fd, size)
+    finally:
+        os.close(fd)
+    if digest != sha256:
+        raise FramewireError(OTHER_BYTES, code=MISMATCH)
+    return data
+
+
+def take_hashed(
+    ticket: str,
+    path: str | os.PathLike[str] | None,
+    timeout: float,
+    *,
+    worker_uid: int | None = None,
+) -> tuple[bytes, str]:
+    """The bytes of the ``memory://`` output reserved under ``ticket`` (a stream session's,
+    named when it opened) and their sha256, taken as soon as the worker holds the file
+    (waiting up to ``timeout`` for it): read while the worker still hashes it, to be
+    checked against its sha256 once its answer comes."""
+    fd, size = _taken(ticket, path, timeout + REPLY_S, worker_uid, timeout)
+    try:
+        return _read_hashed(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _taken(
+    ticket: str,
+    path: str | os.PathLike[str] | None,
+    timeout: float | None,
+    worker_uid: int | None,
+    wait_s: float,
+) -> tuple[int, int]:
+    """The memfd held under ``ticket`` (the caller's to close) and its size."""
+    message: dict[str, Any] = {"op": "take", "ticket": ticket}
+    if wait_s > 0:
+        message["wait_s"] = min(wait_s, MAX_TAKE_WAIT_S)
     with FdSocket(path or default_fd_socket(), timeout, worker_uid=worker_uid) as conn:
-        reply, fd = conn.call({"op": "take", "ticket": ticket})
+        reply, fd = conn.call(message)
     if fd is None:
         raise (
             error_from(reply)
@@ -201,9 +244,10 @@ def take_output(
         size = os.fstat(fd).st_size
         if size != reply.byte_size:
             raise FramewireError(f"{size} bytes held, {reply.byte_size} announced", code="protocol")
-        return _read_whole(fd, size) if sha256 is None else _read_checked(fd, size, sha256)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd, size
 
 
 def _read_whole(fd: int, size: int) -> bytes:
@@ -233,11 +277,11 @@ MISMATCH = "output_mismatch"  # the code of a take whose bytes do not hash as re
 OTHER_BYTES = "the bytes the worker sent back do not have its sha256"
 
 
-def _read_checked(fd: int, size: int, sha256: str) -> bytes:
-    """:func:`_read_whole`, checked against ``sha256``. Past ``HASH_BESIDE`` bytes the
-    memfd is hashed beside the copy, on another thread (both release the GIL: at 64 MiB,
-    ~58 ms against ~90 one after the other); the seals make what is hashed what is read,
-    and a memfd without them is refused. A smaller one's bytes are hashed once read (a
+def _read_hashed(fd: int, size: int) -> tuple[bytes, str]:
+    """:func:`_read_whole`, and the bytes' sha256. Past ``HASH_BESIDE`` bytes the memfd
+    is hashed beside the copy, on another thread (both release the GIL: at 64 MiB, ~58
+    ms against ~90 one after the other); the seals make what is hashed what is read, and
+    a memfd without them is refused. A smaller one's bytes are hashed once read (a
     thread costs more than it saves there)."""
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -247,9 +291,7 @@ def _read_checked(fd: int, size: int, sha256: str) -> bytes:
         raise FramewireError("the held output is not sealed", code="protocol")
     if size < HASH_BESIDE:
         data = _read_whole(fd, size)
-        if hashlib.sha256(data).hexdigest() != sha256:
-            raise FramewireError(OTHER_BYTES, code=MISMATCH)
-        return data
+        return data, hashlib.sha256(data).hexdigest()
 
     def hashed() -> str:
         digest, piece = hashlib.sha256(), memoryview(bytearray(min(size, HASH_PIECE)))
@@ -264,6 +306,4 @@ def _read_checked(fd: int, size: int, sha256: str) -> bytes:
         data = _read_whole(fd, size)
     finally:
         hashing.join()  # bounded: a sealed memfd's pages; and it reads ``fd`` until then
-    if hashing.result() != sha256:  # a short memfd, too: the read above said so first
-        raise FramewireError(OTHER_BYTES, code=MISMATCH)
-    return data
+    return data, hashing.result()  # a short memfd: the read above said so first

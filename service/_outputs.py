@@ -83,18 +83,21 @@ class TempOutput:
     def digest_inspected(
         self, inspect: Callable[[str], None] | None, follower: Follower | None = None
     ) -> tuple[int, str]:
-        """:meth:`digest`, and meanwhile ``inspect`` run on the file, then ``follower``
-        told it is whole (the hash, on a thread of its own, releases the GIL: the two cost
-        the encode's tail the longer of them, not their sum). Raises what the digest
-        raised (as it did when it came first), else what ``inspect`` raised."""
+        """``follower`` told the file is whole (a memory output is sealed and held then, a
+        take waiting on it answers: sealing waits out any read of its pages in progress,
+        up to 150 ms, so it comes before the hash's), then :meth:`digest`, and meanwhile
+        ``inspect`` run on the file (the hash, on a thread of its own, releases the GIL:
+        the two cost the encode's tail the longer of them, not their sum). Raises what
+        the follower raised, else what the digest raised (as it did when it came first),
+        else what ``inspect`` raised."""
         if inspect is None and follower is None:
             return self.digest()
+        if follower is not None:
+            follower.written(self)
         digested = Beside(self.digest, "framewire-digest")
         try:
             if inspect is not None:
                 inspect(self.path)
-            if follower is not None:
-                follower.written(self)
         except Exception:
             digested.result()  # the digest's error first, as when it came first
             raise
@@ -105,7 +108,7 @@ class TempOutput:
 
 class Follower(Protocol):
     """What follows an output while it is written (an object's early upload:
-    service/_store/early.py; a memory output's memfd: service/_store/handoff.py): asked
+    service/_store/early.py; a memory output's memfd: service/_store/memfile.py): asked
     where the encode writes (its own file, if it has one), told where the file is, asked
     between pieces of the encode whether to go on (it raises to stop it), told when the
     file is whole (beside its digest)."""

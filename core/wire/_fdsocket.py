@@ -110,9 +110,15 @@ class FdUnregister(WireModel):
     name: str = Field(pattern=REGION_NAME)
 
 
+MAX_TAKE_WAIT_S = 3600.0  # a take waits at most this long for its output to be held
+
+
 class FdTake(WireModel):
     """``take``: the sealed memfd holding a ``memory://`` output, by the ticket its result
-    named (``handoff``); answered with ``byte_size`` and the descriptor, once per ticket."""
+    named (``handoff``); answered with ``byte_size`` and the descriptor, once per ticket.
+    ``wait_s``: for a ticket a stream session's opening named, how long to wait for its
+    output to be held (answered once its file is whole)."""
 
     op: Literal["take"] = "take"
     ticket: str = Field(pattern=r"^[0-9a-f]{32}$")
+    wait_s: float = Field(default=0.0, ge=0.0, le=MAX_TAKE_WAIT_S)

@@ -52,6 +52,10 @@ class StreamOpened(BaseModel):
     # and the view as an HLS playlist, signed alike.
     watch_url: str | None = None
     hls_url: str | None = None
+    # A memory:// output's ticket, known from the start: ``take`` with ``wait_s`` answers
+    # once the file is whole, while the worker still hashes and checks it (the finish's
+    # answer then names the same ticket, with its sha256).
+    handoff: str | None = None
 
 
 class StreamChunk(WireModel):

@@ -207,7 +207,8 @@ class FdServer:
                 return self._unregister(request, state), None, op
             if isinstance(request, FdTake):
                 assert state.peer is not None  # only allowed peers get here
-                fd, size = self.handoffs.take(request.ticket, state.peer.uid)
+                uid, wait_s = state.peer.uid, request.wait_s
+                fd, size = await self.handoffs.take_when_held(request.ticket, uid, wait_s)
                 return FdReply(ok=True, byte_size=size), fd, op
             assert isinstance(request, DecodeRequest)
             return await self._decode(request, state.access)

@@ -15,6 +15,7 @@ from framewire.core.wire import (
 from framewire.service._http.deps import Caller, WorkerParts
 from framewire.service._http.errors import error_body
 from framewire.service._http.live import view_url
+from framewire.service._store.handoff import MemoryTarget
 
 router = APIRouter()
 
@@ -24,8 +25,12 @@ async def open_stream(
     body: StreamOpen, request: Request, parts: WorkerParts, caller: Caller
 ) -> StreamOpened:
     session = await parts.sessions.open(body, caller)
+    ticket = session.url.ticket if isinstance(session.url, MemoryTarget) else None
     opened = StreamOpened(
-        id=session.id, idle_timeout_s=parts.settings.stream_idle_s, instance=parts.instance
+        id=session.id,
+        idle_timeout_s=parts.settings.stream_idle_s,
+        instance=parts.instance,
+        handoff=ticket,
     )
     if session.live is None:
         return opened

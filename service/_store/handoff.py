@@ -2,8 +2,11 @@
 
 Some engines' save contract is bytes (vLLM-omni hands an MP4's bytes to its
 storage manager). Such an output is encoded and validated exactly as a file is, but
-into a memfd of its own (``MemoryHold``: no file, no copy), which is then sealed and
-held under a ticket (128 random bits, in the result's ``handoff``).
+into a memfd of its own (service/_store/memfile.py: no file, no copy), which is then
+sealed and held under a ticket (128 random bits, in the result's ``handoff``). A stream
+session's ticket is reserved when it opens (its answer names it), and its output held
+as soon as its file is whole: a ``take`` waiting on it answers while the worker still
+hashes and checks the file.
 The caller takes the memfd with one ``take`` on the fd socket: the descriptor
 crosses with ``SCM_RIGHTS`` and the caller maps or reads it.
 
@@ -17,6 +20,7 @@ within ``ttl_s`` is dropped by a timer, whether or not anything else happens.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
@@ -26,14 +30,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from framewire.core.errors import BadRequest, Cancelled, Forbidden, NotFound, Overloaded
 from framewire.core.media.argv import OUTPUT_EXTENSIONS
 from framewire.service._access.peers import Access
 from framewire.service._access.peers import allowed as may_use_fd_socket
 from framewire.service._ops.shares import Share
-from framewire.service._outputs import TempOutput, sha256_of
 from framewire.service._settings import Settings
 
 SCHEME = "memory://"
@@ -52,6 +55,7 @@ class MemoryTarget:
     name: str
     uid: int | None = None  # None: an unidentified token holder's (the worker's to take)
     share: int | None = None
+    ticket: str | None = None  # reserved when a stream session opened (Handoffs.reserve)
 
     def __str__(self) -> str:
         return SCHEME + self.name
@@ -97,73 +101,32 @@ class _Held:
     share: int | None
 
 
-# The muxer each output extension picks (core.media.argv.OUTPUT_EXTENSIONS): a memfd's
-# name has no extension to pick it by.
-MUXERS = {".mp4": "mp4", ".m4v": "ipod", ".mov": "mov", ".mkv": "matroska"}
+@dataclass
+class _Reserved:
+    """A ticket named before its output exists (a stream session's), and the takes waiting
+    for it to be held."""
+
+    uid: int | None
+    share: int | None
+    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(
+        default_factory=list
+    )
+
+    def wake(self) -> None:
+        for loop, waiter in self.waiters:
+            with contextlib.suppress(RuntimeError):  # its loop closed: nobody waits
+                loop.call_soon_threadsafe(_settle, waiter)
+        self.waiters.clear()
 
 
-@dataclass(frozen=True)
-class MemfdOutput(TempOutput):
-    """A memory output's memfd as the place its encode writes: ``fd`` is the memfd, named
-    ``/proc/self/fd/<fd>`` (a child inherits it, as it would a private directory), and
-    ``name`` the output's own, whose extension gives the muxer."""
-
-    @property
-    def path(self) -> str:
-        return f"/proc/self/fd/{self.fd}"
-
-    @property
-    def muxer(self) -> str | None:
-        return MUXERS[os.path.splitext(self.name)[1].lower()]
-
-    def digest(self) -> tuple[int, str]:
-        # Opened again: a reader of its own, at its own offset.
-        with open(os.open(self.path, os.O_RDONLY | os.O_CLOEXEC), "rb") as f:
-            return sha256_of(f)
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
-class MemoryHold:
-    """A memory output's memfd, which its encode writes into (a follower of the encode:
-    service/_outputs.py), so the hold after the encode seals the very bytes written: no
-    spool file, no copy of it (85 MB: 35-53 ms here), nothing to remove. The owner of the
-    output closes it when the output ends; a memfd not taken by then goes with it."""
-
-    def __init__(self, target: MemoryTarget):
-        self.target = target
-        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
-        self._fd: int | None = os.memfd_create(f"framewire-output:{target.name}", flags)
-        self._lock = threading.Lock()
-
-    def destination(self) -> TempOutput | None:
-        """The memfd, where the encode writes (every route truncates it first)."""
-        with self._lock:
-            if self._fd is None:
-                raise Cancelled("the output ended before its encode")
-            return MemfdOutput(self._fd, self.target.name)
-
-    def writing(self, temp: TempOutput) -> None:
-        """Nothing to follow while the file is written."""
-
-    def check(self) -> None:
-        """Nothing can stop the encode from here."""
-
-    def written(self, temp: TempOutput) -> None:
-        """Nothing to do when the file is whole: it is the memfd."""
-
-    def taken(self, size: int) -> int | None:
-        """The memfd (the caller's from now on) if it holds ``size`` bytes, the digest's."""
-        with self._lock:
-            fd, self._fd = self._fd, None
-        if fd is not None and os.fstat(fd).st_size != size:
-            os.close(fd)
-            return None
-        return fd
-
-    def close(self) -> None:
-        with self._lock:
-            fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+def _may_take(owner: int | None, uid: int | None) -> bool:
+    """Whether ``uid`` takes what is held for ``owner``: the same uid, root, the worker's."""
+    return uid in (0, os.getuid()) or owner == uid
 
 
 class Handoffs:
@@ -183,6 +146,7 @@ class Handoffs:
         self._count = Share(per_user(max_held), "FRAMEWIRE_MAX_HELD_OUTPUTS", "held outputs")
         self._bytes = Share(per_user(max_bytes), "FRAMEWIRE_HELD_OUTPUT_BYTES", "bytes held")
         self._held: OrderedDict[str, _Held] = OrderedDict()
+        self._reserved: dict[str, _Reserved] = {}  # counted with the held
         self._total = 0  # bytes held
         self._lock = threading.Condition()
         self._closed = False
@@ -195,10 +159,37 @@ class Handoffs:
         with self._lock:
             self._admit(target.share, 0)
 
+    def reserve(self, target: MemoryTarget) -> str:
+        """A ticket for an output not encoded yet (a stream session's, named when it opens),
+        counted as held until the output is held under it or :meth:`cancel` lets it go."""
+        with self._lock:
+            self._admit(target.share, 0)
+            ticket = secrets.token_hex(16)
+            self._reserved[ticket] = _Reserved(target.uid, target.share)
+            self._count.add(target.share, 1)
+        return ticket
+
+    def cancel(self, ticket: str) -> None:
+        """Let go of a reserved ticket whose output was not held (its session ended): the
+        takes waiting on it answer that nothing is held. Nothing, once it was held."""
+        with self._lock:
+            reserved = self._reserved.pop(ticket, None)
+            if reserved is not None:
+                self._count.add(reserved.share, -1)
+                reserved.wake()
+
+    def drop(self, ticket: str) -> None:
+        """Let go of what is held under ``ticket``, if it is still held."""
+        with self._lock:
+            held = self._drop(ticket) if ticket in self._held else None
+        if held is not None:
+            os.close(held.fd)
+
     def _admit(self, share: int | None, size: int) -> None:
-        if len(self._held) >= self.max_held or self._total + size > self.max_bytes:
+        outputs = len(self._held) + len(self._reserved)
+        if outputs >= self.max_held or self._total + size > self.max_bytes:
             raise Overloaded(
-                f"{len(self._held)} outputs ({self._total} bytes) are held for their callers to "
+                f"{outputs} outputs ({self._total} bytes) are held for their callers to "
                 f"take; at most {self.max_held} ({self.max_bytes} bytes) are "
                 "(FRAMEWIRE_MAX_HELD_OUTPUTS, FRAMEWIRE_HELD_OUTPUT_BYTES)",
                 code="handoffs_full",
@@ -208,18 +199,28 @@ class Handoffs:
         self._bytes.check(share, size, self.ttl_s / 4)
 
     def keep(self, fd: int, size: int, target: MemoryTarget) -> tuple[str, int]:
-        """Seal the memfd ``fd`` (``size`` bytes: an output's) and hold it; returns
-        (ticket, size). ``fd`` is held from here, or closed when refused."""
+        """Seal the memfd ``fd`` (``size`` bytes: an output's) and hold it, under the
+        target's reserved ticket if it has one; returns (ticket, size). ``fd`` is held from
+        here, or closed when refused."""
+        reserved = None
         try:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            ticket = secrets.token_hex(16)
             with self._lock:
+                ticket = target.ticket or secrets.token_hex(16)
+                if target.ticket is not None:
+                    reserved = self._reserved.pop(target.ticket, None)
+                    if reserved is None:
+                        raise Cancelled("the output's session ended before it was held")
+                    self._count.add(reserved.share, -1)
                 self._admit(target.share, size)  # others may have been held meanwhile
                 held = _Held(fd, size, time.monotonic() + self.ttl_s, target.uid, target.share)
                 self._keep(ticket, held)
         except BaseException:
             os.close(fd)
             raise
+        finally:
+            if reserved is not None:
+                reserved.wake()  # held, or refused: either way their answer is ready
         return ticket, size
 
     def _keep(self, ticket: str, held: _Held) -> None:
@@ -246,7 +247,7 @@ class Handoffs:
         by the uid it was held for (or root, or the worker's own uid: ``uid`` None)."""
         with self._lock:
             held = self._held.get(ticket)
-            theirs = held is not None and uid not in (0, os.getuid()) and held.uid != uid
+            theirs = held is not None and not _may_take(held.uid, uid)
             if held is None or theirs:
                 # Another's ticket answers as an unknown one does: it tells nothing.
                 raise NotFound(
@@ -255,6 +256,23 @@ class Handoffs:
                 )
             self._drop(ticket)
         return held.fd, held.size
+
+    async def take_when_held(self, ticket: str, uid: int | None, wait_s: float) -> tuple[int, int]:
+        """:meth:`take`, once the output reserved under ``ticket`` is held: waiting at most
+        ``wait_s`` for it (another's reserved ticket is not waited for: it answers as an
+        unknown one does)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            with self._lock:
+                reserved = self._reserved.get(ticket)
+                left = deadline - loop.time()
+                if reserved is None or not _may_take(reserved.uid, uid) or left <= 0:
+                    return self.take(ticket, uid)
+                waiter: asyncio.Future[None] = loop.create_future()
+                reserved.waiters.append((loop, waiter))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter, left)
 
     def held(self) -> int:
         with self._lock:
@@ -286,6 +304,9 @@ class Handoffs:
                     os.close(held.fd)
             self._held.clear()
             self._total = 0
+            for reserved in self._reserved.values():
+                reserved.wake()
+            self._reserved.clear()
             self._lock.notify_all()
         if self._timer is not None:
             self._timer.join(timeout=5)

@@ -26,7 +26,8 @@ from framewire.service._ops.threads import in_thread
 from framewire.service._settings import Settings
 from framewire.service._store.early import EarlyUpload
 from framewire.service._store.handoff import SCHEME as MEMORY
-from framewire.service._store.handoff import Handoffs, MemoryHold, MemoryTarget, judge_memory
+from framewire.service._store.handoff import Handoffs, MemoryTarget, judge_memory
+from framewire.service._store.memfile import MemoryHold
 from framewire.service._store.multipart import Upload, Uploaded
 from framewire.service._store.owners import OwnedUrl, judge_owner
 from framewire.service._store.s3 import S3Store
@@ -85,7 +86,7 @@ class Uploads:
         a memory output's memfd that it is encoded into (None for a file); its owner closes
         it when the output ends."""
         if isinstance(url, MemoryTarget):
-            return MemoryHold(url)
+            return MemoryHold(url, self.handoffs)
         if not isinstance(url, OwnedUrl) or not self.settings.upload_while_encoding:
             return None
         try:
@@ -110,8 +111,8 @@ class Uploads:
         The file is reached through the spool's fd, never by path. ``early``: what sent
         its parts while it was encoded, or copied it."""
         if isinstance(url, MemoryTarget):
-            memfd = early.taken(result.bytes or 0) if isinstance(early, MemoryHold) else None
-            return await self._hold(result, spool, name, url, memfd)
+            hold = early if isinstance(early, MemoryHold) else None
+            return await self._hold(result, spool, name, url, hold)
         early = early if isinstance(early, EarlyUpload) else None
         t0 = time.perf_counter()
         try:
@@ -141,13 +142,22 @@ class Uploads:
         return result
 
     async def _hold(
-        self, result: OutputResult, spool: int, name: str, url: MemoryTarget, memfd: int | None
+        self,
+        result: OutputResult,
+        spool: int,
+        name: str,
+        url: MemoryTarget,
+        hold: MemoryHold | None,
     ) -> OutputResult:
-        """Hold the output's bytes: ``memfd``, the one it was encoded into (ours from here)."""
+        """Hold the output's bytes: the memfd it was encoded into (``hold``'s), held already
+        under its session's reserved ticket, or now."""
         try:
-            if memfd is None:  # a memory output is always encoded into its MemoryHold's
-                raise FramewireError("the memory output's memfd is missing", code="internal")
-            result.handoff, _ = self.handoffs.keep(memfd, result.bytes or 0, url)
+            result.handoff = None if hold is None else hold.handed()
+            memfd = None if hold is None or result.handoff else hold.taken(result.bytes or 0)
+            if result.handoff is None:
+                if memfd is None:  # a memory output is always encoded into its MemoryHold's
+                    raise FramewireError("the memory output's memfd is missing", code="internal")
+                result.handoff, _ = self.handoffs.keep(memfd, result.bytes or 0, url)
         finally:
             await asyncio.to_thread(discard, spool, name)
         result.path = result.url = str(url)

@@ -27,6 +27,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 
 from framewire.core.errors import (
@@ -50,6 +51,7 @@ from framewire.service._ops.metrics import Metrics
 from framewire.service._ops.shares import Share
 from framewire.service._settings import Settings
 from framewire.service._sources.frames import Geometry
+from framewire.service._store.handoff import MemoryTarget
 from framewire.service._stream.live import EndedViews, LiveFeed, ViewerSlots, check_live_profile
 from framewire.service._stream.misfit import refuse_misfit
 from framewire.service._stream.session import Session, not_open
@@ -99,6 +101,12 @@ class Sessions:
             prepare = self.resources.prepare
             path, params, url = await prepare.judge_options(spec, access, stack)
             check_geometry(params, spec.width, spec.height, spec.dtype)
+            if isinstance(url, MemoryTarget):
+                # Named in the answer: its take waits for the file, not for the finish.
+                handoffs = self.resources.uploads.handoffs
+                ticket = handoffs.reserve(url)
+                stack.callback(handoffs.cancel, ticket)  # unless it was held by then
+                url = replace(url, ticket=ticket)
             if spec.live:
                 check_live_profile(params.profile)
             directory = await prepare.place_at(path, made, access, stack, spooled=url is not None)

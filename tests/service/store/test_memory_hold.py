@@ -19,7 +19,8 @@ from framewire.core.wire import OutputResult
 from framewire.service._encode.encoder import EncodeParams, Encoder
 from framewire.service._settings import Settings
 from framewire.service._sources.frames import TensorSource
-from framewire.service._store.handoff import MemoryHold, MemoryTarget
+from framewire.service._store.handoff import MemoryTarget
+from framewire.service._store.memfile import MemoryHold
 from framewire.service._store.uploads import Uploads
 
 from tests.support.media import make_clip, sha256

@@ -15,7 +15,7 @@ import pytest
 import torch
 from framewire.client import BadRequest, Client, FramewireError, NotFound
 from framewire.core import fdsocket
-from framewire.core.fdsocket import take_output
+from framewire.core.fdsocket import take_hashed, take_output
 
 from tests.support.media import make_clip
 from tests.support.processes import is_spool, spools
@@ -80,9 +80,10 @@ def _memfd(data: bytes, seals: int) -> int:
     return fd
 
 
-def test_taken_bytes_are_checked_against_the_sha256_while_they_are_read(monkeypatch):
-    """The sealed memfd is hashed on a second thread beside the copy into the bytes; other
-    bytes raise output_mismatch, a memfd that could still change is refused."""
+def test_taken_bytes_are_hashed_while_they_are_read(monkeypatch):
+    """The sealed memfd is hashed on a second thread beside the copy into the bytes (for
+    the check against the worker's sha256: take_output's, below); a memfd that could still
+    change is refused."""
     data = np.random.default_rng(3).integers(0, 256, fdsocket.HASH_BESIDE, np.uint8).tobytes()
     digest = hashlib.sha256(data).hexdigest()
     sealed = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
@@ -96,18 +97,15 @@ def test_taken_bytes_are_checked_against_the_sha256_while_they_are_read(monkeypa
     monkeypatch.setattr(fdsocket, "_read_whole", read_whole)
     fd = _memfd(data, sealed)
     try:
-        assert fdsocket._read_checked(fd, len(data), digest) == data
+        assert fdsocket._read_hashed(fd, len(data)) == (data, digest)
         assert "framewire-take-sha256" in hashing[0]  # beside the copy, not after it
-        with pytest.raises(FramewireError) as other:
-            fdsocket._read_checked(fd, len(data), hashlib.sha256(b"x").hexdigest())
-        assert other.value.code == "output_mismatch"
     finally:
         os.close(fd)
     for seals in (0, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW, fcntl.F_SEAL_WRITE):
         fd = _memfd(data, seals)
         try:
             with pytest.raises(FramewireError) as open_to_change:
-                fdsocket._read_checked(fd, len(data), digest)
+                fdsocket._read_hashed(fd, len(data))
             assert open_to_change.value.code == "protocol"
         finally:
             os.close(fd)
@@ -115,11 +113,8 @@ def test_taken_bytes_are_checked_against_the_sha256_while_they_are_read(monkeypa
     small = data[:4096]  # hashed once read: no thread
     fd = _memfd(small, sealed)
     try:
-        assert fdsocket._read_checked(fd, len(small), hashlib.sha256(small).hexdigest()) == small
+        assert fdsocket._read_hashed(fd, len(small)) == (small, hashlib.sha256(small).hexdigest())
         assert "framewire-take-sha256" not in hashing[-1]
-        with pytest.raises(FramewireError) as other:
-            fdsocket._read_checked(fd, len(small), digest)
-        assert other.value.code == "output_mismatch"
     finally:
         os.close(fd)
 
@@ -145,9 +140,9 @@ def test_a_sessions_chunk_buffers_are_let_go_before_its_output_is_taken(worker, 
     def take(*args, **kw):
         maps = Path("/proc/self/maps").read_text()
         mapped_at_take.append(maps.count("memfd:framewire-frames"))
-        return take_output(*args, **kw)
+        return take_hashed(*args, **kw)
 
-    monkeypatch.setattr(_session, "take_output", take)
+    monkeypatch.setattr(_session, "take_hashed", take)  # as soon as the file is whole
     clip = make_clip(frames=6, height=48, width=64, seed=5)
     with (
         Client(worker.uds_url, fd_socket=worker.fd_socket) as fw,
