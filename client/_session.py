@@ -42,8 +42,8 @@ def _nothing(body: Any) -> None:
 
 
 TAKE_TIMEOUT_S = 60.0  # taking a finished output's bytes: one request on a local socket
-# How long a take before the finish's answer waits for the file (a longer encode's bytes
-# are taken after the answer instead).
+# The most a take before the finish's answer waits for the file, whatever the client's
+# bound (a longer encode's bytes are taken after the answer instead).
 FINISH_WAIT_S = 600.0
 # Ending a session: a worker that is alive ends it at once; one that is not ends it by its
 # own idle bound, so a writer giving up on a silent worker does not wait out its bound again.
@@ -107,11 +107,13 @@ class WriterBase:
         session's opening named as soon as the worker holds its file (while the worker
         still hashes and checks it), to be checked once its answer comes; None when they
         could not be (the answer says why, or the take after it gets them)."""
-        if self._handoff is None:
+        regions = self._regions  # the fd socket this client uses, and its bound
+        if self._handoff is None or regions is None:
             return None
-        path, uid = self._fd_socket()
+        # No longer than the finish's own answer may take: the client's bound.
+        wait_s = min(regions.timeout or FINISH_WAIT_S, FINISH_WAIT_S)
         try:
-            return take_hashed(self._handoff, path, FINISH_WAIT_S, worker_uid=uid)
+            return take_hashed(self._handoff, regions.path, wait_s, worker_uid=regions.worker_uid)
         except (FramewireError, OSError):
             return None
 
