@@ -242,13 +242,14 @@ class WriterBase:
         """A session call that reached no worker: the session went with its worker."""
         return stream_lost(exc.message) if exc.code == "unavailable" else exc
 
-    def _stage(self, frames: Frames) -> Any:
-        """Copy ``frames`` into this turn's chunk buffer; its descriptor."""
+    def _stage(self, frames: Frames, room: int = 0) -> Any:
+        """Copy ``frames`` into this turn's chunk buffer (made for ``room`` bytes at least,
+        the chunks to come); its descriptor."""
         segment = self._buffers[self._turn]
         if segment is None or segment.nbytes < frames.nbytes:
             if segment is not None:
                 segment.close()
-            segment = self._buffer_for(frames.nbytes)
+            segment = self._buffer_for(max(frames.nbytes, room))
             self._buffers[self._turn] = segment
         segment.write(frames)
         self._turn ^= 1

@@ -20,6 +20,7 @@ import pytest
 import torch
 from framewire.client import AsyncClient, Client, Unavailable, VideoWriter
 from framewire.core.errors import FramewireError
+from framewire.service._outputs import remove_stale_temps
 
 from tests.support.engines import diffusers_save, sglang_save
 from tests.support.media import make_clip, reference_mp4, sha256
@@ -172,6 +173,9 @@ def test_a_stream_whose_worker_is_down_is_lost(workers):
         w.proc.send_signal(signal.SIGKILL)
         w.proc.wait(timeout=30)
         assert rest_is_lost(writer, clip) < 10
+    # What the killed worker was writing, if its encode had begun, is the next worker's
+    # to sweep as it starts (none starts here: swept as it would).
+    remove_stale_temps([str(w.outputs)])
 
 
 # --- no worker: the local fallback --------------------------------------------------------

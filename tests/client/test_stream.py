@@ -205,7 +205,7 @@ def test_a_first_chunk_that_cannot_be_copied_leaves_no_session(
     nothing_left(worker, "uncopied.mp4")
 
 
-def _failing_copy(self: Any, frames: Any) -> Any:
+def _failing_copy(self: Any, frames: Any, room: int = 0) -> Any:
     raise OSError(12, "no memory for a chunk buffer")
 
 
