@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 from framewire.client._calls import Call, stream_lost
 from framewire.client._local import LocalFallback, worker_gone
 from framewire.client._sharing.audio import shared_audio
 from framewire.client._sharing.fd import NO_ROOM, FdRegions, RegisteredMemfd
-from framewire.core.errors import BadRequest, FramewireError, Unavailable
+from framewire.core.errors import BadRequest, FramewireError, NotFound, Unavailable
 from framewire.core.fdsocket import MISMATCH, OTHER_BYTES, take_hashed, take_output
 from framewire.core.frames import Frames, describe
 from framewire.core.local import LocalStream
@@ -45,6 +47,7 @@ TAKE_TIMEOUT_S = 60.0  # taking a finished output's bytes: one request on a loca
 # The most a take before the finish's answer waits for the file, whatever the client's
 # bound (a longer encode's bytes are taken after the answer instead).
 FINISH_WAIT_S = 600.0
+EARLY_WAIT_S = 1.0  # each early take's wait, between looks at whether the finish answered
 # Ending a session: a worker that is alive ends it at once; one that is not ends it by its
 # own idle bound, so a writer giving up on a silent worker does not wait out its bound again.
 ABORT_TIMEOUT_S = 5.0
@@ -102,20 +105,28 @@ class WriterBase:
         self._fallback = local
         self._local: LocalStream | None = None  # in this process, when no worker took it
 
-    def _take_early(self) -> tuple[bytes, str] | None:
+    def _take_early(self, answered: Callable[[], bool]) -> tuple[bytes, str] | None:
         """A ``memory://`` output's bytes and their sha256, taken under the ticket the
         session's opening named as soon as the worker holds its file (while the worker
         still hashes and checks it), to be checked once its answer comes; None when they
-        could not be (the answer says why, or the take after it gets them)."""
+        could not be (the answer says why, or the take after it gets them). Asked again
+        every EARLY_WAIT_S until the finish is ``answered``: a finish that fails, or never
+        reaches the worker, leaves nobody waiting on a ticket its session still holds."""
         regions = self._regions  # the fd socket this client uses, and its bound
         if self._handoff is None or regions is None:
             return None
         # No longer than the finish's own answer may take: the client's bound.
-        wait_s = min(regions.timeout or FINISH_WAIT_S, FINISH_WAIT_S)
-        try:
-            return take_hashed(self._handoff, regions.path, wait_s, worker_uid=regions.worker_uid)
-        except (FramewireError, OSError):
-            return None
+        deadline = time.monotonic() + min(regions.timeout or FINISH_WAIT_S, FINISH_WAIT_S)
+        while not answered() and (left := deadline - time.monotonic()) > 0:
+            try:
+                wait_s = min(EARLY_WAIT_S, left)
+                uid = regions.worker_uid
+                return take_hashed(self._handoff, regions.path, wait_s, worker_uid=uid)
+            except NotFound:
+                continue  # not held yet
+            except (FramewireError, OSError):
+                return None
+        return None
 
     def _take_data(
         self, result: OutputResult, early: tuple[bytes, str] | None = None

@@ -58,6 +58,10 @@ from framewire.core.wire import Layout, OutputResult, StreamChunkAck
 
 log = logging.getLogger("framewire.client")
 
+T = TypeVar("T")
+S = TypeVar("S", Send, AsyncSend)
+Chunk = Call[StreamChunkAck]
+
 
 def first_frame(chunk: Frames) -> tuple[Frames, Frames | None]:
     """A host chunk of several frames as its first frame and the rest; else it, whole."""
@@ -69,9 +73,6 @@ def first_frame(chunk: Frames) -> tuple[Frames, Frames | None]:
         dataclasses.replace(chunk, video=head, shape=tuple(int(n) for n in head.shape)),
         dataclasses.replace(chunk, video=rest, shape=tuple(int(n) for n in rest.shape)),
     )
-T = TypeVar("T")
-S = TypeVar("S", Send, AsyncSend)
-Chunk = Call[StreamChunkAck]
 
 
 class StreamPlans(WriterBase, abc.ABC, Generic[S]):
@@ -259,7 +260,7 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
         try:
             # A memory output's bytes, read and hashed as soon as its file is whole: beside
             # the worker's own hash and checks, not after its answer.
-            early = yield from blocking(self._take_early)
+            early = yield from blocking(self._take_early, finishing.done)
             finished = yield from waited(finishing)
             self.result = yield from blocking(self._take_data, finished, early)
         except Unavailable as exc:

@@ -174,8 +174,16 @@ def test_a_stream_whose_worker_is_down_is_lost(workers):
         w.proc.wait(timeout=30)
         assert rest_is_lost(writer, clip) < 10
     # What the killed worker was writing, if its encode had begun, is the next worker's
-    # to sweep as it starts (none starts here: swept as it would).
-    remove_stale_temps([str(w.outputs)])
+    # to sweep as it starts (none starts here: swept as it would, once the encoder it
+    # left behind, which holds the directory's lock, has ended).
+    deadline = time.monotonic() + 30
+    while True:
+        held: list[Path] = []
+        remove_stale_temps([str(w.outputs)], held=held)
+        if not held:
+            break
+        assert time.monotonic() < deadline, f"still held: {held}"
+        time.sleep(0.05)
 
 
 # --- no worker: the local fallback --------------------------------------------------------

@@ -149,3 +149,33 @@ def test_a_sessions_bytes_are_taken_before_the_answer(worker, monkeypatch):
     assert (
         writer.result.sha256 == hashlib.sha256((worker.outputs / "f.mp4").read_bytes()).hexdigest()
     )
+
+
+def test_an_early_take_is_given_up_once_the_finish_answered(monkeypatch):
+    """A finish that failed, or never reached the worker, leaves the session holding its
+    ticket: the take is asked again a second at a time only while the finish is on its
+    way, and never past the client's own bound."""
+    import time
+    from types import SimpleNamespace
+
+    from framewire.client import _session
+
+    asked: list[float] = []
+
+    def not_held(ticket, path, wait_s, *, worker_uid=None):
+        asked.append(wait_s)
+        time.sleep(min(wait_s, 5.0))  # the worker waits that long for the file
+        raise NotFound("no output is held under that ticket", code="handoff_not_found")
+
+    monkeypatch.setattr(_session, "take_hashed", not_held)
+    regions = SimpleNamespace(path="/nowhere", timeout=60.0, worker_uid=None)
+    writer = SimpleNamespace(_handoff="ab" * 16, _regions=regions)
+    answer_at = time.monotonic() + 0.3
+    started = time.monotonic()
+    got = _session.WriterBase._take_early(writer, lambda: time.monotonic() > answer_at)
+    assert got is None and 0.25 < time.monotonic() - started < 2
+    assert asked and all(w <= _session.EARLY_WAIT_S for w in asked)
+    regions.timeout = 0.2  # the client's bound, the finish never answering
+    started = time.monotonic()
+    assert _session.WriterBase._take_early(writer, lambda: False) is None
+    assert time.monotonic() - started < 1
