@@ -214,7 +214,7 @@ class Sessions:
                     await self.resources.in_pool(
                         session.cancel, session.output.feed, source, session.check
                     )
-            except (FramewireError, asyncio.CancelledError) as exc:
+            except BaseException as exc:  # cancelled too: the session ends, then it goes on
                 # The chunk was read in part, or not at all: the file cannot be completed.
                 await self._end_by(session, exc)
                 raise
@@ -273,12 +273,12 @@ class Sessions:
                         session.cancel,
                         session.early,
                     )
-            except asyncio.CancelledError as exc:
-                await self._end_by(session, exc)
-                raise
             except FramewireError as exc:
                 await self._end_by(session, exc)
                 return exc.status, failed(session.shown, exc)
+            except BaseException as exc:  # cancelled, or a fault of no known kind (a 500)
+                await self._end_by(session, exc)
+                raise
             await self._end(session, "done", None, None)
             self.metrics.outputs.labels("ok").inc()
             return 200, result
@@ -385,7 +385,9 @@ class Sessions:
 def _as_error(exc: BaseException) -> FramewireError:
     if isinstance(exc, FramewireError):
         return exc
-    return Cancelled("the request was cancelled")
+    if isinstance(exc, asyncio.CancelledError):
+        return Cancelled("the request was cancelled")
+    return FramewireError(f"internal error: {type(exc).__name__}")
 
 
 def _cause(exc: BaseException) -> str:

@@ -22,6 +22,7 @@ from framewire.client.wire import Layout
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support import REPO
 from tests.support.http import http_client
 from tests.support.identity import NOBODY, as_nobody
 from tests.support.media import make_clip, reference_mp4, sha256
@@ -542,4 +543,59 @@ def test_an_encoder_killed_after_a_chunk_was_answered_fails_the_finish(workers, 
         assert (r.status_code, r.json()["code"]) == (422, "ffmpeg_killed"), r.text
         assert h.get(f"/v1/streams/{sid}").json()["state"] == "failed"
     assert not (w.outputs / "killed-after.mp4").exists()
+    settle(w, baseline, keep=set(segments.keys))
+
+
+# A worker's fault of no known kind (a bug, an OSError nothing wrapped), in a session's
+# chunk or in its finish: given to the worker through a sitecustomize of its own.
+FAULTS = """
+from framewire.service._stream import output
+
+_feed, _finish = output.StreamOutput.feed, output.StreamOutput.finish
+
+
+def feed(self, *args, **kwargs):
+    if self.path.name == "fault-feed.mp4":
+        raise RuntimeError("a fault of no known kind")
+    return _feed(self, *args, **kwargs)
+
+
+def finish(self, *args, **kwargs):
+    if self.path.name == "fault-finish.mp4":
+        raise RuntimeError("a fault of no known kind")
+    return _finish(self, *args, **kwargs)
+
+
+output.StreamOutput.feed, output.StreamOutput.finish = feed, finish
+"""
+
+
+def test_a_fault_of_no_known_kind_ends_the_session_and_frees_its_slot(workers, segments, tmp_path):
+    """A chunk or a finish failing with an exception that is not framewire's answers 500
+    ``internal`` and ends the session there: failed, its output gone, its CPU slot free
+    for the next encode at once, not held until the session's idle bound."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAULTS)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))
+    # One slot, no small lane: a session still holding it makes the encode after it wait.
+    w = workers.start("--cpu-slots", "1", "--small-encode-bytes", "0",
+                      "--stream-idle-s", "600", env=env)  # fmt: skip
+    baseline = Baseline.of(w)
+    clip = make_clip(frames=4, height=48, width=64)
+    with w.http() as h:
+        for name in ("fault-feed.mp4", "fault-finish.mp4"):
+            sid = open_stream(h, clip, path=name)
+            r = send_frames(h, segments, sid, clip, 0, 4)
+            if name == "fault-finish.mp4":
+                assert r.status_code == 200, r.text
+                r = h.post(f"/v1/streams/{sid}/finish")
+            assert (r.status_code, r.json()["code"]) == (500, "internal"), r.text
+            state = h.get(f"/v1/streams/{sid}").json()
+            assert state["state"] == "failed" and state["error"]["code"] == "internal", state
+            encode = {"outputs": [{"source": segments.source(clip), "path": "e.mp4", "fps": 24}]}
+            r = h.post("/v1/videos:encode", json=encode, timeout=20)
+            assert r.status_code == 200 and metric(h, "framewire_encodes_waiting") == 0, r.text
+            (w.outputs / "e.mp4").unlink()
+    assert sorted(p.name for p in w.outputs.iterdir()) == []
     settle(w, baseline, keep=set(segments.keys))
