@@ -15,13 +15,14 @@ together (one event) and the run ends when the last has its file:
   (b) imageio             N processes converting their clip whole, imageio.mimsave
   (c) in-process pipe     N processes converting 8-frame chunks into their own ffmpeg's
                           stdin (SGLang's direct save, on the CPU, with the same argv)
-  framewire save          save_video to the one worker, and beside it one reference
-                          decode through the worker (one ffmpeg run shared by all ranks)
-  framewire stream        open_video, a write per 8-frame chunk, the same decode beside
+  framewire save          save_video to the one worker
+  framewire stream        open_video, a write per 8-frame chunk
 
-With --reference none the framewire rows decode nothing: every row does the same
-work, the saves alone (the others never decode: an engine without the worker
-decodes the reference in each rank, which no row here does).
+Beside each save, every rank of (b), (c) and the framewire rows decodes the same
+reference clip, as a video-to-video request's ranks do: in (b) and (c) each rank
+with an ffmpeg of its own (an engine without the worker), in the framewire rows
+through the worker (one ffmpeg run shared by all ranks). (a) decodes nothing: it
+is the encoder's own bound. With --reference none no row decodes: the saves alone.
 
 Every encode pins the same x264 thread count (--threads), so every output must
 equal its rank's reference (the bare ffmpeg output of its frames, made before
@@ -46,7 +47,6 @@ Goals in benchmarks/README.md. Beside the table it draws node.png.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import statistics
@@ -64,7 +64,7 @@ import harness  # noqa: E402
 import numpy as np  # noqa: E402
 import plots  # noqa: E402
 from encode import write_clip  # noqa: E402
-from node_ranks import WORKER_PATHS, Memory, prober, rank  # noqa: E402
+from node_ranks import DECODING, WORKER_PATHS, Memory, local_decode, prober, rank  # noqa: E402
 from routes import bare, cpu_s  # noqa: E402
 
 PATHS = {"bare": "(a) bare ffmpeg", "imageio": "(b) imageio", "pipe": "(c) in-process pipe",
@@ -118,7 +118,7 @@ class Node:
     def run(self, path: str, probed: bool) -> dict[str, Any]:
         self.runs += 1
         expected = ""
-        if path in WORKER_PATHS and self.spec["reference"] is not None:
+        if path in DECODING and self.spec["reference"] is not None:
             expected = local_decode(self.spec["reference"], self.runs)
         for _, conn in self.ranks:
             conn.send((path, self.runs))
@@ -153,16 +153,6 @@ class Node:
             "worker_cpu": (own1 - own0) / (kids1 - kids0) if ours and kids1 > kids0 else None,
             "probes": probes, "same": same, "decodes": sum(1 for d in done if d["decoded"]),
         }  # fmt: skip
-
-
-def local_decode(ref: dict[str, Any], run: int) -> str:
-    """The sha256 of a run's reference decode, decoded in this process."""
-    from framewire.core.reference import decode_locally, make_request
-
-    request = make_request(ref["path"], fps=ref["fps"], width=ref["width"],
-                           height=ref["height"], start=ref["step_s"] * run)  # fmt: skip
-    with decode_locally(request) as frames:
-        return hashlib.sha256(frames.frames.reshape(-1)).hexdigest()
 
 
 def p99(values: list[float]) -> float:

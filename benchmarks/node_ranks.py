@@ -6,11 +6,15 @@ for the common start (one ``multiprocessing.Event`` for all ranks) and saves its
 clip that way:
 
   bare      the encode argv reading the rank's rgb24 file in /dev/shm (routes.bare)
-  imageio   the clip converted whole, ``imageio.mimsave`` (encode.imageio_save)
+  imageio   the clip converted whole, ``imageio.mimsave`` (encode.imageio_save), and
+            beside it (a thread) the reference decoded in the rank, by an ffmpeg of its
+            own, as an engine without the worker decodes it (none with ``--reference
+            none``)
   pipe      8-frame chunks converted in process and written into its own ffmpeg's
-            stdin, the shape of SGLang's direct save (stream.in_process_ffmpeg)
-  save      ``save_video``, and beside it (a thread) the reference decode through the
-            worker: one ffmpeg run shared by every rank (none with ``--reference none``)
+            stdin, the shape of SGLang's direct save (stream.in_process_ffmpeg), the
+            rank's own decode beside it
+  save      ``save_video``, and beside it the reference decode through the worker: one
+            ffmpeg run shared by every rank
   stream    ``open_video`` and a ``write`` per 8 frames, the decode beside it
 
 The prober issues, every ~50 ms, a ``GET /healthz`` on the Unix socket and a
@@ -38,6 +42,7 @@ TINY = (2, 48, 64)  # frames, height, width of the probe's encodes
 TINY_SIZE = f"{TINY[2]}x{TINY[1]}".encode()  # its ffmpegs' "-s": not the ranks' encodes
 PERIOD_S = 0.05
 WORKER_PATHS = ("save", "stream")
+DECODING = ("imageio", "pipe", *WORKER_PATHS)  # a reference decode beside the save
 
 
 def sha256_of(path: Path) -> str:
@@ -69,7 +74,10 @@ def rank(index: int, spec: dict[str, Any], conn: Connection, go: Event) -> None:
             out = outputs / name
             conn.send("ready")
             go.wait()
-            digest, decoded = "", ""
+            got: list[str] = []  # the reference decode, at the same moment as the save
+            decode = threading.Thread(target=reference, args=(client, spec, path, run, got))
+            if spec["reference"] is not None and path in DECODING:
+                decode.start()
             if path == "bare":
                 digest = bare(Path(spec["rgbs"][index]), out, width, height, threads)["sha256"]
             elif path == "imageio":
@@ -86,10 +94,6 @@ def rank(index: int, spec: dict[str, Any], conn: Connection, go: Event) -> None:
                     raise RuntimeError("the in-process ffmpeg failed")
                 digest = sha256_of(out)
             else:
-                got: list[str] = []  # the reference decode, at the same moment as the save
-                decode = threading.Thread(target=reference, args=(client, spec, run, got))
-                if spec["reference"] is not None:
-                    decode.start()
                 if path == "save":
                     result = client.save_video(clip, name, fps=FPS, threads=threads)
                 else:
@@ -100,21 +104,36 @@ def rank(index: int, spec: dict[str, Any], conn: Connection, go: Event) -> None:
                 assert result.sha256 is not None
                 digest = result.sha256
                 out.unlink()
-                if spec["reference"] is not None:
-                    decode.join()
-                    decoded = got[0] if got else "failed"
+            decoded = ""
+            if spec["reference"] is not None and path in DECODING:
+                decode.join()
+                decoded = got[0] if got else "failed"
             done = time.monotonic()
             conn.send({"done": done, "sha256": digest, "decoded": decoded})
 
 
-def reference(client: Any, spec: dict[str, Any], run: int, got: list[str]) -> None:
-    """The run's reference decode through the worker (one ffmpeg run for every rank), hashed."""
+def reference(client: Any, spec: dict[str, Any], path: str, run: int, got: list[str]) -> None:
+    """The run's reference decode, hashed: through the worker (one ffmpeg run for every
+    rank) on the worker's paths, else by an ffmpeg of the rank's own."""
     ref = spec["reference"]
+    if path not in WORKER_PATHS:
+        got.append(local_decode(ref, run))
+        return
     with client.decode_reference(
         ref["path"], fps=ref["fps"], width=ref["width"], height=ref["height"],
         start=ref["step_s"] * run, local_fallback=False,
     ) as frames:  # fmt: skip
         got.append(hashlib.sha256(frames.frames.reshape(-1)).hexdigest())
+
+
+def local_decode(ref: dict[str, Any], run: int) -> str:
+    """The sha256 of a run's reference decode, decoded in this process."""
+    from framewire.core.reference import decode_locally, make_request
+
+    request = make_request(ref["path"], fps=ref["fps"], width=ref["width"],
+                           height=ref["height"], start=ref["step_s"] * run)  # fmt: skip
+    with decode_locally(request) as frames:
+        return hashlib.sha256(frames.frames.reshape(-1)).hexdigest()
 
 
 # ----------------------------------------------------------------------------- the prober
