@@ -121,10 +121,7 @@ def compiled_into(
     if layout is Layout.THWC:
         if not chunk.is_contiguous():
             return False
-        if terms is None:
-            interleaved(chunk.numpy().reshape(-1), dst)
-        else:
-            kernels.rounded_kernel()(chunk.numpy().reshape(-1), dst, *terms)  # type: ignore[misc]
+        interleaved(chunk.numpy().reshape(-1), dst, terms or kernels.STANDARD)
         return True
     planes = chunk if layout is Layout.CTHW else chunk.permute(1, 0, 2, 3)
     if planes.stride(3) != 1:

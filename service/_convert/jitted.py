@@ -71,14 +71,8 @@ def planar(src: Any, plane: int, frame: int, row: int, shape: Any, dst: Any, ter
 
 
 @_jit
-def interleaved(src: Any, dst: Any) -> None:
-    """Flat float32 ``src`` into flat uint8 ``dst`` of the same size."""
+def interleaved(src: Any, dst: Any, terms: Any) -> None:
+    """Flat float32 ``src`` into flat uint8 ``dst`` of the same size, each value as
+    ``byte`` with ``terms``."""
     for i in range(src.size):
-        dst[i] = to_byte(src[i])
-
-
-@_jit
-def rounded(src: Any, dst: Any, low: Any, high: Any, scale: Any) -> None:
-    """Flat float32 ``src`` into flat uint8 ``dst`` of the same size, as ``rounded_byte``."""
-    for i in range(src.size):
-        dst[i] = rounded_byte(src[i], low, high, scale)
+        dst[i] = byte(src[i], terms)

@@ -90,19 +90,7 @@ def warm() -> None:
     planar, interleaved = found
     src, dst = np.zeros(3 * 4, np.float32), np.zeros(3 * 4, np.uint8)
     planar(src, 4, 4, 2, (1, 2, 2), dst, STANDARD)
-    interleaved(src, dst)
-    one = np.float32(1)
-    rounded_kernel()(src, dst, -one, one, one)  # type: ignore[misc]
-
-
-def rounded_kernel() -> Any | None:
-    """The compiled ``jitted.rounded`` (the vllm-omni profile's float32 conversion) where
-    the standard kernels are taken, else None: one switch for every kernel."""
-    if kernels() is None:
-        return None
-    from framewire.service._convert import jitted
-
-    return jitted.rounded
+    interleaved(src, dst, STANDARD)  # the profile's terms: the same types, this signature
 
 
 def _compile() -> tuple[Any, Any]:

@@ -78,8 +78,8 @@ def vllm_omni_convert(value_range: tuple[float, float]) -> Convert:
     """vLLM-omni's ``quantize_chunk`` for a VAE whose output spans ``value_range``.
 
     float32 blocks (its one-shot save's (T, H, W, 3) frames, its session's (C, T, H, W)
-    chunks) go through a compiled kernel where there is one (``jitted.rounded``, or
-    ``jitted.planar`` with these terms: one pass, a tenth of torch's CPU for these five
+    chunks) go through a compiled kernel where there is one (``jitted.interleaved`` or
+    ``jitted.planar``, with these terms: one pass, a tenth of torch's CPU for these five
     steps, their temporaries and the interleave); the rest through torch, with the same
     bytes."""
     scale_into = vllm_omni_scale(value_range)

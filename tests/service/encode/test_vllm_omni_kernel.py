@@ -1,15 +1,17 @@
 """The vllm-omni profile's compiled float32 conversion gives the engine's own bytes.
 
 vLLM-omni's ``quantize_chunk`` is ``clamp(lo, hi).sub(lo).mul(255 / (hi - lo)).round()``
-then the cast, in torch. The compiled kernel (service/_convert/jitted.py ``rounded``)
-takes contiguous (T, H, W, 3) float32 blocks in one pass; each value where rounding
-flips (every k + 1/2 step, one and two ulps either side), the ends of the range and
-the special values must come out as the engine's formula makes them, on both routes.
+then the cast, in torch. The compiled kernels (service/_convert/jitted.py
+``interleaved`` and ``planar``, given the profile's terms) take float32 blocks in one
+pass; each value where rounding flips (every k + 1/2 step, one and two ulps either
+side), the ends of the range and the special values must come out as the engine's
+formula makes them, on both routes.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -61,32 +63,34 @@ def test_every_rounding_step_is_the_engines(kernel, value_range, layout):
     assert np.array_equal(out.numpy(), want)
 
 
-def test_the_compiled_kernel_is_the_one_that_ran(kernel):
-    """Not a silent fallback: with numba here the profile's kernel is really taken, and
-    FRAMEWIRE_KERNEL=pure (``kernels.use("pure")``) turns it off with the others."""
-    if kernel == "compiled":
-        assert kernels.rounded_kernel() is not None
-    else:
-        assert kernels.rounded_kernel() is None
-
-
-def test_a_sessions_chunk_takes_the_planar_kernel(monkeypatch):
-    """(C, T, H, W) float32, a session's chunk: one pass of ``planar`` with the profile's
-    terms, not torch's steps (and the standard conversion gives it none)."""
+@pytest.mark.parametrize("layout", [Layout.THWC, Layout.CTHW])
+def test_the_compiled_kernel_is_the_one_that_ran(kernel, layout, monkeypatch):
+    """Not a silent fallback: with numba here the profile's float32 takes one pass of
+    the compiled kernel for its layout (``interleaved`` for a one-shot save's (T, H, W,
+    3), ``planar`` for a session's (C, T, H, W)) with the profile's terms, not torch's
+    steps; FRAMEWIRE_KERNEL=pure (``kernels.use("pure")``) takes neither."""
     found = kernels.kernels()
+    if kernel == "pure":
+        assert found is None
+        return
     assert found is not None
+    ran: list[tuple[str, tuple[float, ...]]] = []
+
+    def spy(name: str, real: Any) -> Any:
+        def counted(*args: Any) -> None:
+            ran.append((name, tuple(float(v) for v in args[-1])))
+            real(*args)
+
+        return counted
+
     planar, interleaved = found
-    terms: list[tuple[float, ...]] = []
-
-    def counted(*args: object) -> None:
-        terms.append(tuple(float(v) for v in args[-1]))  # type: ignore[attr-defined]
-        planar(*args)
-
-    monkeypatch.setattr(kernels, "kernels", lambda: (counted, interleaved))
+    spies = (spy("planar", planar), spy("interleaved", interleaved))
+    monkeypatch.setattr(kernels, "kernels", lambda: spies)
     frames = around_every_step((-1.0, 1.0))
     out = torch.empty(frames.shape, dtype=torch.uint8)
-    vllm_omni_convert((-1.0, 1.0))(laid_out(frames, Layout.CTHW), Layout.CTHW, out)
-    assert terms == [(-1.0, 1.0, 127.5)]
+    vllm_omni_convert((-1.0, 1.0))(laid_out(frames, layout), layout, out)
+    name = "interleaved" if layout is Layout.THWC else "planar"
+    assert ran == [(name, (-1.0, 1.0, 127.5))]
     assert np.array_equal(out.numpy(), vllm_omni_quantize(frames.permute(3, 0, 1, 2), (-1.0, 1.0)))
 
 
