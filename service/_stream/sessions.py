@@ -214,7 +214,7 @@ class Sessions:
                     await self.resources.in_pool(
                         session.cancel, session.output.feed, source, session.check
                     )
-            except BaseException as exc:  # cancelled too: the session ends, then it goes on
+            except BaseException as exc:  # cancellation too: the session ends, then it is raised
                 # The chunk was read in part, or not at all: the file cannot be completed.
                 await self._end_by(session, exc)
                 raise
