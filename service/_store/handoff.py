@@ -271,8 +271,14 @@ class Handoffs:
                     return self.take(ticket, uid)
                 waiter: asyncio.Future[None] = loop.create_future()
                 reserved.waiters.append((loop, waiter))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(waiter, left)
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiter, left)
+            finally:
+                # A wait that ended first (timed out, cancelled) leaves nothing behind: a
+                # client asking again every second would otherwise add one each time.
+                with self._lock, contextlib.suppress(ValueError):
+                    reserved.waiters.remove((loop, waiter))
 
     def held(self) -> int:
         with self._lock:

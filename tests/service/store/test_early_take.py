@@ -112,6 +112,11 @@ def test_a_reservation_counts_and_its_waiters_go_when_it_is_let_go():
             await asyncio.wait_for(handoffs.take_when_held(tickets[1], STRANGER, 10), 2)
         with pytest.raises(NotFound):  # the wait is bounded
             await asyncio.wait_for(handoffs.take_when_held(tickets[1], ME, 0.1), 2)
+        with pytest.raises(TimeoutError):  # and a take given up stops waiting
+            await asyncio.wait_for(handoffs.take_when_held(tickets[1], ME, 10), 0.1)
+        # Neither left a waiter on the reservation (a take asked every second would
+        # add one each time).
+        assert handoffs._reserved[tickets[1]].waiters == []
 
     asyncio.run(strangers())
     handoffs.close()
