@@ -152,12 +152,13 @@ class Uploads:
         """Hold the output's bytes: the memfd it was encoded into (``hold``'s), held already
         under its session's reserved ticket, or now."""
         try:
-            result.handoff = None if hold is None else hold.handed()
-            memfd = None if hold is None or result.handoff else hold.taken(result.bytes or 0)
-            if result.handoff is None:
+            ticket = None if hold is None else hold.handed()
+            if ticket is None:
+                memfd = None if hold is None else hold.taken(result.bytes or 0)
                 if memfd is None:  # a memory output is always encoded into its MemoryHold's
                     raise FramewireError("the memory output's memfd is missing", code="internal")
-                result.handoff, _ = self.handoffs.keep(memfd, result.bytes or 0, url)
+                ticket, _ = self.handoffs.keep(memfd, result.bytes or 0, url)
+            result.handoff = ticket
         finally:
             await asyncio.to_thread(discard, spool, name)
         result.path = result.url = str(url)
