@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import BinaryIO, Literal, Protocol
 
 from framewire.core.beside import Beside
-from framewire.core.errors import Conflict, FramewireError, MediaError, host_error
+from framewire.core.errors import BadRequest, Conflict, FramewireError, MediaError, host_error
 from framewire.core.shm import pid_alive
 
 # Private directories carry this prefix and the writer's pid, so a restarted
@@ -49,6 +49,9 @@ SWEEP_MAX_DIRS = 10_000
 
 # A directory opened as itself, never through a symlink.
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# The directory of an output written where its follower says (a memory output's memfd):
+# none, so nothing is made, claimed or removed in any.
+NO_DIRECTORY = -1
 
 
 def temp_name() -> str:
@@ -199,6 +202,16 @@ def atomic_output(directory: int, name: str, *, durable: bool = True) -> Iterato
         os.fsync(directory)
 
 
+def refuse_directory(directory: int, path: Path) -> None:
+    """Refuse (400) an output whose name in ``directory`` is a directory's (none has an
+    output of NO_DIRECTORY's)."""
+    if directory == NO_DIRECTORY:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISDIR(os.stat(path.name, dir_fd=directory, follow_symlinks=False).st_mode):
+            raise BadRequest(f"output path {path} is a directory", code="output_is_directory")
+
+
 @contextlib.contextmanager
 def output_file(
     directory: int, name: str, *, durable: bool, follower: Follower | None
@@ -209,6 +222,8 @@ def output_file(
     if own is not None:
         yield own
         return
+    if directory == NO_DIRECTORY:
+        raise FramewireError(f"{name}: an output with no directory has no file", code="internal")
     with atomic_output(directory, name, durable=durable) as temp:
         yield temp
 

@@ -8,10 +8,8 @@ produces the same bytes. Either way the file appears only when complete.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +45,7 @@ from framewire.service._outputs import (
     TempOutput,
     open_directory,
     output_file,
+    refuse_directory,
     sha256_of,
 )
 from framewire.service._sources.audio import MemoryAudio
@@ -203,9 +202,7 @@ class Encoder:
         follower: Follower | None,
         durable: bool,
     ) -> Encoded:
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISDIR(os.stat(path.name, dir_fd=directory, follow_symlinks=False).st_mode):
-                raise BadRequest(f"output path {path} is a directory", code="output_is_directory")
+        refuse_directory(directory, path)
 
         def check() -> None:
             if cancel is not None and cancel.is_set():

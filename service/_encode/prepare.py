@@ -40,6 +40,7 @@ from framewire.service._access.peers import READ, SEARCH, WRITE, Access
 from framewire.service._access.urls import ObjectUrl, is_url
 from framewire.service._encode.encoders import Encoders
 from framewire.service._encode.params import EncodeParams, check_geometry, check_params
+from framewire.service._outputs import NO_DIRECTORY
 from framewire.service._settings import Settings
 from framewire.service._sources.audio import MemoryAudio
 from framewire.service._sources.audio_store import AudioStore
@@ -48,6 +49,7 @@ from framewire.service._sources.cuda_versions import importable
 from framewire.service._sources.frames import FileSource, FrameSource, Geometry, MappedSource
 from framewire.service._sources.regions import CudaRegion, FdRegion, RegionRegistry, SystemRegion
 from framewire.service._sources.shm import open_shm
+from framewire.service._store.handoff import MemoryTarget
 from framewire.service._store.spool import discard
 
 if TYPE_CHECKING:
@@ -61,7 +63,7 @@ class Prepared:
     path: Path
     source: FrameSource
     params: EncodeParams
-    url: Target | None = None  # an object or memory output: ``path`` is its spool file
+    url: Target | None = None  # an object output (``path``: its spool file) or a memory one
     directory: int = -1  # fd of path's directory, opened without following links
     made: list[Path] = field(default_factory=list)  # directories made for it, outermost first
     early: Early | None = None  # an object's parts sent, a memory output's copy made
@@ -263,9 +265,7 @@ class Preparer:
 
     async def place(self, job: Prepared, access: Access, stack: contextlib.AsyncExitStack) -> None:
         """Make and open the output's directory and claim its name (all judged before)."""
-        job.directory = await self.place_at(
-            job.path, job.made, access, stack, spooled=job.url is not None
-        )
+        job.directory = await self.place_at(job.path, job.made, access, stack, job.url)
 
     async def place_at(
         self,
@@ -273,14 +273,17 @@ class Preparer:
         made: list[Path],
         access: Access,
         stack: contextlib.AsyncExitStack,
-        *,
-        spooled: bool,
+        url: Target | None,
     ) -> int:
         """The directory of ``path`` made for ``access``'s caller (``made`` lists what was)
-        and opened, its name claimed; both released with ``stack``. A ``spooled`` output's
-        directory is the worker's spool, checked as it is opened, and its file is removed
-        with ``stack``."""
+        and opened, its name claimed; both released with ``stack``. An object output's
+        (``url``) directory is the worker's spool, checked as it is opened, and its file is
+        removed with ``stack``; a memory output has none (NO_DIRECTORY): its memfd is its
+        request's alone."""
+        if isinstance(url, MemoryTarget):
+            return NO_DIRECTORY
         roots = self.settings.output_roots
+        spooled = url is not None
         if spooled:
             directory = await asyncio.to_thread(self.uploads.spool.open)
         else:

@@ -60,11 +60,13 @@ class Uploads:
 
     def target(self, raw: str, access: Access) -> tuple[Target, Path]:
         """The object or memory output ``raw`` names, judged for ``access``'s caller (an
-        object: by its prefix and its owner), and the spool file it is encoded to first."""
+        object: by its prefix and its owner), and where it is encoded first: an object's
+        spool file; a memory output's own name, as messages show it (it is encoded into
+        its memfd: no spool, so no output root, is needed)."""
         if raw.startswith(MEMORY):
             memory = judge_memory(raw, access, self.settings)
             self.handoffs.admit(memory)
-            return memory, self.spool.file(memory.suffix)
+            return memory, Path(memory.name)
         allowed = judge_url(raw, self.settings.output_urls)
         # What is judged here first: a spool that is not the worker's asks no store.
         spooled = self.spool.file(allowed.suffix)
@@ -109,10 +111,11 @@ class Uploads:
         """The result once the encoded file ``name`` in the spool open at ``spool`` is
         stored at ``url`` (raises what failed: nothing stored); it is removed either way.
         The file is reached through the spool's fd, never by path. ``early``: what sent
-        its parts while it was encoded, or copied it."""
+        its parts while it was encoded, or the memfd a memory output was encoded into (no
+        spool file: ``spool`` and ``name`` are unused)."""
         if isinstance(url, MemoryTarget):
             hold = early if isinstance(early, MemoryHold) else None
-            return await self._hold(result, spool, name, url, hold)
+            return self._hold(result, url, hold)
         early = early if isinstance(early, EarlyUpload) else None
         t0 = time.perf_counter()
         try:
@@ -141,26 +144,18 @@ class Uploads:
         result.timings.finished_at = time.time()
         return result
 
-    async def _hold(
-        self,
-        result: OutputResult,
-        spool: int,
-        name: str,
-        url: MemoryTarget,
-        hold: MemoryHold | None,
+    def _hold(
+        self, result: OutputResult, url: MemoryTarget, hold: MemoryHold | None
     ) -> OutputResult:
         """Hold the output's bytes: the memfd it was encoded into (``hold``'s), held already
         under its session's reserved ticket, or now."""
-        try:
-            ticket = None if hold is None else hold.handed()
-            if ticket is None:
-                memfd = None if hold is None else hold.taken(result.bytes or 0)
-                if memfd is None:  # a memory output is always encoded into its MemoryHold's
-                    raise FramewireError("the memory output's memfd is missing", code="internal")
-                ticket, _ = self.handoffs.keep(memfd, result.bytes or 0, url)
-            result.handoff = ticket
-        finally:
-            await asyncio.to_thread(discard, spool, name)
+        ticket = None if hold is None else hold.handed()
+        if ticket is None:
+            memfd = None if hold is None else hold.taken(result.bytes or 0)
+            if memfd is None:  # a memory output is always encoded into its MemoryHold's
+                raise FramewireError("the memory output's memfd is missing", code="internal")
+            ticket, _ = self.handoffs.keep(memfd, result.bytes or 0, url)
+        result.handoff = ticket
         result.path = result.url = str(url)
         result.timings.finished_at = time.time()
         return result

@@ -109,7 +109,7 @@ class Sessions:
                 url = replace(url, ticket=ticket)
             if spec.live:
                 check_live_profile(params.profile)
-            directory = await prepare.place_at(path, made, access, stack, spooled=url is not None)
+            directory = await prepare.place_at(path, made, access, stack, url)
         except BaseException:
             await stack.aclose()
             remove_made(made)

@@ -153,3 +153,22 @@ def test_a_sessions_chunk_buffers_are_let_go_before_its_output_is_taken(worker, 
             assert "memfd:framewire-frames" in Path("/proc/self/maps").read_text()
     assert writer.result is not None and writer.result.data is not None
     assert mapped_at_take == [0]
+
+
+def test_memory_outputs_need_no_writable_output_root(workers):
+    """A memory output is written into its memfd, never into the spool: a worker whose
+    output root is gone (or read-only) still takes vLLM-omni's saves, whole or streamed,
+    while a file output there is refused as before."""
+    w = workers.start()
+    w.outputs.rmdir()  # the worker made no spool yet: the root is empty
+    clip = make_clip(frames=4, height=48, width=64, seed=7)
+    with Client(w.uds_url, fd_socket=w.fd_socket) as fw:
+        [held] = fw.save_videos([clip], ["memory://a.mp4"], fps=24)
+        with fw.open_video("memory://b.mp4", fps=24) as writer:
+            writer.write(clip)
+        with pytest.raises(FramewireError) as no_root:
+            fw.save_video(clip, "a.mp4", fps=24)
+    assert no_root.value.code == "output_root_missing"
+    assert writer.result is not None and writer.result.data is not None
+    assert held.data is not None and hashlib.sha256(writer.result.data).hexdigest() == held.sha256
+    assert not w.outputs.exists()
