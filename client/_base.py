@@ -208,9 +208,12 @@ class BaseClient(abc.ABC, Generic[H, W]):
             with contextlib.ExitStack() as stack:  # closed here on a failure or a cancellation
                 sources = yield from self._share_videos(stack, videos, layout)
                 audios = yield from blocking(
-                    self._share_audio, stack, options["audio"], options["audio_sample_rate"],
+                    self._share_audio,
+                    stack,
+                    options["audio"],
+                    options["audio_sample_rate"],
                     len(paths),
-                )  # fmt: skip
+                )
                 results = yield from sent(self._encode_call(sources, audios, paths, options))
                 return (yield from blocking(self._end_save, stack, results))
         except NotShareable:

@@ -84,8 +84,19 @@ class Client(BaseClient[httpx.Client, VideoWriter], Closing):
         until the worker has answered. Work queued on the current CUDA stream is
         waited for first. ``encoder``: the identity the bytes must come from (docs/api.md).
         """
-        options = save_options(fps, quality, preset, threads, audio, audio_sample_rate,
-                               profile, value_range, presign_s, validate, encoder)  # fmt: skip
+        options = save_options(
+            fps,
+            quality,
+            preset,
+            threads,
+            audio,
+            audio_sample_rate,
+            profile,
+            value_range,
+            presign_s,
+            validate,
+            encoder,
+        )
         return self._run(self._save_plan(videos, paths, options, layout))
 
     def save_video(self, video: Any, path: str | os.PathLike[str], **kw: Any) -> OutputResult:
@@ -117,8 +128,19 @@ class Client(BaseClient[httpx.Client, VideoWriter], Closing):
         ``live=True`` asks for a live view: ``writer.watch_url`` (after the first write)
         is a page that plays the video as it is encoded, ``writer.hls_url`` the same as
         HLS for any player; the file's bytes stay the same."""
-        options = save_options(fps, quality, preset, threads, audio, audio_sample_rate,
-                               profile, value_range, presign_s, validate, encoder)  # fmt: skip
+        options = save_options(
+            fps,
+            quality,
+            preset,
+            threads,
+            audio,
+            audio_sample_rate,
+            profile,
+            value_range,
+            presign_s,
+            validate,
+            encoder,
+        )
         return self._writer(path, options, layout, live=live)
 
     def decode_reference(
@@ -141,8 +163,15 @@ class Client(BaseClient[httpx.Client, VideoWriter], Closing):
         then :class:`Unavailable`). Relative paths are taken from this process's
         working directory; ``decoder``: the ffmpeg they must come from. Close the result.
         """
-        request = make_request(path, fps=fps, width=width, height=height, start=start,
-                               max_frames=max_frames, decoder=decoder)  # fmt: skip
+        request = make_request(
+            path,
+            fps=fps,
+            width=width,
+            height=height,
+            start=start,
+            max_frames=max_frames,
+            decoder=decoder,
+        )
         return self._run(self._decode_plan(request, local_fallback))
 
     def close(self) -> None:
@@ -201,8 +230,19 @@ class AsyncClient(BaseClient[httpx.AsyncClient, AsyncVideoWriter]):
         encoder: str | None = None,
         layout: Layout | str | None = None,
     ) -> list[OutputResult]:
-        options = save_options(fps, quality, preset, threads, audio, audio_sample_rate,
-                               profile, value_range, presign_s, validate, encoder)  # fmt: skip
+        options = save_options(
+            fps,
+            quality,
+            preset,
+            threads,
+            audio,
+            audio_sample_rate,
+            profile,
+            value_range,
+            presign_s,
+            validate,
+            encoder,
+        )
         return await self._run(self._save_plan(videos, paths, options, layout))
 
     @twin(Client.save_video)
@@ -228,8 +268,19 @@ class AsyncClient(BaseClient[httpx.AsyncClient, AsyncVideoWriter]):
         layout: Layout | str | None = None,
         live: bool = False,
     ) -> AsyncVideoWriter:
-        options = save_options(fps, quality, preset, threads, audio, audio_sample_rate,
-                               profile, value_range, presign_s, validate, encoder)  # fmt: skip
+        options = save_options(
+            fps,
+            quality,
+            preset,
+            threads,
+            audio,
+            audio_sample_rate,
+            profile,
+            value_range,
+            presign_s,
+            validate,
+            encoder,
+        )
         return self._writer(path, options, layout, live=live)
 
     @twin(Client.decode_reference)
@@ -245,8 +296,15 @@ class AsyncClient(BaseClient[httpx.AsyncClient, AsyncVideoWriter]):
         local_fallback: bool = True,
         decoder: str | None = None,
     ) -> ReferenceFrames:
-        request = make_request(path, fps=fps, width=width, height=height, start=start,
-                               max_frames=max_frames, decoder=decoder)  # fmt: skip
+        request = make_request(
+            path,
+            fps=fps,
+            width=width,
+            height=height,
+            start=start,
+            max_frames=max_frames,
+            decoder=decoder,
+        )
         return await self._run(self._decode_plan(request, local_fallback))
 
     async def aclose(self) -> None:

@@ -102,8 +102,11 @@ class LocalFallback:
         ]
 
     def open(
-        self, exc: Unavailable, path: str | os.PathLike[str], options: dict[str, Any],
+        self,
+        exc: Unavailable,
+        path: str | os.PathLike[str],
+        options: dict[str, Any],
         first: Frames,
-    ) -> LocalStream:  # fmt: skip
+    ) -> LocalStream:
         _here(exc, [path])
         return self._take(exc).open(path, options, first)

@@ -53,8 +53,9 @@ class DeferredReleases:
                 share.release()
                 return
         except Exception as exc:
-            log.warning("could not have the worker let go of CUDA share %s: %s",
-                        share.share_id, exc)  # fmt: skip
+            log.warning(
+                "could not have the worker let go of CUDA share %s: %s", share.share_id, exc
+            )
         log.warning(
             "kept the GPU memory of CUDA share %s out of reuse: its call ended without an "
             "answer and the worker did not confirm it stopped reading it",

@@ -76,8 +76,15 @@ def decode_reference_shared(
     import torch.distributed as dist
 
     def one_rank() -> ReferenceFrames:
-        request = make_request(path, fps=fps, width=width, height=height, start=start,
-                               max_frames=max_frames, decoder=decoder)  # fmt: skip
+        request = make_request(
+            path,
+            fps=fps,
+            width=width,
+            height=height,
+            start=start,
+            max_frames=max_frames,
+            decoder=decoder,
+        )
         if client is not None:
             return client._fetch(request, local_fallback)  # its fd socket, its worker's user
         return fetch(request, local_fallback=local_fallback)

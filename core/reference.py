@@ -222,8 +222,15 @@ def decode_reference(
     is a socket served by another user than the worker's (``worker_uid``, else
     FRAMEWIRE_WORKER_UID, else this process's: ``worker_not_trusted``).
     """
-    request = make_request(path, fps=fps, width=width, height=height, start=start,
-                           max_frames=max_frames, decoder=decoder)  # fmt: skip
+    request = make_request(
+        path,
+        fps=fps,
+        width=width,
+        height=height,
+        start=start,
+        max_frames=max_frames,
+        decoder=decoder,
+    )
     return fetch(
         request, fd_socket, local_fallback=local_fallback, timeout=timeout, worker_uid=worker_uid
     )

@@ -112,9 +112,11 @@ def _diag_owner(local: tuple[Address, int], remote: tuple[Address, int]) -> int 
         )
     else:
         family, src, dst = socket.AF_INET6, _as_v6(local[0]).packed, _as_v6(remote[0]).packed
-    body = (_REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0xFFFFFFFF)
-            + _SOCKID.pack(local[1], remote[1], src, dst)
-            + _TAIL.pack(0, _NO_COOKIE, _NO_COOKIE))  # fmt: skip
+    body = (
+        _REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0xFFFFFFFF)
+        + _SOCKID.pack(local[1], remote[1], src, dst)
+        + _TAIL.pack(0, _NO_COOKIE, _NO_COOKIE)
+    )
     with socket.socket(
         socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, _SOCK_DIAG
     ) as nl:

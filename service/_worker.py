@@ -82,8 +82,11 @@ class Worker:
             log.info(
                 "made %s (a default root: FRAMEWIRE_OUTPUT_ROOTS, FRAMEWIRE_INPUT_ROOTS)", root
             )
-        log.info("outputs go under %s; inputs are read from under %s",
-                 ", ".join(settings.output_roots), ", ".join(settings.input_roots))  # fmt: skip
+        log.info(
+            "outputs go under %s; inputs are read from under %s",
+            ", ".join(settings.output_roots),
+            ", ".join(settings.input_roots),
+        )
         held: list[Path] = []
         swept = remove_stale_temps(settings.output_roots, held=held)
         for path in swept + spool.sweep(settings.output_roots):
@@ -155,8 +158,11 @@ def _remove_when_released(held: list[Path]) -> None:
             return
         if time.monotonic() > deadline:
             for path in held:
-                log.warning("%s is still held, by a child of a killed worker or by a worker "
-                            "whose pid this one cannot see: left to its holder, or to the next "
-                            "start", path)  # fmt: skip
+                log.warning(
+                    "%s is still held, by a child of a killed worker or by a worker "
+                    "whose pid this one cannot see: left to its holder, or to the next "
+                    "start",
+                    path,
+                )
             return
         time.sleep(HELD_POLL_S)

@@ -109,8 +109,12 @@ class FdRegions(Closing):
             self._conn, self.instance = self._connect()
             for held in self._held:
                 name = _new_name()
-                message = {"op": "register", "name": name, "offset": held.offset,
-                           "byte_size": held.byte_size}  # fmt: skip
+                message = {
+                    "op": "register",
+                    "name": name,
+                    "offset": held.offset,
+                    "byte_size": held.byte_size,
+                }
                 self._checked(self._conn, message, held.fd)
                 held.name = name
         except Unavailable:
@@ -155,8 +159,12 @@ class FdRegions(Closing):
         """Region over ``byte_size`` bytes at ``offset`` of ``fd`` (which stays the caller's)."""
         held = Registration(_new_name(), fd, offset, byte_size)
         try:
-            message = {"op": "register", "name": held.name, "offset": offset,
-                       "byte_size": byte_size}  # fmt: skip
+            message = {
+                "op": "register",
+                "name": held.name,
+                "offset": offset,
+                "byte_size": byte_size,
+            }
             self._call(message, fd)
         except BaseException:
             held.close()

@@ -29,8 +29,16 @@ def memfds_open() -> int:
 
 # The settings exported as framewire_limit{setting}, so that alerts can read a gauge's
 # share of its bound rather than a threshold copied from the defaults.
-LIMITS = ("cpu_slots", "max_queue", "max_streams", "max_viewers", "max_regions",
-          "decode_cache_bytes", "max_held_outputs", "held_output_bytes")  # fmt: skip
+LIMITS = (
+    "cpu_slots",
+    "max_queue",
+    "max_streams",
+    "max_viewers",
+    "max_regions",
+    "decode_cache_bytes",
+    "max_held_outputs",
+    "held_output_bytes",
+)
 
 
 class Metrics:

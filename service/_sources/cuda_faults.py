@@ -71,16 +71,20 @@ class CudaHealth:
         """What a CUDA error on ``index`` is answered with; a sticky one marks it."""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if type(exc).__name__ == "OutOfMemoryError":
-            return Overloaded(f"GPU cuda:{index} is out of memory: {first}",
-                              code="gpu_out_of_memory")  # fmt: skip
+            return Overloaded(
+                f"GPU cuda:{index} is out of memory: {first}", code="gpu_out_of_memory"
+            )
         if any(s in str(exc).lower() for s in STICKY):
             with self._lock:
                 known = index in self._lost
                 self._lost.setdefault(index, first)
             if not known:
-                log.error("GPU cuda:%d is unusable from now on (%s): CUDA requests for it "
-                          "are refused and /healthz answers 503 until the worker restarts",
-                          index, first)  # fmt: skip
+                log.error(
+                    "GPU cuda:%d is unusable from now on (%s): CUDA requests for it "
+                    "are refused and /healthz answers 503 until the worker restarts",
+                    index,
+                    first,
+                )
         return FramewireError(f"CUDA failed on cuda:{index}: {first}", code="cuda_error")
 
     def clear(self) -> None:
