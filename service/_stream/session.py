@@ -22,6 +22,17 @@ def not_open(session_id: str, state: str) -> Conflict:
     return Conflict(f"stream {session_id} is {state}", code="stream_closed")
 
 
+def ended_by(exc: BaseException) -> tuple[str, FramewireError]:
+    """The cause (``client``: cancelled; ``error``) and the error a session that ``exc``
+    ended is left with: a fault of no known kind is an ``internal`` one."""
+    cause = "client" if isinstance(exc, Cancelled | asyncio.CancelledError) else "error"
+    if isinstance(exc, FramewireError):
+        return cause, exc
+    if isinstance(exc, asyncio.CancelledError):
+        return cause, Cancelled("the request was cancelled")
+    return cause, FramewireError(f"internal error: {type(exc).__name__}")
+
+
 @dataclass(eq=False)
 class Session:
     id: str

@@ -32,7 +32,6 @@ from pathlib import Path
 
 from framewire.core.errors import (
     BadRequest,
-    Cancelled,
     FramewireError,
     NotFound,
     Overloaded,
@@ -54,7 +53,7 @@ from framewire.service._sources.frames import Geometry
 from framewire.service._store.handoff import MemoryTarget
 from framewire.service._stream.live import EndedViews, LiveFeed, ViewerSlots, check_live_profile
 from framewire.service._stream.misfit import refuse_misfit
-from framewire.service._stream.session import Session, not_open
+from framewire.service._stream.session import Session, ended_by, not_open
 from framewire.service._stream.start import start
 
 log = logging.getLogger("framewire.streams")
@@ -120,8 +119,14 @@ class Sessions:
         self._owners[session.id] = access.owner("a stream session")
         if spec.live:
             rate, s = profile_rate(params.profile, params.fps), self.settings
-            session.live = LiveFeed(session.id, self.metrics, self.viewer_slots,
-                                    s.live_grace_s, rate, s.live_history_bytes)  # fmt: skip
+            session.live = LiveFeed(
+                session.id,
+                self.metrics,
+                self.viewer_slots,
+                s.live_grace_s,
+                rate,
+                s.live_history_bytes,
+            )
         self._open[session.id] = session
         self.metrics.streams_open.set(len(self._open))
         log.info("stream opened for %s", session.shown, extra={"stream_id": session.id})
@@ -309,7 +314,7 @@ class Sessions:
         if session.aborted_by is not None:
             await self._end(session, "aborted", session.aborted_by, None)
         else:
-            await self._end(session, "failed", _cause(exc), _as_error(exc))
+            await self._end(session, "failed", *ended_by(exc))
 
     async def _end(
         self,
@@ -341,8 +346,8 @@ class Sessions:
         fields: dict[str, object] = {"stream_id": session.id, "frames": session.received}
         if error is not None:
             fields["code"] = error.code
-        log.info("stream %s for %s%s", state, session.shown, f" ({cause})" if cause else "",
-                 extra=fields)  # fmt: skip
+        ended = f" ({cause})" if cause else ""
+        log.info("stream %s for %s%s", state, session.shown, ended, extra=fields)
 
     # --- idle sessions, shutdown ---------------------------------------------------------------
 
@@ -380,17 +385,3 @@ class Sessions:
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
-
-
-def _as_error(exc: BaseException) -> FramewireError:
-    if isinstance(exc, FramewireError):
-        return exc
-    if isinstance(exc, asyncio.CancelledError):
-        return Cancelled("the request was cancelled")
-    return FramewireError(f"internal error: {type(exc).__name__}")
-
-
-def _cause(exc: BaseException) -> str:
-    if isinstance(exc, Cancelled | asyncio.CancelledError):
-        return "client"
-    return "error"
