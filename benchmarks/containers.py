@@ -166,4 +166,3 @@ def cpu_weight(podman: Podman, name: str) -> str:
     """The worker container's CPU weight as the kernel applies it (v1 shares, v2 weight)."""
     read = "cat /sys/fs/cgroup/cpu.weight 2>/dev/null || cat /sys/fs/cgroup/cpu/cpu.shares"
     return podman("exec", name, "sh", "-c", read).stdout.strip()
-

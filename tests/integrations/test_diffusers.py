@@ -158,9 +158,11 @@ def test_each_version_routes_and_leaves_a_drifted_function(version, shared, tmp_
         "diffusers:engine:a diffusers version or export_to_video not verified": 1
     }
     [said] = warnings(drifted["log"])
-    assert f"diffusers {version}: diffusers.utils.export_utils.export_to_video has the " \
-        "parameters (video_frames, output_video_path=None, fps=10, quality=5.0, bitrate=None, " \
+    assert (
+        f"diffusers {version}: diffusers.utils.export_utils.export_to_video has the "
+        "parameters (video_frames, output_video_path=None, fps=10, quality=5.0, bitrate=None, "
         "macro_block_size=16, audio=None)" in said
+    )
 
 
 def test_a_version_outside_the_range_is_left_to_diffusers(shared, tmp_path):

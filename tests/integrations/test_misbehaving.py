@@ -91,8 +91,10 @@ def test_a_misbehaving_worker_leaves_the_engine_its_bytes(engine, fault, worker,
         # the encode fails as vLLM-omni's own encoder fails one; the one-shot encode runs
         # vLLM-omni's own.
         error = results.pop("wan-ultrafast")["error"]
-        assert error == "RuntimeError: framewire: the encode failed: [output_mismatch] the " \
+        assert (
+            error == "RuntimeError: framewire: the encode failed: [output_mismatch] the "
             "bytes the worker sent back do not have its sha256"
+        )
         assert counts.pop("vllm-omni:failed:the worker's output did not check out") == 1
         expected = {k: v for k, v in expected.items() if k != "wan-ultrafast"}
     assert results == expected

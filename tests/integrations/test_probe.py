@@ -14,7 +14,7 @@ import pytest
 from framewire.integrations import _probe
 from framewire.integrations._probe import Engine, Probe, Target, signature, source_file
 
-SOURCE = '''
+SOURCE = """
 import does_not_exist  # never imported: the probe reads, it does not run
 
 def plain(a, b=1, *args, c, d="x", **kw) -> int: ...
@@ -32,7 +32,7 @@ class Encoder:
 def plain(a, b=2): ...  # the last definition is the module's
 
 value = 3
-'''
+"""
 
 
 @pytest.fixture

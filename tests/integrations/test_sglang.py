@@ -254,8 +254,10 @@ def test_each_version_routes_what_it_verified_and_leaves_a_drifted_target(
     said = warnings(drifted["log"])
     assert len(said) == 2 and all(f"SGLang {version}: " in line for line in said), said
     assert "_try_save_cuda_video_direct is missing" in said[0]
-    assert "_try_save_cuda_videos_direct has the parameters (samples, save_file_paths, *, " \
+    assert (
+        "_try_save_cuda_videos_direct has the parameters (samples, save_file_paths, *, "
         "parallelism=2" in said[1]
+    )
     if version == "0.5.21":  # nothing else to hook: every save is SGLang's own
         assert drifted["counts"] == {}
     else:  # the materialized frames go through _save_video_ffmpeg, still hooked

@@ -107,8 +107,12 @@ def enter_sglang() -> None:
          set_forward_context=lambda **kw: contextlib.nullcontext())  # fmt: skip
     # envs reads the platform override only here; the real one imports zmq and more.
     override = os.environ.get("SGLANG_DIFFUSION_PLATFORM_OVERRIDE", "cpu")
-    stub("sglang.multimodal_gen.envs", SGLANG_DIFFUSION_PLATFORM_OVERRIDE=override,
-         SGLANG_DIFFUSION_LOGGING_LEVEL="INFO", SGLANG_DIFFUSION_LOGGING_PREFIX="")
+    stub(
+        "sglang.multimodal_gen.envs",
+        SGLANG_DIFFUSION_PLATFORM_OVERRIDE=override,
+        SGLANG_DIFFUSION_LOGGING_LEVEL="INFO",
+        SGLANG_DIFFUSION_LOGGING_PREFIX="",
+    )
 
 
 def _clip(seed: int, t: int, h: int, w: int, dtype: str, spread: float = 1.0) -> Any:

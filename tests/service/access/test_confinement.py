@@ -259,8 +259,6 @@ def make_segment(clip, owner: int) -> str:
     return key
 
 
-
-
 @needs_root
 @pytest.mark.parametrize("transport", ["unix", "tcp"])
 def test_a_caller_cannot_have_the_worker_read_what_it_may_not(worker, transport, tmp_path):

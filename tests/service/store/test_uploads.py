@@ -280,9 +280,7 @@ def test_sigterm_during_an_upload_lets_it_finish_within_the_grace(workers, moto,
     assert framewire_temps(w.outputs) == []
 
 
-def test_without_credentials_an_upload_is_store_denied_and_nothing_is_left(
-    workers, moto, segments
-):
+def test_without_credentials_an_upload_is_store_denied_and_nothing_is_left(workers, moto, segments):
     env = store_env(moto.endpoint)
     del env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
     w = workers.start(*ARGS, "--log-level", "debug", env=env)
