@@ -37,6 +37,10 @@ log = logging.getLogger("framewire.worker")
 # holds it (an ffmpeg flushing what it had on its closed stdin) to exit.
 HELD_WATCH_S, HELD_POLL_S = 60.0, 0.1
 REMOVED = "removed %s, left by a worker that was killed"  # by the start's sweep or the watch
+UNMADE = (
+    "cannot make %s (%s), a default root (FRAMEWIRE_OUTPUT_ROOTS, FRAMEWIRE_INPUT_ROOTS): "
+    "nothing under it is served until it exists; memory:// outputs need no root"
+)
 
 
 class Worker:
@@ -78,10 +82,13 @@ class Worker:
             if name not in settings.model_fields_set
             for root in getattr(settings, name)
         ]
-        for root in make_missing_roots(defaults):
+        made, unmade = make_missing_roots(defaults)
+        for root in made:
             log.info(
                 "made %s (a default root: FRAMEWIRE_OUTPUT_ROOTS, FRAMEWIRE_INPUT_ROOTS)", root
             )
+        for root, why in unmade.items():
+            log.warning(UNMADE, root, why)  # served anyway: a missing root is a 503
         log.info(
             "outputs go under %s; inputs are read from under %s",
             ", ".join(settings.output_roots),

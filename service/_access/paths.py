@@ -57,16 +57,22 @@ def _real_root(root: str) -> str:
     return os.path.realpath(root)
 
 
-def make_missing_roots(roots: list[str]) -> list[str]:
+def make_missing_roots(roots: list[str]) -> tuple[list[str], dict[str, str]]:
     """Make each of ``roots`` that is missing, as the worker's user makes any directory;
-    returns those made. Only for roots left at their defaults: a root that was set must
-    exist already (a mistyped path is not made)."""
-    made = []
+    returns those made, and why each that could not be was not (a read-only working
+    directory, a file of that name). Only for roots left at their defaults: a root that
+    was set must exist already (a mistyped path is not made)."""
+    made: list[str] = []
+    unmade: dict[str, str] = {}
     for root in roots:
         if not os.path.isdir(root):
-            os.makedirs(root, mode=0o755, exist_ok=True)
+            try:
+                os.makedirs(root, mode=0o755, exist_ok=True)
+            except OSError as exc:
+                unmade[root] = exc.strerror or str(exc)
+                continue
             made.append(root)
-    return made
+    return made, unmade
 
 
 def real_roots(roots: list[str]) -> list[str]:
@@ -118,8 +124,19 @@ def resolve_output(raw: str, roots: list[str]) -> Path:
     except FileNotFoundError:
         pass
     except OSError as exc:  # a name too long, or a "directory" that is a file
+        root = next(r for r in real_roots(roots) if _under(parent, r))
+        if not os.path.isdir(root):  # the operator's to mend, not the caller's
+            raise root_missing(root, "not a directory") from exc
         raise BadRequest(f"output path {raw!r}: {exc.strerror}", code="bad_path") from exc
     return target
+
+
+def root_missing(root: str, why: str) -> Unavailable:
+    return Unavailable(
+        f"the output root {root!r} cannot be opened ({why}): it was removed or unmounted "
+        "under the worker, or never made",
+        code="output_root_missing",
+    )
 
 
 def _check_target(mode: int, raw: str) -> None:
@@ -155,11 +172,7 @@ def open_output_dir(
     try:
         fd = os.open(root, DIR_FLAGS)
     except OSError as exc:
-        raise Unavailable(
-            f"the output root {root!r} cannot be opened ({exc.strerror}): it was removed "
-            "or unmounted under the worker",
-            code="output_root_missing",
-        ) from exc
+        raise root_missing(root, exc.strerror or str(exc)) from exc
     try:
         at = Path(root)
         for part in Path(parent).relative_to(root).parts:

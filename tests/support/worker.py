@@ -96,20 +96,27 @@ def start_worker(
     cwd: Path | None = None,
     yielding: bool = False,
     new_session: bool = False,
+    default_roots: bool = False,
 ) -> Worker:
     """A worker serving ``root``'s outputs and inputs; ``new_session``: started in a session
-    of its own, as a service manager starts it (a fresh interpreter, not a fork)."""
+    of its own, as a service manager starts it (a fresh interpreter, not a fork);
+    ``default_roots``: the roots left at their defaults, made by the worker in ``root``
+    (its working directory)."""
     outputs, inputs = root / "outputs", root / "inputs"
     if not yielding:
         env = NOT_YIELDING | dict(os.environ if env is None else env)
-    outputs.mkdir(parents=True, exist_ok=True)
-    inputs.mkdir(parents=True, exist_ok=True)
+    roots = ["--output-roots", str(outputs), "--input-roots", str(inputs)]
+    if default_roots:
+        root.mkdir(parents=True, exist_ok=True)
+        roots, cwd = [], root
+    else:
+        outputs.mkdir(parents=True, exist_ok=True)
+        inputs.mkdir(parents=True, exist_ok=True)
     port, uds, log = free_port(), root / "api.sock", root / "worker.log"
     cmd = [
         sys.executable, "-P", "-m", "framewire.service", "serve",
         "--port", str(port), "--uds", str(uds), "--fd-socket", str(root / "fd.sock"),
-        "--output-roots", str(outputs), "--input-roots", str(inputs),
-        "--log-level", "warning", *args,
+        *roots, "--log-level", "warning", *args,
     ]  # fmt: skip
     proc: subprocess.Popen[bytes] | Forked
     forks = zygote() if FORK and not new_session else None
@@ -160,8 +167,16 @@ class Workers:
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
         yielding: bool = False,
+        default_roots: bool = False,
     ) -> Worker:
-        worker = start_worker(root or self._new_root(), *args, env=env, cwd=cwd, yielding=yielding)
+        worker = start_worker(
+            root or self._new_root(),
+            *args,
+            env=env,
+            cwd=cwd,
+            yielding=yielding,
+            default_roots=default_roots,
+        )
         self.started.append(worker)
         return worker
 

@@ -172,3 +172,22 @@ def test_memory_outputs_need_no_writable_output_root(workers):
     assert writer.result is not None and writer.result.data is not None
     assert held.data is not None and hashlib.sha256(writer.result.data).hexdigest() == held.sha256
     assert not w.outputs.exists()
+
+
+def test_a_default_output_root_that_cannot_be_made_leaves_the_worker_serving(workers, tmp_path):
+    """A worker started where its default output root cannot be made (a read-only working
+    directory; here a file of that name) says so and serves: memory outputs, which need
+    no root, are taken; a file output there is refused."""
+    root = tmp_path / "w"
+    root.mkdir()
+    (root / "outputs").write_bytes(b"")
+    w = workers.start("--log-level", "info", root=root, default_roots=True)
+    assert f"cannot make {root / 'outputs'} (File exists)" in w.log.read_text()
+    clip = make_clip(frames=4, height=48, width=64, seed=8)
+    with Client(w.uds_url, fd_socket=w.fd_socket) as fw:
+        [held] = fw.save_videos([clip], ["memory://a.mp4"], fps=24)
+        with pytest.raises(FramewireError) as no_root:
+            fw.save_video(clip, "a.mp4", fps=24)
+    assert held.data is not None and hashlib.sha256(held.data).hexdigest() == held.sha256
+    assert (no_root.value.status, no_root.value.code) == (503, "output_root_missing")
+    assert (root / "outputs").read_bytes() == b"" and (root / "inputs").is_dir()
