@@ -203,8 +203,8 @@ def atomic_output(directory: int, name: str, *, durable: bool = True) -> Iterato
 
 
 def refuse_directory(directory: int, path: Path) -> None:
-    """Refuse (400) an output whose name in ``directory`` is a directory's (none has an
-    output of NO_DIRECTORY's)."""
+    """Refuse (400) an output whose name in ``directory`` names a directory there; one
+    with no directory (NO_DIRECTORY) has nothing to refuse."""
     if directory == NO_DIRECTORY:
         return
     with contextlib.suppress(FileNotFoundError):
