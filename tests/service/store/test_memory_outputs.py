@@ -181,7 +181,7 @@ def test_a_default_output_root_that_cannot_be_made_leaves_the_worker_serving(wor
     root = tmp_path / "w"
     root.mkdir()
     (root / "outputs").write_bytes(b"")
-    w = workers.start("--log-level", "info", root=root, default_roots=True)
+    w = workers.start(root=root, default_roots=True)
     assert f"cannot make {root / 'outputs'} (File exists)" in w.log.read_text()
     clip = make_clip(frames=4, height=48, width=64, seed=8)
     with Client(w.uds_url, fd_socket=w.fd_socket) as fw:
