@@ -51,6 +51,11 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
+def _root_of(path: str, roots: list[str]) -> str | None:
+    """The real root that the real path ``path`` lies under; None if none."""
+    return next((r for r in real_roots(roots) if _under(path, r)), None)
+
+
 @functools.lru_cache(maxsize=64)
 def _real_root(root: str) -> str:
     # Roots are configuration: resolved once, not on every request.
@@ -103,7 +108,8 @@ def resolve_output(raw: str, roots: list[str]) -> Path:
     if path.name in ("", ".", ".."):
         raise BadRequest(f"output path {raw!r} names no file", code="bad_path")
     parent = _realpath(path.parent, raw)
-    if not any(_under(parent, r) for r in real_roots(roots)):
+    root = _root_of(parent, roots)
+    if root is None:
         raise Forbidden(
             f"output path {raw!r} is outside the output roots", code="path_outside_roots"
         )
@@ -124,14 +130,13 @@ def resolve_output(raw: str, roots: list[str]) -> Path:
     except FileNotFoundError:
         pass
     except OSError as exc:  # a name too long, or a "directory" that is a file
-        root = next(r for r in real_roots(roots) if _under(parent, r))
         if not os.path.isdir(root):  # the operator's to mend, not the caller's
-            raise root_missing(root, "not a directory") from exc
+            raise _root_missing(root, "not a directory") from exc
         raise BadRequest(f"output path {raw!r}: {exc.strerror}", code="bad_path") from exc
     return target
 
 
-def root_missing(root: str, why: str) -> Unavailable:
+def _root_missing(root: str, why: str) -> Unavailable:
     return Unavailable(
         f"the output root {root!r} cannot be opened ({why}): it was removed or unmounted "
         "under the worker, or never made",
@@ -168,11 +173,12 @@ def open_output_dir(
     succeeds lets go of them (``keep_made``).
     """
     parent = str(target.parent)
-    root = next(r for r in real_roots(roots) if _under(parent, r))
+    root = _root_of(parent, roots)
+    assert root is not None, "a target resolve_output judged lies under a root"
     try:
         fd = os.open(root, DIR_FLAGS)
     except OSError as exc:
-        raise root_missing(root, exc.strerror or str(exc)) from exc
+        raise _root_missing(root, exc.strerror or str(exc)) from exc
     try:
         at = Path(root)
         for part in Path(parent).relative_to(root).parts:
