@@ -120,6 +120,7 @@ class Client(BaseClient[httpx.Client, VideoWriter], Closing):
         encoder: str | None = None,
         layout: Layout | str | None = None,
         live: bool = False,
+        ahead: bool = True,
     ) -> VideoWriter:
         """A writer for one video made chunk by chunk: ``write`` each chunk as it is
         generated, then ``close`` for the result (or ``abort``). Use it as a context
@@ -127,7 +128,10 @@ class Client(BaseClient[httpx.Client, VideoWriter], Closing):
         The file is byte-identical to :meth:`save_video` of the concatenated frames.
         ``live=True`` asks for a live view: ``writer.watch_url`` (after the first write)
         is a page that plays the video as it is encoded, ``writer.hls_url`` the same as
-        HLS for any player; the file's bytes stay the same."""
+        HLS for any player; the file's bytes stay the same. ``ahead=False``: a chunk is
+        answered at the encoder's pace, not once converted into the worker's frames
+        ahead of it, for a producer that has its own backpressure; (T, H, W, 3) uint8
+        chunks then reach the encoder from the chunk buffer, never copied by the worker."""
         options = save_options(
             fps,
             quality,
@@ -141,7 +145,7 @@ class Client(BaseClient[httpx.Client, VideoWriter], Closing):
             validate,
             encoder,
         )
-        return self._writer(path, options, layout, live=live)
+        return self._writer(path, options, layout, live=live, ahead=ahead)
 
     def decode_reference(
         self,
@@ -267,6 +271,7 @@ class AsyncClient(BaseClient[httpx.AsyncClient, AsyncVideoWriter]):
         encoder: str | None = None,
         layout: Layout | str | None = None,
         live: bool = False,
+        ahead: bool = True,
     ) -> AsyncVideoWriter:
         options = save_options(
             fps,
@@ -281,7 +286,7 @@ class AsyncClient(BaseClient[httpx.AsyncClient, AsyncVideoWriter]):
             validate,
             encoder,
         )
-        return self._writer(path, options, layout, live=live)
+        return self._writer(path, options, layout, live=live, ahead=ahead)
 
     @twin(Client.decode_reference)
     async def decode_reference(

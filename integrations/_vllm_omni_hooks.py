@@ -167,7 +167,9 @@ class ChunkedMP4Encoder:
         vLLM-omni's own encoder takes over (False): no chunk went anywhere yet."""
         writer: VideoWriter | None = None
         try:
-            writer = WORKER.client().open_video(MEMORY, **self._save)
+            # At the encoder's pace, as vLLM-omni's own (two chunks pending): the chunks
+            # then go to the encoder from the client's buffer, not copied by the worker.
+            writer = WORKER.client().open_video(MEMORY, ahead=False, **self._save)
             writer.write(first)
             writer.flush()  # taken by the worker: from here on the chunks are its
         except Exception as exc:  # no worker, another PyAV, or framewire's own failure

@@ -203,11 +203,13 @@ def write_frames(
     through a stream session, CHUNK_FRAMES at a time, each frame written by ``into``
     into one chunk reused for every group (the writer has copied a chunk when ``write``
     returns): the list is never stacked whole and no frame's conversion allocates (the
-    bytes are save_video's of the stack); the output checked."""
+    bytes are save_video's of the stack); the output checked. Every frame exists already:
+    the worker holds none ahead (``ahead=False``), and takes each chunk from the chunk
+    buffer as it is (never copied there)."""
     first = np.asarray(frames[0])  # a PIL image's conversion is a copy: made once
     shape = first.shape
     chunk = np.empty((min(CHUNK_FRAMES, len(frames)), *shape), np.uint8)
-    with WORKER.client().open_video(target, layout="THWC", **options) as writer:
+    with WORKER.client().open_video(target, layout="THWC", ahead=False, **options) as writer:
         for t0 in range(0, len(frames), CHUNK_FRAMES):
             group = frames[t0 : t0 + CHUNK_FRAMES]
             for i, f in enumerate(group):

@@ -56,9 +56,10 @@ class Staging(Closing):
         self.pinned_on: object = None  # the CUDA device it is page-locked for, once it is
         self._before_close: list[Callable[[], None]] = []
         self._sent = [0] * slots
-        # Bytes whose sends completed, in all; and that count when each slot's last send
-        # completed (None: taken since, its send not known to be over). Told by the
-        # sending thread (``sent``); read by the punch and by ``pump.PipeDrain``.
+        # Bytes whose sends into the pipe completed, in all (a slot's, or a producer's sent
+        # as they are); and that count when each slot's last send completed (None: taken
+        # since, its send not known to be over). Told by the sending thread (``sent``,
+        # ``pump.PipeDrain.passed``); read by the punch and by ``pump.PipeDrain``.
         self.written = 0
         self.ends: list[int | None] = [0] * slots
         self._kept = kept

@@ -163,6 +163,25 @@ class PipeDrain:
             self.staging.sent(slot, nbytes)
             self._cond.notify_all()
 
+    def passed(self, nbytes: int) -> None:
+        """``nbytes`` sent from elsewhere than a slot completed: they push the slots' last
+        sends further out of the pipe (``Staging.written`` counts every byte sent)."""
+        with self._cond:
+            self.staging.written += nbytes
+            self._cond.notify_all()
+
+    def empty(self, check: Callable[[], None]) -> None:
+        """Until the reader has consumed every byte in the pipe; ``check`` between looks."""
+        with self._cond:
+            while not self._stopped:
+                if pipe_unread(self.fd) == 0:
+                    return
+                if reader_gone(self.fd):
+                    raise FfmpegExited("ffmpeg closed its input early")
+                check()
+                self._cond.wait(DRAIN_POLL_S)
+        raise PumpStopped("the pump stopped")
+
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
@@ -271,6 +290,20 @@ class Pump(Closing):
         if wait or reader_gone(self.pipe.fd):
             self.flush()
         return converted
+
+    def send_uncopied(self, fd: int, offset: int, nbytes: int, check: Callable[[], None]) -> None:
+        """Send ``nbytes`` at ``offset`` of ``fd`` (rgb24 frames in shared memory: nothing to
+        convert) into the pipe as they are, after everything converted before them.
+        Returns once the reader has consumed them all: a pipe holds references to the
+        pages it was sent, not copies, so the producer may write them again only then."""
+        self.flush()
+        try:
+            self.pipe.send_file(fd, offset, nbytes, check)
+            self.drain.passed(nbytes)
+            self.drain.empty(check)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
 
     def flush(self) -> None:
         """Until every converted byte is in the pipe; raises a send's failure."""

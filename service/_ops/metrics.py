@@ -100,6 +100,10 @@ class Metrics:
         self.stream_bytes = counter(
             "framewire_stream_bytes", "Source bytes read into stream sessions"
         )
+        self.stream_uncopied_bytes = counter(
+            "framewire_stream_uncopied_bytes",
+            "Stream chunks' bytes the encoder read from the producer's pages",
+        )
         self.stream_aborts = counter(
             "framewire_stream_aborts",
             "Stream sessions that ended without a file, by cause",

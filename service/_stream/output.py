@@ -5,12 +5,14 @@ encode, in the same order, so the file is byte-identical to an encode of the
 concatenated frames whatever the chunking. The differences, because a chunk's
 buffer is the producer's again once its request is answered:
 
-- Frames always go through staging, never straight from the source's pages
-  (a one-shot encode's zero-copy ``sendfile`` from a segment leaves the pipe
-  holding references to pages the producer would then overwrite).
 - A chunk is answered once converted into the output's staging (up to
   ``ahead_bytes`` of it ahead of ffmpeg), not once ffmpeg read it: the producer's
   next chunk is made while x264 works on this one.
+- With nothing ahead (``ahead_bytes`` 0), a chunk is answered at the encoder's
+  pace: once its pipe took it, or, for rgb24 frames in shared memory, once the
+  encoder has read them all, since those are ``sendfile``d from the producer's
+  pages (never copied in the worker) and the pipe holds references to those
+  pages, which the producer overwrites once answered.
 - There is no fallback route: the frames already sent exist
   nowhere else any more. A failed ffmpeg fails the session.
 """
@@ -85,15 +87,22 @@ class StreamOutput(Closing):
             self.abort()
             raise
 
-    def feed(self, source: FrameSource, check: Callable[[], None]) -> None:
+    def feed(self, source: FrameSource, check: Callable[[], None]) -> bool:
         """Convert all of ``source``'s frames; when this returns, ``source`` is not read any
         more. They are sent on while the next chunk comes, up to ``ahead_bytes`` of them
-        (0: this waits until ffmpeg's pipe took them); a failure to send them is raised
-        by the next call."""
-        writer = self._encoder.writer(source, self._params)
+        (0: this waits until ffmpeg's pipe took them, or read them when they were sent
+        as they lie: then this returns True); a failure to send them is raised by the
+        next call."""
+        # At the encoder's pace, frames that need no conversion are sent as they lie.
+        span = source.zero_copy() if self._wait else None
         with self._cut_short(check):
-            self._pump.send(source, check, writer, wait=self._wait)
+            if span is not None:
+                self._pump.send_uncopied(*span, source.geometry.nbytes, check)
+            else:
+                writer = self._encoder.writer(source, self._params)
+                self._pump.send(source, check, writer, wait=self._wait)
         self.frames += source.geometry.frames
+        return span is not None
 
     @contextlib.contextmanager
     def _cut_short(self, check: Callable[[], None]) -> Iterator[None]:

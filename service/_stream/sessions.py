@@ -216,7 +216,7 @@ class Sessions:
                     assert session.output is not None
                     if session.live is not None:
                         session.live.handed(session.received + source.geometry.frames)
-                    await self.resources.in_pool(
+                    uncopied = await self.resources.in_pool(
                         session.cancel, session.output.feed, source, session.check
                     )
             except BaseException as exc:  # cancellation too: the session ends, then it is raised
@@ -235,6 +235,8 @@ class Sessions:
             if chunk.copied_from_gpu:
                 self.metrics.cuda_host_copies.inc()
             self.metrics.stream_bytes.inc(source.geometry.nbytes)
+            if uncopied:
+                self.metrics.stream_uncopied_bytes.inc(source.geometry.nbytes)
             return session.received
 
     # --- the end ------------------------------------------------------------------------------

@@ -169,6 +169,30 @@ def test_numpy_thwc_chunks_of_uneven_sizes(worker, tmp_path):
     assert w.result.sha256 == reference_mp4(thwc, tmp_path / "ref.mp4", layout="THWC")
 
 
+@pytest.mark.parametrize("route", ["fd", "shm"])
+def test_a_writer_at_the_encoders_pace_hands_rgb24_chunks_over_uncopied(worker, tmp_path, route):
+    """``ahead=False``: uint8 THWC chunks reach the encoder from the writer's two buffers
+    themselves, reused chunk after chunk (the worker counts every byte uncopied), and
+    the bytes are save_video's; by default they are converted into the worker's staging."""
+    video = np.random.default_rng(7).integers(0, 256, (30, 48, 64, 3), np.uint8)
+    named = {} if route == "fd" else {"fd_socket": tmp_path / "nobody.sock"}
+    counted = "framewire_stream_uncopied_bytes_total"
+    with Client(worker.uds_url, **named) as c, worker.http() as h:
+        before = metric(h, counted)
+        with c.open_video("paced.mp4", fps=24, ahead=False) as paced:
+            for t0 in range(0, 30, 4):
+                paced.write(video[t0 : t0 + 4])
+        assert c.host_route == route
+        assert metric(h, counted) - before == video.nbytes
+        with c.open_video("ahead.mp4", fps=24) as ahead:
+            for t0 in range(0, 30, 4):
+                ahead.write(video[t0 : t0 + 4])
+        assert metric(h, counted) - before == video.nbytes
+    expected = reference_mp4(torch.from_numpy(video), tmp_path / "ref.mp4", layout="THWC")
+    assert paced.result is not None and ahead.result is not None
+    assert paced.result.sha256 == ahead.result.sha256 == expected
+
+
 def test_an_exception_in_the_block_aborts_and_leaves_nothing(worker):
     clip = make_clip(frames=8, height=48, width=64)
     with (

@@ -278,3 +278,46 @@ def test_slots_followed_by_a_pipe_full_of_sends_are_rewritten_without_punching(m
         os.close(r)
     assert bytes(got) == reference_uint8(clip, Layout.CTHW).tobytes()
     assert False in asked and True in asked
+
+
+def test_bytes_sent_as_they_lie_return_once_read_and_say_a_reader_gone():
+    """``send_uncopied``: a producer's pages go into the pipe by reference, so the call
+    returns only once the reader consumed them all (here: not while 1 KiB is unread);
+    a reader that goes away instead ends the wait with FfmpegExited."""
+    fd = os.memfd_create("framewire-test-uncopied")
+    os.write(fd, bytes(range(256)) * 256)  # 64 KiB: the pipe holds them whole
+    try:
+        for reader_leaves in (False, True):
+            r, w = os.pipe()
+            pipe = PipeWriter(w)
+            done: list[BaseException | None] = []
+
+            def send(pipe: PipeWriter = pipe, done: list[BaseException | None] = done) -> None:
+                with stream.Pump(pipe, 16, 16, per_chunk=1) as pump:
+                    try:
+                        pump.send_uncopied(fd, 0, 64 << 10, lambda: None)
+                        done.append(None)
+                    except BaseException as exc:
+                        done.append(exc)
+
+            sender = threading.Thread(target=send)
+            sender.start()
+            got = bytearray()
+            while len(got) < (63 << 10):
+                got += os.read(r, (63 << 10) - len(got))
+            time.sleep(0.3)
+            assert done == [], "returned while the reader had not read every byte"
+            if reader_leaves:
+                os.close(r)
+            else:
+                got += os.read(r, 1 << 10)
+            sender.join(10)
+            assert not sender.is_alive()
+            os.close(w)
+            if reader_leaves:
+                assert isinstance(done[0], FfmpegExited)
+            else:
+                os.close(r)
+                assert done == [None] and bytes(got) == bytes(range(256)) * 256
+    finally:
+        os.close(fd)

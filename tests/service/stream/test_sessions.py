@@ -526,6 +526,37 @@ def test_a_session_opened_without_ahead_answers_once_the_pipe_took_the_chunk(
     assert done.json()["sha256"] == reference_mp4(clip, tmp_path / "ref.mp4")
 
 
+def test_a_paced_session_sends_rgb24_chunks_from_the_producers_pages(workers, segments, tmp_path):
+    """``"ahead": false`` with rgb24 chunks (uint8 THWC) in shared memory: ffmpeg reads them
+    from the producer's segment, so even a chunk the pipe could hold whole is answered only
+    once ffmpeg has read every byte of it; the producer may overwrite it then."""
+    w = workers.start("--chunk-bytes", str(1 << 20))
+    thwc = Layout.THWC
+    clip = make_clip(frames=12, height=128, width=128, dtype=torch.uint8, layout=thwc)
+    with w.http() as h:
+        sid = open_stream(h, clip, thwc, path="uncopied.mp4", ahead=False)
+        first = frames_of(clip, thwc, 0, 1)
+        body = {"first_frame": 0, "source": segments.source(first, thwc.value)}
+        assert h.post(f"/v1/streams/{sid}/frames", json=body).status_code == 200
+        [ffmpeg] = wait_for_ffmpeg(w)
+        os.kill(ffmpeg, signal.SIGSTOP)
+        try:
+            part = frames_of(clip, thwc, 1, 12)  # 528 KiB: within the 1 MiB pipe
+            key = segments.write(part)
+            body = {"first_frame": 1, "source": shm_source(key, part, thwc.value)}
+            with w.http() as h2:
+                answered_once_resumed(
+                    ffmpeg, lambda: h2.post(f"/v1/streams/{sid}/frames", json=body)
+                )
+            Path(f"/dev/shm{key}").write_bytes(bytes(len(raw_bytes(part))))  # reused
+        finally:
+            os.kill(ffmpeg, signal.SIGCONT)
+        done = h.post(f"/v1/streams/{sid}/finish")
+        assert done.status_code == 200, done.text
+        assert metric(h, "framewire_stream_uncopied_bytes_total") == len(raw_bytes(clip))
+    assert done.json()["sha256"] == reference_mp4(clip, tmp_path / "ref.mp4", layout=thwc)
+
+
 def test_an_encoder_killed_after_a_chunk_was_answered_fails_the_finish(workers, segments):
     """The chunk went ahead of ffmpeg, which then died: the finish says so (422), no
     file is left, and the worker goes on."""
