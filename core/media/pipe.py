@@ -7,10 +7,13 @@ and its owner (core.media.process) can tell a child that stopped making progress
 
 from __future__ import annotations
 
+import array
 import contextlib
 import fcntl
 import os
 import select
+import termios
+import time
 from collections.abc import Callable
 
 from framewire.core.errors import BadRequest
@@ -19,10 +22,34 @@ POLL_S = 0.1  # how often a blocked send or a wait looks at cancellation and pro
 PIPE_BYTES = 1 << 20  # fewer wakeups per chunk than the 64 KiB default
 SEND_SLICE = 16 << 20  # bytes per sendfile call
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
+READ_POLL_S = 0.001  # how often a wait for the reader to empty the pipe looks again
 
 
 def no_check() -> None:
     pass
+
+
+def pipe_capacity(fd: int) -> int | None:
+    """Bytes a pipe can hold; None if ``fd`` is not a pipe (then assume the worst)."""
+    try:
+        return fcntl.fcntl(fd, F_GETPIPE_SZ)
+    except OSError:
+        return None
+
+
+def reader_gone(fd: int) -> bool:
+    """Whether the read end of the pipe behind write end ``fd`` is closed."""
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+
+
+def pipe_unread(fd: int) -> int:
+    """Bytes written into the pipe behind ``fd`` (either end) that are not read yet."""
+    count = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, count, True)
+    return count[0]
 
 
 class FfmpegExited(Exception):
@@ -94,3 +121,22 @@ class PipeWriter:
                 raise FfmpegExited("ffmpeg closed its input early") from exc
             self._progressed()
             view = view[n:]
+
+    def wait_read(self, check: Callable[[], None] = no_check) -> None:
+        """Until the reader has read every byte in the pipe: sent by ``sendfile``, they are
+        references to the sender's pages, which it may write again only then. Bounded
+        as a send is: each byte the reader takes is progress, ``check`` and the stall
+        watch run every POLL_S; a reader gone is :class:`FfmpegExited`."""
+        unread, watched = pipe_unread(self.fd), time.monotonic()
+        while unread:
+            if reader_gone(self.fd):
+                raise FfmpegExited("ffmpeg closed its input early")
+            time.sleep(READ_POLL_S)
+            left = pipe_unread(self.fd)
+            if left < unread:
+                self._progressed()
+            unread = left
+            if time.monotonic() - watched >= POLL_S:
+                self._watch(check)
+                watched = time.monotonic()
+        check()

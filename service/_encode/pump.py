@@ -8,17 +8,19 @@ cache and each source byte crosses memory once.
 
 from __future__ import annotations
 
-import array
-import fcntl
-import select
-import termios
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from framewire.core.closing import Closing
-from framewire.core.media.pipe import FfmpegExited, PipeWriter
+from framewire.core.media.pipe import (
+    FfmpegExited,
+    PipeWriter,
+    pipe_capacity,
+    pipe_unread,
+    reader_gone,
+)
 from framewire.core.wire import DType, Layout
 from framewire.service._convert import kernels
 from framewire.service._convert.convert import convert_into
@@ -26,7 +28,6 @@ from framewire.service._convert.kept import KeptStaging
 from framewire.service._convert.staging import ChunkWriter, Staging
 from framewire.service._sources.frames import FrameSource, Geometry
 
-F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 BLOCK_BYTES = 1 << 20  # source bytes converted at once: fits a core's L2
 # The compiled kernel keeps no temporaries, so its blocks need not fit a cache: larger
 # ones cut the per-block work in Python (measured: a third less CPU at 4 MiB).
@@ -36,28 +37,6 @@ DRAIN_POLL_S = 0.001  # how often a writer waiting on a pinned slot looks at the
 # Told how many frames of the clip ffmpeg has been fed so far, after each piece (for a
 # progress display). Runs on the sending thread between sends: it must be quick.
 Progress = Callable[[int], None]
-
-
-def pipe_capacity(fd: int) -> int | None:
-    """Bytes a pipe can hold; None if ``fd`` is not a pipe (then assume the worst)."""
-    try:
-        return fcntl.fcntl(fd, F_GETPIPE_SZ)
-    except OSError:
-        return None
-
-
-def reader_gone(fd: int) -> bool:
-    """Whether the read end of the pipe behind write end ``fd`` is closed."""
-    poll = select.poll()
-    poll.register(fd, select.POLLOUT)
-    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
-
-
-def pipe_unread(fd: int) -> int:
-    """Bytes written into the pipe behind ``fd`` (either end) that are not read yet."""
-    count = array.array("i", [0])
-    fcntl.ioctl(fd, termios.FIONREAD, count, True)
-    return count[0]
 
 
 def blocks(
@@ -169,18 +148,6 @@ class PipeDrain:
         with self._cond:
             self.staging.written += nbytes
             self._cond.notify_all()
-
-    def empty(self, check: Callable[[], None]) -> None:
-        """Until the reader has consumed every byte in the pipe; ``check`` between looks."""
-        with self._cond:
-            while not self._stopped:
-                if pipe_unread(self.fd) == 0:
-                    return
-                if reader_gone(self.fd):
-                    raise FfmpegExited("ffmpeg closed its input early")
-                check()
-                self._cond.wait(DRAIN_POLL_S)
-        raise PumpStopped("the pump stopped")
 
     def stop(self) -> None:
         with self._cond:
@@ -297,10 +264,16 @@ class Pump(Closing):
         Returns once the reader has consumed them all: a pipe holds references to the
         pages it was sent, not copies, so the producer may write them again only then."""
         self.flush()
+
+        def stopped_or() -> None:
+            if self._stopping:
+                raise PumpStopped("the pump stopped")
+            check()
+
         try:
-            self.pipe.send_file(fd, offset, nbytes, check)
+            self.pipe.send_file(fd, offset, nbytes, stopped_or)
             self.drain.passed(nbytes)
-            self.drain.empty(check)
+            self.pipe.wait_read(stopped_or)
         except BaseException as exc:
             self._fail(exc)
             raise

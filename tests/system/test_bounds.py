@@ -22,6 +22,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from framewire.client.wire import Layout
 
 from tests.support.cli import run_cli
 from tests.support.http import http_client
@@ -103,6 +105,36 @@ def test_a_stopped_ffmpeg_is_killed_and_answered_504(worker, segments, tmp_path)
     assert not (worker.outputs / "stalled.mp4").exists()
     settle(worker, baseline, keep=set(segments.keys))
     # Its CPU slot came back: with one slot, the next encode would wait forever otherwise.
+    still_serving(worker, segments, tmp_path)
+
+
+def test_a_stopped_ffmpeg_reading_a_producers_pages_is_killed_and_answered_504(
+    worker, segments, tmp_path
+):
+    """A paced session's rgb24 chunk waits until ffmpeg has read it from the producer's
+    segment: a stopped ffmpeg ends that wait at the stall bound, as it ends a send."""
+    baseline = Baseline.of(worker)
+    clip = make_clip(frames=12, height=128, width=128, dtype=torch.uint8, layout=Layout.THWC)
+    with http_client(worker.tcp_url, timeout=30) as h:
+        body = {"path": "paced-stalled.mp4", "fps": 24, "dtype": "uint8", "layout": "THWC"}
+        body |= {"height": 128, "width": 128, "ahead": False}
+        opened = h.post("/v1/streams", json=body)
+        assert opened.status_code == 201, opened.text
+        sid = opened.json()["id"]
+        first = {"first_frame": 0, "source": segments.source(clip[:1].contiguous(), "THWC")}
+        assert h.post(f"/v1/streams/{sid}/frames", json=first).status_code == 200
+        [ffmpeg] = wait_for_ffmpeg(worker)
+        os.kill(ffmpeg, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        rest = {"first_frame": 1, "source": segments.source(clip[1:].contiguous(), "THWC")}
+        r = h.post(f"/v1/streams/{sid}/frames", json=rest)  # 528 KiB: the pipe holds it
+        waited = time.monotonic() - stopped_at
+        assert (r.status_code, r.json()["code"]) == (504, "ffmpeg_stalled"), r.text
+        assert STALL_S <= waited < STALL_S + 5, waited
+        assert h.get(f"/v1/streams/{sid}").json()["state"] == "failed"
+    wait_gone({ffmpeg})
+    assert not (worker.outputs / "paced-stalled.mp4").exists()
+    settle(worker, baseline, keep=set(segments.keys))
     still_serving(worker, segments, tmp_path)
 
 
