@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from framewire.client._http import AsyncClient, Client
-from framewire.client._stream import AsyncVideoWriter, VideoWriter
 from framewire.client._version import __version__
+from framewire.client._writers import AsyncVideoWriter, VideoWriter
 from framewire.core.errors import (
     BadRequest,
     Cancelled,

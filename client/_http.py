@@ -17,7 +17,7 @@ import httpx
 from framewire.client._base import BaseClient, save_options, twin
 from framewire.client._calls import Call, info_call, probe_call
 from framewire.client._plan import Plan, run, run_async
-from framewire.client._stream import AsyncVideoWriter, VideoWriter
+from framewire.client._writers import AsyncVideoWriter, VideoWriter
 from framewire.core.closing import Closing
 from framewire.core.reference import ReferenceFrames, make_request
 from framewire.core.wire import Layout, MediaInfo, OutputResult

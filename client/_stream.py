@@ -24,28 +24,22 @@ how far it has read, for progress displays.
 from __future__ import annotations
 
 import abc
-import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
 from framewire.client._calls import Call
 from framewire.client._local import LocalFallback
 from framewire.client._plan import (
     AsyncSend,
-    Later,
     Pending,
     Plan,
     Send,
     blocking,
-    run,
-    run_async,
     sent,
     waited,
 )
@@ -239,9 +233,11 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
                 self._failed(exc)
             self._in_flight.popleft()
 
-    def _flush_plan(self) -> Plan[None]:
+    def _flush_plan(self, frames: int | None = None) -> Plan[None]:
         self._check_open()
-        yield from self._settle(wait=True)
+        while self._in_flight and (frames is None or self.frames_received < frames):
+            yield from self._collect(wait=True, keep=len(self._in_flight) - 1)
+        self._check_open()
 
     def _close_plan(self) -> Plan[OutputResult]:
         if self.result is not None:
@@ -288,110 +284,3 @@ class StreamPlans(WriterBase, abc.ABC, Generic[S]):
             self._in_flight.clear()
             self._stop_sending()
             self._release()
-
-
-class VideoWriter(StreamPlans[Send]):
-    """A stream session of :class:`Client`: ``write`` chunks, then ``close`` (or ``abort``)."""
-
-    @functools.cached_property
-    def _sender(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(1, thread_name_prefix="framewire-stream")
-
-    def _run(self, plan: Plan[T], failed: Later = None, last: Later = None) -> T:
-        return run(plan, self._send, failed=failed, last=last)
-
-    def _send_chunk(self, call: Chunk) -> StreamChunkAck:
-        return self._run(self._chunk_plan(call))
-
-    def _submit(self, call: Chunk) -> Future[StreamChunkAck]:
-        return self._sender.submit(self._send_chunk, call)
-
-    def _submit_call(self, call: Call[T]) -> Future[T]:
-        return self._sender.submit(self._run, sent(call))
-
-    def _stop_sending(self) -> None:
-        self._sender.shutdown(wait=True)
-
-    def _drop_unsent(self) -> None:
-        for pending in self._in_flight:
-            pending.cancel()  # only one that has not started: a request on its way goes on
-
-    def _let_go(self) -> None:
-        super()._let_go()
-        self._sender.shutdown(wait=False, cancel_futures=True)
-
-    def write(self, frames: Any) -> None:
-        """Hand over the next chunk of frames, in any form ``save_video`` takes."""
-        self._run(self._write_plan(frames))
-
-    def flush(self) -> None:
-        """Wait until the worker has read every chunk written so far (its refusal, if it
-        refused one, is raised)."""
-        self._run(self._flush_plan())
-
-    def close(self) -> OutputResult:
-        """End of frames: returns the result once the file is complete (also ``result``)."""
-        return self._run(self._close_plan(), failed=self._end_plan, last=self._shut_plan)
-
-    def abort(self) -> None:
-        """Stop the session; nothing of the output remains. Safe to call at any time."""
-        self._run(self._end_plan(), last=self._shut_plan)
-
-    def __enter__(self) -> VideoWriter:
-        return self
-
-    def __exit__(self, kind: object, exc: object, tb: object) -> None:
-        if exc is None:
-            self.close()
-        else:
-            self.abort()
-
-
-class AsyncVideoWriter(StreamPlans[AsyncSend]):
-    """The same session for :class:`AsyncClient`: ``await write(...)``, ``async with``."""
-
-    @functools.cached_property
-    def _order(self) -> asyncio.Lock:
-        return asyncio.Lock()  # chunks leave in the order they were written
-
-    async def _run(self, plan: Plan[T], failed: Later = None, last: Later = None) -> T:
-        return await run_async(plan, self._send, failed=failed, last=last)
-
-    async def _send_chunk(self, call: Chunk) -> StreamChunkAck:
-        return await self._run(self._chunk_plan(call))
-
-    def _submit(self, call: Chunk) -> asyncio.Task[StreamChunkAck]:
-        return asyncio.create_task(self._send_in_order(call))
-
-    def _submit_call(self, call: Call[T]) -> asyncio.Task[T]:
-        return asyncio.create_task(self._run(sent(call)))
-
-    async def _send_in_order(self, call: Chunk) -> StreamChunkAck:
-        async with self._order:
-            return await self._send_chunk(call)
-
-    async def write(self, frames: Any) -> None:
-        """Hand over the next chunk of frames, in any form ``save_video`` takes."""
-        await self._run(self._write_plan(frames))
-
-    async def flush(self) -> None:
-        """Wait until the worker has read every chunk written so far (its refusal, if it
-        refused one, is raised)."""
-        await self._run(self._flush_plan())
-
-    async def close(self) -> OutputResult:
-        """End of frames: returns the result once the file is complete (also ``result``)."""
-        return await self._run(self._close_plan(), failed=self._end_plan, last=self._shut_plan)
-
-    async def abort(self) -> None:
-        """Stop the session; nothing of the output remains. Safe to call at any time."""
-        await self._run(self._end_plan(), last=self._shut_plan)
-
-    async def __aenter__(self) -> AsyncVideoWriter:
-        return self
-
-    async def __aexit__(self, kind: object, exc: object, tb: object) -> None:
-        if exc is None:
-            await self.close()
-        else:
-            await self.abort()

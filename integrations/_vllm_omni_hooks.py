@@ -171,7 +171,9 @@ class ChunkedMP4Encoder:
             # then go to the encoder from the client's buffer, not copied by the worker.
             writer = WORKER.client().open_video(MEMORY, ahead=False, **self._save)
             writer.write(first)
-            writer.flush()  # taken by the worker: from here on the chunks are its
+            # Taken once the worker read its first frame (its encoder runs): from here on the
+            # chunks are its. Not the whole chunk: at the encoder's pace that is x264's time.
+            writer.flush(1)
         except Exception as exc:  # no worker, another PyAV, or framewire's own failure
             if writer is not None:
                 writer.abort()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from framewire.client import _session as stream_module
 from tests.support.media import make_clip, reference_mp4, sha256
 from tests.support.misbehaving import Fault, Misbehaving
 from tests.support.processes import framewire_temps
+from tests.support.requests import wait_for_ffmpeg
 from tests.support.worker import Worker, metric
 
 WORKER_ARGS = ("--stream-idle-s", "30")
@@ -191,6 +193,31 @@ def test_a_writer_at_the_encoders_pace_hands_rgb24_chunks_over_uncopied(worker, 
     expected = reference_mp4(torch.from_numpy(video), tmp_path / "ref.mp4", layout="THWC")
     assert paced.result is not None and ahead.result is not None
     assert paced.result.sha256 == ahead.result.sha256 == expected
+
+
+def test_flush_of_a_count_waits_for_those_frames_alone(worker, tmp_path):
+    """``flush(n)`` returns once the worker has read ``n`` frames, not every chunk: with
+    ffmpeg stopped, a paced chunk larger than its pipe stays unread, and ``flush(1)``
+    returns all the same; ``flush()`` returns once ffmpeg reads again."""
+    video = np.random.default_rng(9).integers(0, 256, (41, 128, 128, 3), np.uint8)
+    with Client(worker.uds_url) as c, c.open_video("counted.mp4", fps=24, ahead=False) as w:
+        w.write(video[:1])
+        w.flush()
+        [ffmpeg] = wait_for_ffmpeg(worker)
+        os.kill(ffmpeg, signal.SIGSTOP)
+        try:
+            w.write(video[1:])  # 1.9 MiB: more than the pipe holds
+            started = time.monotonic()
+            w.flush(1)
+            assert time.monotonic() - started < 1 and w.frames_received == 1
+            time.sleep(0.5)
+            assert w.frames_received == 1, "read while ffmpeg was stopped"
+        finally:
+            os.kill(ffmpeg, signal.SIGCONT)
+        w.flush()
+        assert w.frames_received == 41
+    expected = reference_mp4(torch.from_numpy(video), tmp_path / "ref.mp4", layout="THWC")
+    assert w.result is not None and w.result.sha256 == expected
 
 
 def test_an_exception_in_the_block_aborts_and_leaves_nothing(worker):
