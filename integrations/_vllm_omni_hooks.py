@@ -109,10 +109,10 @@ class ChunkedMP4Encoder:
     ``abort``): a worker's stream session when framewire gives its bytes, else an
     instance of vLLM-omni's own class.
 
-    If the worker does not take the first chunk, vLLM-omni's own encoder takes over.
-    After that the chunks have gone back to the producer: a worker that fails later
-    fails this encode as vLLM-omni's own encoder fails one (a RuntimeError at ``push``
-    or ``finish``, its message cleaned)."""
+    If the worker does not begin on the first chunk (read its first frame),
+    vLLM-omni's own encoder takes over. After that the chunks have gone back to the
+    producer: a worker that fails later fails this encode as vLLM-omni's own encoder
+    fails one (a RuntimeError at ``push`` or ``finish``, its message cleaned)."""
 
     def __new__(cls, **kw: Any) -> Any:
         if _ENGINE_ONLY.get():
