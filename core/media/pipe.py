@@ -23,7 +23,7 @@ PIPE_BYTES = 1 << 20  # fewer wakeups per chunk than the 64 KiB default
 SEND_SLICE = 16 << 20  # bytes per sendfile call
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
-READ_POLL_S = 0.001  # how often a wait for the reader to empty the pipe looks again
+READ_POLL_S = 0.001  # how often a wait on the reader's progress looks at the pipe again
 
 
 def no_check() -> None:

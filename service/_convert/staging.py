@@ -58,8 +58,8 @@ class Staging(Closing):
         self._sent = [0] * slots
         # Bytes whose sends into the pipe completed, in all (a slot's, or a producer's sent
         # as they are); and that count when each slot's last send completed (None: taken
-        # since, its send not known to be over). Told by the sending thread (``sent``,
-        # ``pump.PipeDrain.passed``); read by the punch and by ``pump.PipeDrain``.
+        # since, its send not known to be over). Told through ``pump.PipeDrain`` (``sent``,
+        # ``passed``); read by the punch and by ``pump.PipeDrain``.
         self.written = 0
         self.ends: list[int | None] = [0] * slots
         self._kept = kept
@@ -95,6 +95,11 @@ class Staging(Closing):
         """Slot ``index``'s send of ``nbytes`` completed (the sending thread's word)."""
         self.written += nbytes
         self.ends[index] = self.written
+
+    def passed(self, nbytes: int) -> None:
+        """``nbytes`` sent into the pipe from elsewhere than a slot (a producer's pages)
+        completed: they push the slots' last sends further out of the pipe."""
+        self.written += nbytes
 
     def pipe_may_hold(self, index: int) -> bool:
         """Whether the pipe may still hold pages of slot ``index``'s last send: not once

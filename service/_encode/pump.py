@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from framewire.core.closing import Closing
 from framewire.core.media.pipe import (
+    READ_POLL_S,
     FfmpegExited,
     PipeWriter,
     pipe_capacity,
@@ -32,7 +33,6 @@ BLOCK_BYTES = 1 << 20  # source bytes converted at once: fits a core's L2
 # The compiled kernel keeps no temporaries, so its blocks need not fit a cache: larger
 # ones cut the per-block work in Python (measured: a third less CPU at 4 MiB).
 KERNEL_BLOCK_BYTES = 4 << 20
-DRAIN_POLL_S = 0.001  # how often a writer waiting on a pinned slot looks at the pipe again
 
 # Told how many frames of the clip ffmpeg has been fed so far, after each piece (for a
 # progress display). Runs on the sending thread between sends: it must be quick.
@@ -143,10 +143,10 @@ class PipeDrain:
             self._cond.notify_all()
 
     def passed(self, nbytes: int) -> None:
-        """``nbytes`` sent from elsewhere than a slot completed: they push the slots' last
-        sends further out of the pipe (``Staging.written`` counts every byte sent)."""
+        """``nbytes`` sent from elsewhere than a slot completed: counted by the staging,
+        told to the waiters."""
         with self._cond:
-            self.staging.written += nbytes
+            self.staging.passed(nbytes)
             self._cond.notify_all()
 
     def stop(self) -> None:
@@ -163,7 +163,7 @@ class PipeDrain:
                 # Bytes left in a pipe nobody reads never drain, and the sender waits on us.
                 if reader_gone(self.fd):
                     raise FfmpegExited("ffmpeg closed its input early")
-                self._cond.wait(DRAIN_POLL_S)
+                self._cond.wait(READ_POLL_S)
         raise PumpStopped("the pump stopped")
 
 
@@ -264,12 +264,7 @@ class Pump(Closing):
         Returns once the reader has consumed them all: a pipe holds references to the
         pages it was sent, not copies, so the producer may write them again only then."""
         self.flush()
-
-        def stopped_or() -> None:
-            if self._stopping:
-                raise PumpStopped("the pump stopped")
-            check()
-
+        stopped_or = self._unless_stopped(check)
         try:
             self.pipe.send_file(fd, offset, nbytes, stopped_or)
             self.drain.passed(nbytes)
@@ -303,11 +298,7 @@ class Pump(Closing):
         progress: Progress | None,
         frames: int,
     ) -> None:
-        def stopped_or(check: Callable[[], None] = check) -> None:
-            if self._stopping or self._failure is not None:
-                raise PumpStopped("the pump stopped")
-            check()
-
+        stopped_or = self._unless_stopped(check)
         try:
             stopped_or()
             self.pipe.send_file(self.staging.fd, slot * self.staging.slot_bytes, nbytes, stopped_or)
@@ -317,6 +308,16 @@ class Pump(Closing):
         self.drain.sent(slot, nbytes)
         if progress is not None:
             progress(frames)
+
+    def _unless_stopped(self, check: Callable[[], None]) -> Callable[[], None]:
+        """``check`` for a send: PumpStopped first, once the pump is closing or failed."""
+
+        def stopped_or() -> None:
+            if self._stopping or self._failure is not None:
+                raise PumpStopped("the pump stopped")
+            check()
+
+        return stopped_or
 
     def _fail(self, exc: BaseException) -> None:
         if self._failure is None:
