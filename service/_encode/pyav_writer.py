@@ -36,36 +36,71 @@ import sys
 import threading
 from collections.abc import Iterator
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
-# numpy only wraps buffers here: its BLAS's threads, started at the import, would spin
-# (about 0.1 CPU-s a child, on the cores the encodes use).
+# numpy is imported by an audio job alone (its import is half of a child's start, about
+# 0.12 CPU-s); then its BLAS's threads, started at the import, would spin (about 0.1
+# CPU-s a child, on the cores the encodes use).
 for _blas in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_blas, "1")
 
 import av  # noqa: E402
-import numpy as np  # noqa: E402
 from av.video.reformatter import VideoReformatter  # noqa: E402
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # core.media.argv.OTHER_PYAV_EXIT, spelled here: this child imports nothing of framewire.
 OTHER_PYAV_EXIT = 78
+IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 
-def _read_exactly(stream: int, buffer: memoryview) -> bool:
-    """Fill ``buffer`` from ``stream``; False at a clean end of input before the first byte."""
-    got = 0
-    while got < len(buffer):
-        n = os.readv(stream, [buffer[got:]])
+def _read_exactly(stream: int, views: list[memoryview]) -> bool:
+    """Fill ``views`` in order from ``stream`` (scattered reads); False at a clean end of
+    input before the first byte."""
+    total, got, i, at = sum(len(v) for v in views), 0, 0, 0
+    while i < len(views):
+        n = os.readv(stream, [views[i][at:], *views[i + 1 : i + IOV_MAX]])
         if n == 0:
             if got == 0:
                 return False
-            raise SystemExit(f"input ended inside a frame ({got} of {len(buffer)} bytes)")
+            raise SystemExit(f"input ended inside a frame ({got} of {total} bytes)")
         got += n
+        while i < len(views) and n >= len(views[i]) - at:
+            n -= len(views[i]) - at
+            i, at = i + 1, 0
+        at += n
     return True
 
 
-def _samples(spec: str) -> tuple[np.ndarray, int]:
-    """The (channels, samples) float32 waveform and its rate, from an inherited memfd."""
-    fd, offset, samples, channels, rate = (int(v) for v in spec.split(","))
+class _Waveform(threading.Thread):
+    """The (channels, samples) float32 waveform of an inherited memfd (``--audio``), read
+    in a thread of its own while the video encodes (the audio is encoded after it): the
+    read and numpy's import are not on the encode's path."""
+
+    def __init__(self, fd: int, offset: int, samples: int, channels: int):
+        super().__init__(name="audio", daemon=True)
+        self._where = (fd, offset, samples, channels)
+        self._result: np.ndarray | BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self._result = _samples(*self._where)
+        except BaseException as exc:  # raised again in the encoding thread
+            self._result = exc
+
+    def result(self) -> np.ndarray:
+        self.join()
+        if isinstance(self._result, BaseException):
+            raise self._result
+        assert self._result is not None
+        return self._result
+
+
+def _samples(fd: int, offset: int, samples: int, channels: int) -> np.ndarray:
+    import numpy as np
+
     # pread, not seek and read: the WAV's descriptor (its file position too) is shared
     # with every other output that muxes the same audio at the same time.
     flat = np.empty(samples * channels, np.float32)
@@ -76,27 +111,25 @@ def _samples(spec: str) -> tuple[np.ndarray, int]:
             raise SystemExit("the audio input is shorter than its header says")
         got += n
     os.close(fd)
-    return np.ascontiguousarray(flat.reshape(samples, channels).T), rate
+    return np.ascontiguousarray(flat.reshape(samples, channels).T)
 
 
 def _frames(width: int, height: int) -> Iterator[av.VideoFrame]:
-    """Each rgb24 frame on stdin, read straight into one frame's buffer, handed to the
-    encoder as a new frame would be (no timestamp: the encoder numbers it). It is
-    converted to yuv420p (a new frame) before the next is read, so the buffer is free
-    again by then; the bytes are those of a new frame each time."""
+    """Each rgb24 frame on stdin, read straight into one frame's buffer (row by row where
+    its rows are padded), handed to the encoder as a new frame would be (no timestamp:
+    the encoder numbers it). It is converted to yuv420p (a new frame) before the next is
+    read, so the buffer is free again by then."""
     frame = av.VideoFrame(width, height, "rgb24")
-    size = width * height * 3
-    plane = frame.planes[0]
-    if plane.line_size == width * 3:  # rows unpadded: the plane is the frame's bytes
-        target = memoryview(plane).cast("B")[:size]
-        while _read_exactly(0, target):
-            frame.pts = None
-            yield frame
-        return
-    raw = bytearray(size)
-    pixels = np.frombuffer(raw, np.uint8).reshape(height, width, 3)
-    while _read_exactly(0, memoryview(raw)):
-        yield av.VideoFrame.from_ndarray(pixels, format="rgb24")
+    plane, row = frame.planes[0], width * 3
+    pixels = memoryview(plane).cast("B")
+    if plane.line_size == row:  # rows unpadded: the plane is the frame's bytes
+        views = [pixels[: row * height]]
+    else:
+        step = plane.line_size
+        views = [pixels[r * step : r * step + row] for r in range(height)]
+    while _read_exactly(0, views):
+        frame.pts = None
+        yield frame
 
 
 def _one_swscale_thread() -> dict[str, int]:
@@ -158,20 +191,22 @@ def encode(args: argparse.Namespace) -> None:
         options["preset"] = args.preset
     options["threads"] = str(args.threads)
     stream.options = dict(options)
-    audio_stream = None
+    audio_stream = waveform = None
     if args.audio is not None:
-        waveform, rate = _samples(args.audio)
+        fd, offset, samples, channels, rate = (int(v) for v in args.audio.split(","))
+        waveform = _Waveform(fd, offset, samples, channels)
         # Added before any video is encoded, as the engine does: stream order is part of
         # the file.
         audio_stream = container.add_stream("aac", rate=rate)
-        audio_stream.layout = "stereo" if waveform.shape[0] >= 2 else "mono"
+        audio_stream.layout = "stereo" if channels >= 2 else "mono"
     for picture in _converted_ahead(_frames(width, height), width, height):
         for packet in stream.encode(picture):
             container.mux(packet)
     for packet in stream.encode():
         container.mux(packet)
-    if audio_stream is not None:
-        frame = av.AudioFrame.from_ndarray(waveform, format="fltp", layout=audio_stream.layout)
+    if audio_stream is not None and waveform is not None:
+        planar = waveform.result()
+        frame = av.AudioFrame.from_ndarray(planar, format="fltp", layout=audio_stream.layout)
         frame.sample_rate, frame.pts, frame.time_base = rate, 0, Fraction(1, rate)
         for packet in audio_stream.encode(frame):
             container.mux(packet)
@@ -273,7 +308,7 @@ def run(argv: list[str]) -> int:
 
 
 def exit_now(code: int) -> None:
-    """Exit without tearing the interpreter down (PyAV's and numpy's modules, ~40 ms the
+    """Exit without tearing the interpreter down (PyAV's modules, ~40 ms the
     worker would wait for): the output is closed, and nothing else is left to flush."""
     sys.stdout.flush()
     sys.stderr.flush()

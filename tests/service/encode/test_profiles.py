@@ -260,19 +260,58 @@ def test_rates_the_engine_cannot_write_are_refused_in_process_too(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_pyav_child_starts_on_pyav_and_numpy_alone():
+def test_the_pyav_child_starts_on_pyav_alone():
     """The vllm-omni profile's child, run as the worker runs it, imports nothing of
-    framewire's: through the packages (``-m``) it imported the client and took three
-    times the CPU to start, paid on every encode."""
+    framewire's (through the packages, ``-m``, it imported the client and took three
+    times the CPU to start), nor numpy, which only an audio job needs (its import was
+    0.06 of the 0.15 CPU-s each child's start took): paid on every encode."""
     ran = subprocess.run(
         [*PYAV_CHILD, "--help"],
         env=os.environ | {"PYTHONPROFILEIMPORTTIME": "1"},
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert ran.returncode == 0 and "usage: pyav_writer" in ran.stdout, ran.stderr
-    imported = [line.rsplit("|", 1)[-1].strip() for line in ran.stderr.splitlines()]
-    assert {"av", "numpy"} <= set(imported)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in ran.stderr.splitlines()}
+    assert "av" in imported
+    assert "numpy" not in imported
     assert [m for m in imported if m.startswith("framewire")] == []
+
+
+@pytest.mark.parametrize(("height", "width"), [(32, 50), (1100, 50), (48, 854)])
+def test_frames_with_padded_rows_are_read_row_by_row_into_the_engines_bytes(
+    tmp_path: Path, height: int, width: int
+) -> None:
+    """Where PyAV pads an rgb24 frame's rows (854 wide, a 480p clip's: 2592 bytes a row
+    for 2562), each row is read into its place; past the kernel's 1024 buffers a read
+    (1100 rows) the rows go in several. The bytes are the engine's."""
+    assert av.VideoFrame(width, height, "rgb24").planes[0].line_size != width * 3
+    frames = vllm_omni_quantize(make_clip(3, height, width) * 2 - 1, (-1.0, 1.0))
+    want = vllm_omni_save(frames, tmp_path / "v.mp4", fps=24)
+    out = tmp_path / "fw.mp4"
+    argv = ["--size", f"{width}x{height}", "--rate", "24/1", "--crf", "18", "--preset",
+            "ultrafast", "--threads", "0", str(out)]  # fmt: skip
+    ran = subprocess.run([*PYAV_CHILD, *argv], input=frames.tobytes(), capture_output=True,
+                         timeout=60)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == want
+
+
+def test_an_audio_input_shorter_than_its_header_fails_the_child(tmp_path: Path) -> None:
+    """The samples are read in a thread beside the video's encode: a short read there is
+    the encode's failure all the same, said on stderr, and nothing muxes without them."""
+    fd = os.memfd_create("short-audio")
+    try:
+        os.write(fd, bytes(4 * 100))  # 100 float32 samples, where 2 x 1000 are announced
+        out = tmp_path / "v.mp4"
+        argv = ["--size", "64x48", "--rate", "24/1", "--crf", "18", "--threads", "1",
+                "--audio", f"{fd},0,1000,2,16000", str(out)]  # fmt: skip
+        frames = bytes(2 * 64 * 48 * 3)
+        ran = subprocess.run([*PYAV_CHILD, *argv], input=frames, capture_output=True,
+                             pass_fds=[fd], timeout=60)  # fmt: skip
+    finally:
+        os.close(fd)
+    assert ran.returncode != 0
+    assert b"the audio input is shorter than its header says" in ran.stderr
 
 
 def test_the_pyav_child_exits_without_tearing_the_interpreter_down(tmp_path: Path) -> None:
@@ -301,13 +340,16 @@ def test_the_pyav_child_exits_without_tearing_the_interpreter_down(tmp_path: Pat
 
 def test_the_pyav_child_starts_no_blas_threads(tmp_path: Path) -> None:
     """numpy's OpenBLAS starts a thread per core at the import, and they spin (about
-    0.1 CPU-s a child, taken from the encodes): the child only wraps buffers with
-    numpy, so it runs on its one thread until x264 starts its own."""
+    0.1 CPU-s a child, taken from the encodes): an audio job's child imports numpy only
+    to wrap buffers, so numpy, imported there (here by a ``sitecustomize`` at the
+    child's exit, after its module set the environment), starts none."""
     counted = tmp_path / "threads"
     (tmp_path / "sitecustomize.py").write_text(
         "import atexit, os\n"
-        f"atexit.register(lambda: open({str(counted)!r}, 'w').write("
-        "str(len(os.listdir('/proc/self/task')))))\n"
+        "def count():\n"
+        "    import numpy\n"
+        f"    open({str(counted)!r}, 'w').write(str(len(os.listdir('/proc/self/task'))))\n"
+        "atexit.register(count)\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
     env["PYTHONPATH"] = str(tmp_path)
