@@ -38,9 +38,9 @@ from collections.abc import Iterator
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-# numpy is imported by an audio job alone (its import is half of a child's start, about
-# 0.12 CPU-s); then its BLAS's threads, started at the import, would spin (about 0.1
-# CPU-s a child, on the cores the encodes use).
+# numpy is imported by an audio job alone (its import was a third of a child's start,
+# 0.04 of 0.11 CPU-s: benchmarks/spare_start.py); there its BLAS's threads, started at
+# the import, would spin (about 0.1 CPU-s a child, on the cores the encodes use).
 for _blas in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_blas, "1")
 
@@ -87,7 +87,7 @@ class _Waveform(threading.Thread):
     def run(self) -> None:
         try:
             self._result = _samples(*self._where)
-        except BaseException as exc:  # raised again in the encoding thread
+        except (Exception, SystemExit) as exc:  # a short read exits: raised again there
             self._result = exc
 
     def result(self) -> np.ndarray:

@@ -5,6 +5,7 @@ See tests/support/benchruns.py for what is asserted and what is not."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -86,3 +87,14 @@ def test_the_memory_samplers_know_an_ffmpeg_run_from_a_descriptor(monkeypatch) -
         name, hwm = encode.status_kib(pid, ("VmHWM:",))
         assert name.startswith("ffmpeg") and hwm > 0, (name, hwm)
     binary.close()
+
+
+def test_spare_start_benchmark(tmp_path: Path) -> None:
+    out = tmp_path / "spares.json"
+    r = bench("spare_start.py", "--repeat", "1", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "| service/_encode/pyav_writer.py |" in r.stdout, r.stdout
+    (row,) = json.loads(out.read_text())
+    assert row["child"] == "service/_encode/pyav_writer.py"
+    assert len(row["cpu_s"]) == 1 and 0 < row["cpu_s"][0] < 5
+    assert len(row["rss_mib"]) == 1 and 10 < row["rss_mib"][0] < 500

@@ -264,7 +264,8 @@ def test_the_pyav_child_starts_on_pyav_alone():
     """The vllm-omni profile's child, run as the worker runs it, imports nothing of
     framewire's (through the packages, ``-m``, it imported the client and took three
     times the CPU to start), nor numpy, which only an audio job needs (its import was
-    0.06 of the 0.15 CPU-s each child's start took): paid on every encode."""
+    0.04 of the 0.11 CPU-s each child's start took: benchmarks/spare_start.py): paid
+    on every encode."""
     ran = subprocess.run(
         [*PYAV_CHILD, "--help"],
         env=os.environ | {"PYTHONPROFILEIMPORTTIME": "1"},
