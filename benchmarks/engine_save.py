@@ -1,6 +1,6 @@
 """One engine save, timed, in the engine's own environment (run by benchmarks/engines.py).
 
-    python benchmarks/engine_save.py ENGINE OUT FRAMES WIDTH HEIGHT
+    python benchmarks/engine_save.py ENGINE OUT FRAMES WIDTH HEIGHT [SAVES GAP_S]
 
 Makes the clip first (not timed, not counted), saves a tiny clip once to warm the
 process up as a serving engine is (imports, the client's connection, the encoder's
@@ -15,7 +15,9 @@ integration on or off as the
 environment says) and prints one JSON line: wall seconds, the CPU seconds of the
 process and of the children it waited for (an engine's own ffmpeg; not the worker's),
 the process's peak resident memory above its level before the save (VmHWM, reset
-first), sha256.
+first), sha256. With SAVES (benchmarks/back_to_back.py): that many timed saves of the
+clip, GAP_S seconds apart; each one's wall, their median, the CPU per save, the peak
+over all of them, and the sha256 they share.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import hashlib
 import importlib
 import json
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -149,6 +152,7 @@ def _cpu_s() -> float:
 
 WARMING = True  # the first save of a process is the warm-up: not timed
 SETTLE_S = 1.0  # between the warm-up and the timed save
+SAVES, GAP_S = 1, 0.0  # timed saves of the clip, one after another, this far apart
 
 
 def _timed(save: Any, out: Path) -> None:
@@ -158,18 +162,28 @@ def _timed(save: Any, out: Path) -> None:
         WARMING = False
         return
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here
-    before, t0, cpu0 = _status("VmRSS"), time.perf_counter(), _cpu_s()
-    save()
-    wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
+    before, cpu0 = _status("VmRSS"), _cpu_s()
+    walls, digests = [], set()
+    for n in range(SAVES):
+        if n:
+            time.sleep(GAP_S)
+        t0 = time.perf_counter()
+        save()
+        walls.append(time.perf_counter() - t0)
+        digests.add(hashlib.sha256(out.read_bytes()).hexdigest())
+    cpu = (_cpu_s() - cpu0) / SAVES
     peak = max(0, _status("VmHWM") - before)
-    digest = hashlib.sha256(out.read_bytes()).hexdigest()
-    figures = {"wall_s": wall, "cpu_s": cpu, "peak_extra_mib": peak / (1 << 20)}
-    print(json.dumps({**figures, "sha256": digest}))
+    figures = {"wall_s": statistics.median(walls), "cpu_s": cpu, "peak_extra_mib": peak / (1 << 20)}
+    digest = digests.pop() if len(digests) == 1 else "saves differ"
+    print(json.dumps({**figures, "walls": walls, "sha256": digest}))
 
 
 def main() -> None:
+    global SAVES, GAP_S
     engine, out = sys.argv[1], Path(sys.argv[2])
     frames, width, height = (int(a) for a in sys.argv[3:6])
+    if len(sys.argv) > 6:  # benchmarks/back_to_back.py: several saves, GAP_S apart
+        SAVES, GAP_S = int(sys.argv[6]), float(sys.argv[7])
     save = {"sglang": _sglang, "vllm-omni": _vllm_omni, "vllm-omni-encoder": _vllm_omni_encoder,
             "vllm-omni-bytes": _vllm_omni_bytes, "diffusers": _diffusers}[engine]  # fmt: skip
     clip = _clip(frames, width, height)

@@ -36,6 +36,7 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,15 @@ ENGINES = ("sglang", "vllm-omni", "vllm-omni-encoder", "vllm-omni-bytes", "diffu
 SITES = {"vllm-omni-bytes": "vllm-omni", "vllm-omni-encoder": "vllm-omni"}  # its engine's site
 
 
-def one(engine: str, on: bool, worker: Any, args: argparse.Namespace, n: int) -> dict[str, Any]:
+def one(
+    engine: str,
+    on: bool,
+    worker: Any,
+    args: argparse.Namespace,
+    n: int,
+    saves: Sequence[str] = (),
+) -> dict[str, Any]:
+    """One run of engine_save.py (``saves``: its SAVES and GAP_S, back_to_back.py's)."""
     site = engine_site(SITES.get(engine, engine)) if engine != "diffusers" else None
     extra = {"VLLM_PLUGINS": "framewire"}  # vLLM-omni's own models' plugin needs vLLM
     if on:
@@ -65,7 +74,7 @@ def one(engine: str, on: bool, worker: Any, args: argparse.Namespace, n: int) ->
                   "FRAMEWIRE_URL": worker.uds_url}  # fmt: skip
     env = engine_env(site, **extra) if site else {**os.environ, **extra}
     out = worker.outputs / f"{engine}-{'on' if on else 'off'}-{n}.mp4"
-    given = [engine, str(out), str(args.frames), str(args.width), str(args.height)]
+    given = [engine, str(out), str(args.frames), str(args.width), str(args.height), *saves]
     forks = torch_zygote(env) if FORK else None  # one per environment: torch imported once
     done = run_to_end([sys.executable, str(SAVE), *given], lambda stdio: start_process(
         [sys.executable, str(SAVE), *given], forks, given, stdio=stdio, env=env, cwd=REPO,

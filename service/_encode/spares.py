@@ -9,7 +9,9 @@ encode gets (:meth:`FfmpegProcess.begin`), and sends it its arguments and the
 descriptors they name; a new spare is started for the next encode a moment after this
 one's child has ended, so that its start (an interpreter and PyAV's import, about 0.07
 CPU-s) never takes the CPU from the encode itself, nor from the hand-over of its
-output. That start yields as an encode does: the spare's session (its autogroup) is
+output. Two are kept by default: encodes back to back (the next begins before that
+moment) take the second, where with one each other encode started its own on its
+path. That start yields as an encode does: the spare's session (its autogroup) is
 at niceness 19 until an encode takes it, whose priority it then gets, its group back
 at the worker's niceness for an encode that adds none (its threads' niceness is left
 alone while it waits, which an unprivileged worker could not take back; a group's it
@@ -94,6 +96,7 @@ class Spares:
         self.child = list(child)
         self.count = count
         self._ready: list[Spare] = []
+        self._starting = 0  # being started by a refill, not yet ready
         self._lock = threading.Lock()
         self._closed = False
 
@@ -139,20 +142,28 @@ class Spares:
         timer.start()
 
     def _refill(self) -> None:
+        """Start writers until ``count`` are ready (a refill beside this one counts those
+        it is starting)."""
         while True:
             with self._lock:
-                if self._closed or len(self._ready) >= self.count:
+                if self._closed or len(self._ready) + self._starting >= self.count:
                     return
+                self._starting += 1
             try:
                 spare = Spare(self.child)
             except Exception as exc:  # the next encode starts its child afresh and says why
+                with self._lock:
+                    self._starting -= 1
                 log.warning("cannot start a PyAV writer ahead: %s", exc)
                 return
             with self._lock:
-                if self._closed:
-                    spare.discard()
-                    return
-                self._ready.append(spare)
+                self._starting -= 1
+                kept = not self._closed
+                if kept:
+                    self._ready.append(spare)
+            if not kept:
+                spare.discard()
+                return
 
     def close(self) -> None:
         """Let go of every spare still waiting (a shutdown)."""

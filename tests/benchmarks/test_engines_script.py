@@ -20,3 +20,17 @@ def test_engines_benchmark(tmp_path: Path) -> None:
     assert all(row["same_bytes"] for row in results["rows"])
     assert len(results["runs"]) == 2 * len(engines)  # off and on, one run each
     assert "| sglang |" in r.stdout
+
+
+def test_back_to_back_benchmark(tmp_path: Path) -> None:
+    r, results = bench_json(tmp_path, "back_to_back.py", "--frames", "8", "--width", "64",
+                            "--height", "48", "--saves", "2", "--repeat", "1", "--gaps", "0",
+                            "--spares", "0", "2", timeout=600)  # fmt: skip
+    assert results["same_bytes"]
+    assert [(row["gap_s"], row["spares"]) for row in results["rows"]] == [
+        (0.0, None),
+        (0.0, 0),
+        (0.0, 2),
+    ]
+    assert all(len(row["walls"]) == 2 for row in results["rows"])  # each run's saves
+    assert "| gap s | off | spares 0 | spares 2 |" in r.stdout

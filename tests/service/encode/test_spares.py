@@ -8,6 +8,7 @@ import hashlib
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -70,7 +71,7 @@ def test_an_encode_takes_the_writer_started_ahead_and_another_is_started(workers
     bytes twice; each encode's writer is a process of its own, each the bytes of a writer
     started afresh (vLLM-omni's own encode of the frames, in this process's first run).
     The next writer is started once the encode has ended, not beside it."""
-    w = workers.start(yielding=True)
+    w = workers.start("--pyav-spares", "1", yielding=True)
     clip = make_clip(frames=10, height=96, width=128) * 2 - 1
     kw = {"preset": "medium", "threads": 0}
     with Client(w.uds_url, local_fallback=False) as c:
@@ -98,7 +99,7 @@ def test_an_encode_takes_the_writer_started_ahead_and_another_is_started(workers
 def test_a_writer_started_ahead_writes_a_memory_output_into_its_memfd(workers, tmp_path):
     """The job names the memfd itself (``/proc/self/fd/N``, no file name after it): the
     writer gets it under another number and writes the engine's bytes into it."""
-    w = workers.start(yielding=True)
+    w = workers.start("--pyav-spares", "1", yielding=True)
     clip = make_clip(frames=4, height=48, width=64) * 2 - 1
     with Client(w.uds_url, local_fallback=False) as c:
         write(c, "warm.mp4", clip)
@@ -109,9 +110,14 @@ def test_a_writer_started_ahead_writes_a_memory_output_into_its_memfd(workers, t
     assert result.data is not None and hashlib.sha256(result.data).hexdigest() == want
 
 
-@pytest.mark.parametrize("count", ["0", "2"])
+@pytest.mark.parametrize("count", ["0", "1", None])
 def test_the_writers_started_ahead_are_a_setting(workers, count):
-    w = workers.start("--pyav-spares", count)
+    """Two by default: encodes back to back (the next begins before the refill 0.25 s
+    after the last one's end) take the second, where with one every other one started
+    its own on its path (benchmarks/back_to_back.py, 33-frame saves back to back: 0.255
+    s a save with one, 0.236 with two, 0.307 with none)."""
+    w = workers.start(*([] if count is None else ["--pyav-spares", count]))
+    count = count or "2"
     clip = make_clip(frames=4, height=48, width=64)
     with Client(w.uds_url, local_fallback=False) as c:
         write(c, "a.mp4", clip)
@@ -145,10 +151,35 @@ def test_the_next_writer_is_started_once_the_output_is_handed_over(monkeypatch):
         ahead.close()
 
 
+def test_refills_at_once_start_no_more_writers_than_the_count(monkeypatch):
+    """Two encodes that end together each refill: the second counts the writers the
+    first is starting, and the count is what waits (each one's memory: 34 MiB)."""
+    from framewire.service._encode import spares as module
+
+    started: list[object] = []
+
+    class Slow:
+        def __init__(self, child: list[str]):
+            time.sleep(0.2)  # a start takes a while: the two refills overlap
+            started.append(self)
+
+        def discard(self) -> None:
+            pass
+
+    monkeypatch.setattr(module, "Spare", Slow)
+    ahead = module.Spares(["unused"], 2)
+    refills = [threading.Thread(target=ahead._refill) for _ in range(2)]
+    for refill in refills:
+        refill.start()
+    for refill in refills:
+        refill.join(10)
+    assert len(started) == 2 and len(ahead._ready) == 2
+
+
 def test_a_writer_that_died_waiting_is_let_go_and_the_encode_starts_its_own(workers):
     """(Dead before it is taken: one that dies as it takes its job fails that encode, as a
     child started afresh that dies does.)"""
-    w = workers.start()
+    w = workers.start("--pyav-spares", "1")
     clip = make_clip(frames=6, height=48, width=64)
     with Client(w.uds_url, local_fallback=False) as c:
         first = write(c, "a.mp4", clip)
@@ -170,11 +201,11 @@ def group_nice_of(pid: int) -> int:
 
 
 def test_a_writer_waits_yielding_and_an_encode_at_full_weight_takes_its_group_back(workers):
-    """A writer's start (an interpreter and PyAV's import, about 0.25 CPU-s after every
+    """A writer's start (an interpreter and PyAV's import, about 0.07 CPU-s after every
     encode) and its wait weigh as an encode's: its session at niceness 19. An encode that
     does not yield (this worker's: the suite's do not) gives the one it takes the
     worker's weight back."""
-    w = workers.start()
+    w = workers.start("--pyav-spares", "1")
     clip = make_clip(frames=6, height=48, width=64)
     with Client(w.uds_url, local_fallback=False) as c:
         write(c, "a.mp4", clip)

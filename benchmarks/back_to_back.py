@@ -1,0 +1,105 @@
+"""vLLM-omni's saves one after another: its ``ChunkedMP4Encoder`` in process, and through
+workers keeping 0, 1 or 2 PyAV writers started ahead.
+
+    .venv/bin/python benchmarks/back_to_back.py [--frames 33 --width 832 --height 480]
+        [--saves 8] [--gaps 0 0.5] [--spares 0 1 2] [--repeat 4] [--json OUT]
+
+One engine process per run (benchmarks/engine_save.py, its ``vllm-omni-encoder`` row:
+the session's uint8 8-frame chunks made before the timing, ultrafast, threads 0), warmed
+up by one tiny save, then --saves saves of the clip, each --gaps seconds after the one
+before (0: back to back, as a busy engine's; 0.5: spaced). "off": vLLM-omni's own
+encoder; "spares N": the integration on, against a worker started with
+``FRAMEWIRE_PYAV_SPARES=N``, one per count, each holding SGLang's ffmpeg and yielding as
+it ships (engines.py's). The worker starts the next writer 0.25 s after an encode's
+end (service/_encode/spares.py): back to back, the next encode begins before it. Runs
+interleave (gap, then off and each count); figures: the median wall of a save over
+every save of --repeat runs (quartiles beside), and its ratio to off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import harness  # noqa: E402
+from engines import one  # noqa: E402
+
+from tests.support.engine_site import engine_ffmpeg, engine_site  # noqa: E402
+from tests.support.worker import start_worker  # noqa: E402
+
+ENGINE = "vllm-omni-encoder"
+
+
+def quartiles(walls: list[float]) -> str:
+    if len(walls) < 2:
+        return f"{walls[0]:.3f}"
+    q1, q2, q3 = statistics.quantiles(walls, n=4)
+    return f"{q2:.3f} ({q1:.3f}..{q3:.3f})"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--frames", type=harness.count, default=33)
+    p.add_argument("--width", type=harness.count, default=832)
+    p.add_argument("--height", type=harness.count, default=480)
+    p.add_argument("--saves", type=harness.count, default=8)
+    p.add_argument("--gaps", type=float, nargs="+", default=[0.0, 0.5])
+    p.add_argument("--spares", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--repeat", type=harness.count, default=4)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    ffmpeg = str(engine_ffmpeg(engine_site("sglang")))
+    modes: list[int | None] = [None, *args.spares]  # None: off
+    walls: dict[tuple[float, int | None], list[float]] = {}
+    shas: set[str] = set()
+    with tempfile.TemporaryDirectory() as tmp:
+        workers: dict[int, Any] = {}
+        try:
+            for n in args.spares:
+                env = {**os.environ, "FRAMEWIRE_PYAV_SPARES": str(n)}
+                workers[n] = start_worker(
+                    Path(tmp) / f"spares-{n}", "--encoders", ffmpeg, yielding=True, env=env
+                )
+            for r in range(args.repeat):
+                for gap in args.gaps:
+                    for mode in modes:
+                        worker = workers[mode] if mode is not None else next(iter(workers.values()))
+                        got = one(ENGINE, mode is not None, worker, args, r,
+                                  saves=[str(args.saves), str(gap)])  # fmt: skip
+                        walls.setdefault((gap, mode), []).extend(got["walls"])
+                        shas.add(got["sha256"])
+        finally:
+            for worker in workers.values():
+                worker.stop()
+    print(f"{args.frames} frames {args.width}x{args.height}, {args.saves} saves a run, "
+          f"{args.repeat} runs: a save's wall, median (quartiles)")  # fmt: skip
+    head = " | ".join(["off", *(f"spares {n}" for n in args.spares)])
+    print(f"| gap s | {head} |")
+    print("| ---: |" + " ---: |" * len(modes))
+    rows = []
+    for gap in args.gaps:
+        off = statistics.median(walls[(gap, None)])
+        cells = []
+        for mode in modes:
+            median = statistics.median(walls[(gap, mode)])
+            ratio = "" if mode is None else f" {median / off:.2f}x"
+            cells.append(quartiles(walls[(gap, mode)]) + ratio)
+            rows.append({"gap_s": gap, "spares": mode, "walls": walls[(gap, mode)]})
+        print(f"| {gap:g} | " + " | ".join(cells) + " |")
+    same = len(shas) == 1
+    print(f"every save's sha256 equal: {same}")
+    harness.write_json(args.json, {"rows": rows, "same_bytes": same})
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    harness.run(main)
