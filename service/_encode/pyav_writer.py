@@ -36,23 +36,15 @@ import sys
 import threading
 from collections.abc import Iterator
 from fractions import Fraction
-from typing import TYPE_CHECKING
 
-# numpy is imported by an audio job alone (its import was a third of a child's start,
-# 0.04 of 0.11 CPU-s: benchmarks/spare_start.py); there its BLAS's threads, started at
-# the import, would spin (about 0.1 CPU-s a child, on the cores the encodes use).
-for _blas in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_blas, "1")
-
-import av  # noqa: E402
-from av.video.reformatter import VideoReformatter  # noqa: E402
-
-if TYPE_CHECKING:
-    import numpy as np
+import av
+from av.video.reformatter import VideoReformatter
 
 # core.media.argv.OTHER_PYAV_EXIT, spelled here: this child imports nothing of framewire.
 OTHER_PYAV_EXIT = 78
 IOV_MAX = os.sysconf("SC_IOV_MAX")
+# PyAV's own frame of a planar float32 waveform has one plane per channel of its layout.
+LAYOUT_CHANNELS = {"mono": 1, "stereo": 2}
 
 
 def _read_exactly(stream: int, views: list[memoryview]) -> bool:
@@ -73,45 +65,35 @@ def _read_exactly(stream: int, views: list[memoryview]) -> bool:
     return True
 
 
-class _Waveform(threading.Thread):
-    """The (channels, samples) float32 waveform of an inherited memfd (``--audio``), read
-    in a thread of its own while the video encodes (the audio is encoded after it): the
-    read and numpy's import are not on the encode's path."""
-
-    def __init__(self, fd: int, offset: int, samples: int, channels: int):
-        super().__init__(name="audio", daemon=True)
-        self._where = (fd, offset, samples, channels)
-        self._result: np.ndarray | BaseException | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self._result = _samples(*self._where)
-        except (Exception, SystemExit) as exc:  # a short read exits: raised again there
-            self._result = exc
-
-    def result(self) -> np.ndarray:
-        self.join()
-        if isinstance(self._result, BaseException):
-            raise self._result
-        assert self._result is not None
-        return self._result
-
-
-def _samples(fd: int, offset: int, samples: int, channels: int) -> np.ndarray:
-    import numpy as np
-
+def _waveform(spec: str) -> tuple[array.array[float], int, int]:
+    """The float32 samples of an inherited memfd, channels interleaved, their channel
+    count and rate (``--audio FD,OFFSET,SAMPLES,CHANNELS,RATE``)."""
+    fd, offset, samples, channels, rate = (int(v) for v in spec.split(","))
+    flat = array.array("f", bytes(samples * channels * 4))
     # pread, not seek and read: the WAV's descriptor (its file position too) is shared
     # with every other output that muxes the same audio at the same time.
-    flat = np.empty(samples * channels, np.float32)
-    view, got = flat.data.cast("B"), 0
+    view, got = memoryview(flat).cast("B"), 0
     while got < len(view):
         n = os.preadv(fd, [view[got:]], offset + got)
         if n == 0:
             raise SystemExit("the audio input is shorter than its header says")
         got += n
     os.close(fd)
-    return np.ascontiguousarray(flat.reshape(samples, channels).T)
+    return flat, channels, rate
+
+
+def _audio_frame(flat: array.array[float], channels: int, rate: int, layout: str) -> av.AudioFrame:
+    """The one planar frame PyAV's ``AudioFrame.from_ndarray(waveform, format="fltp",
+    layout=layout)`` makes of the engine's (channels, samples) array: the same frame and
+    bytes, without numpy (its import was a quarter to a third of this child's start,
+    0.03-0.04 of 0.11-0.14 CPU-s: benchmarks/spare_start.py)."""
+    if channels != LAYOUT_CHANNELS[layout]:  # PyAV refuses such an array alike
+        raise ValueError(f"{channels} channels for a {layout} layout")
+    frame = av.AudioFrame(format="fltp", layout=layout, samples=len(flat) // channels)
+    for channel, plane in enumerate(frame.planes):
+        plane.update(flat[channel::channels].tobytes())
+    frame.sample_rate, frame.pts, frame.time_base = rate, 0, Fraction(1, rate)
+    return frame
 
 
 def _frames(width: int, height: int) -> Iterator[av.VideoFrame]:
@@ -193,21 +175,18 @@ def encode(args: argparse.Namespace) -> None:
     stream.options = dict(options)
     audio_stream = waveform = None
     if args.audio is not None:
-        fd, offset, samples, channels, rate = (int(v) for v in args.audio.split(","))
-        waveform = _Waveform(fd, offset, samples, channels)
+        waveform = _waveform(args.audio)
         # Added before any video is encoded, as the engine does: stream order is part of
         # the file.
-        audio_stream = container.add_stream("aac", rate=rate)
-        audio_stream.layout = "stereo" if channels >= 2 else "mono"
+        audio_stream = container.add_stream("aac", rate=waveform[2])
+        audio_stream.layout = "stereo" if waveform[1] >= 2 else "mono"
     for picture in _converted_ahead(_frames(width, height), width, height):
         for packet in stream.encode(picture):
             container.mux(packet)
     for packet in stream.encode():
         container.mux(packet)
     if audio_stream is not None and waveform is not None:
-        planar = waveform.result()
-        frame = av.AudioFrame.from_ndarray(planar, format="fltp", layout=audio_stream.layout)
-        frame.sample_rate, frame.pts, frame.time_base = rate, 0, Fraction(1, rate)
+        frame = _audio_frame(*waveform, audio_stream.layout.name)
         for packet in audio_stream.encode(frame):
             container.mux(packet)
         for packet in audio_stream.encode():

@@ -7,7 +7,7 @@ encode, in a session of its own, without a stall bound: it waits, using no CPU, 
 end of a socket pair. An encode takes one, gives it the stall bound and priority an
 encode gets (:meth:`FfmpegProcess.begin`), and sends it its arguments and the
 descriptors they name; a new spare is started for the next encode a moment after this
-one's child has ended, so that its start (an interpreter and PyAV's import, about 0.07
+one's child has ended, so that its start (an interpreter and PyAV's import, about 0.1
 CPU-s) never takes the CPU from the encode itself, nor from the hand-over of its
 output. Two are kept by default: encodes back to back (the next begins before that
 moment) take the second, where with one each other encode started its own on its

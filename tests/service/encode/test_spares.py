@@ -201,7 +201,7 @@ def group_nice_of(pid: int) -> int:
 
 
 def test_a_writer_waits_yielding_and_an_encode_at_full_weight_takes_its_group_back(workers):
-    """A writer's start (an interpreter and PyAV's import, about 0.07 CPU-s after every
+    """A writer's start (an interpreter and PyAV's import, about 0.1 CPU-s after every
     encode) and its wait weigh as an encode's: its session at niceness 19. An encode that
     does not yield (this worker's: the suite's do not) gives the one it takes the
     worker's weight back."""
