@@ -16,8 +16,9 @@ environment says) and prints one JSON line: wall seconds, the CPU seconds of the
 process and of the children it waited for (an engine's own ffmpeg; not the worker's),
 the process's peak resident memory above its level before the save (VmHWM, reset
 first), sha256. With SAVES (benchmarks/back_to_back.py): that many timed saves of the
-clip, GAP_S seconds apart; each one's wall, their median, the CPU per save, the peak
-over all of them, and the sha256 they share.
+clip, each GAP_S seconds after the one before was hashed (a few ms: 0 is back to back);
+each one's wall, their median, the CPU per save, the peak over all of them, and the
+sha256 they share.
 """
 
 from __future__ import annotations
@@ -162,16 +163,17 @@ def _timed(save: Any, out: Path) -> None:
         WARMING = False
         return
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here
-    before, cpu0 = _status("VmRSS"), _cpu_s()
+    before, cpu = _status("VmRSS"), 0.0
     walls, digests = [], set()
     for n in range(SAVES):
         if n:
             time.sleep(GAP_S)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _cpu_s()
         save()
         walls.append(time.perf_counter() - t0)
-        digests.add(hashlib.sha256(out.read_bytes()).hexdigest())
-    cpu = (_cpu_s() - cpu0) / SAVES
+        cpu += (_cpu_s() - cpu0) / SAVES
+        with out.open("rb") as f:  # a block at a time: the peak is the saves' own
+            digests.add(hashlib.file_digest(f, "sha256").hexdigest())
     peak = max(0, _status("VmHWM") - before)
     figures = {"wall_s": statistics.median(walls), "cpu_s": cpu, "peak_extra_mib": peak / (1 << 20)}
     digest = digests.pop() if len(digests) == 1 else "saves differ"
