@@ -18,7 +18,6 @@ every save of --repeat runs (quartiles beside), and its ratio to off.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -47,15 +46,10 @@ def quartiles(walls: list[float]) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--frames", type=harness.count, default=33)
-    p.add_argument("--width", type=harness.count, default=832)
-    p.add_argument("--height", type=harness.count, default=480)
+    p = harness.parser(__doc__, frames=33, width=832, height=480, repeat=4)
     p.add_argument("--saves", type=harness.count, default=8)
     p.add_argument("--gaps", type=float, nargs="+", default=[0.0, 0.5])
     p.add_argument("--spares", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--repeat", type=harness.count, default=4)
-    p.add_argument("--json", type=Path)
     args = p.parse_args()
     ffmpeg = str(engine_ffmpeg(engine_site("sglang")))
     modes: list[int | None] = [None, *args.spares]  # None: off
