@@ -297,8 +297,8 @@ def test_frames_with_padded_rows_are_read_row_by_row_into_the_engines_bytes(
 
 
 def test_an_audio_input_shorter_than_its_header_fails_the_child(tmp_path: Path) -> None:
-    """The samples are read in a thread beside the video's encode: a short read there is
-    the encode's failure all the same, said on stderr, and nothing muxes without them."""
+    """The samples are read before any frame is encoded: a short read fails the encode
+    at once, said on stderr."""
     fd = os.memfd_create("short-audio")
     try:
         os.write(fd, bytes(4 * 100))  # 100 float32 samples, where 2 x 1000 are announced
