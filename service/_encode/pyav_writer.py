@@ -69,7 +69,7 @@ def _waveform(spec: str) -> tuple[array.array[float], int, int]:
     """The float32 samples of an inherited memfd, channels interleaved, their channel
     count and rate (``--audio FD,OFFSET,SAMPLES,CHANNELS,RATE``)."""
     fd, offset, samples, channels, rate = (int(v) for v in spec.split(","))
-    flat = array.array("f", bytes(samples * channels * 4))
+    flat = array.array("f", [0.0]) * (samples * channels)  # made whole once, then filled
     # pread, not seek and read: the WAV's descriptor (its file position too) is shared
     # with every other output that muxes the same audio at the same time.
     view, got = memoryview(flat).cast("B"), 0
