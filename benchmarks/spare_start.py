@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 import harness
+from encode import status_kib  # the shared /proc reader
+from framewire.core.media.process import cpu_ticks
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = REPO / "service" / "_encode" / "pyav_writer.py"
@@ -32,15 +34,10 @@ IDLE_S = 0.05  # no CPU tick for this long: the spare waits on its socket
 
 
 def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise KeyError("VmRSS")
+    ticks = cpu_ticks(pid)
+    if ticks is None:
+        raise SystemExit(f"spare {pid} is gone")
+    return ticks / TICK
 
 
 def one(child: Path) -> tuple[float, float]:
@@ -59,7 +56,7 @@ def one(child: Path) -> tuple[float, float]:
             still = still + IDLE_S if cpu == seen else 0.0
             seen = cpu
             if still >= 0.5 and proc.poll() is None:
-                return cpu, _rss_mib(proc.pid)
+                return cpu, status_kib(str(proc.pid), ("VmRSS",))[1] / 1024
         raise SystemExit(f"{child}: the spare never settled (exit {proc.poll()})")
     finally:
         mine.close()  # its socket's end: it exits
