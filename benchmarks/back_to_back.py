@@ -1,19 +1,19 @@
 """vLLM-omni's saves one after another: its ``ChunkedMP4Encoder`` in process, and through
-workers keeping 0, 1 or 2 PyAV writers started ahead.
+workers whose PyAV writers are started afresh or forked from a template.
 
     .venv/bin/python benchmarks/back_to_back.py [--frames 33 --width 832 --height 480]
-        [--saves 8] [--gaps 0 0.5] [--spares 0 1 2] [--repeat 4] [--json OUT]
+        [--saves 8] [--gaps 0 0.5] [--writers fresh forked] [--repeat 4] [--json OUT]
 
 One engine process per run (benchmarks/engine_save.py, its ``vllm-omni-encoder`` row:
 the session's uint8 8-frame chunks made before the timing, ultrafast, threads 0), warmed
 up by one tiny save, then --saves saves of the clip, each --gaps seconds after the one
 before (0: back to back, as a busy engine's; 0.5: spaced). "off": vLLM-omni's own
-encoder; "spares N": the integration on, against a worker started with
-``FRAMEWIRE_PYAV_SPARES=N``, one per count, each holding SGLang's ffmpeg and yielding as
-it ships (engines.py's). The worker starts the next writer 0.25 s after an encode's
-end (service/_encode/spares.py): back to back, the next encode begins before it. Runs
-interleave (gap, then off and each count); figures: the median wall of a save over
-every save of --repeat runs (quartiles beside), and its ratio to off.
+encoder; "fresh" and "forked": the integration on, against a worker started with
+``FRAMEWIRE_PYAV_FORK`` false (each writer an interpreter started for its encode) or
+true (each forked from the template, service/_encode/forks.py), each holding SGLang's
+ffmpeg and yielding as it ships (engines.py's). Runs interleave (gap, then off and each
+kind); figures: the median wall of a save over every save of --repeat runs (quartiles
+beside), and its ratio to off.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from tests.support.engine_site import engine_ffmpeg, engine_site  # noqa: E402
 from tests.support.worker import start_worker  # noqa: E402
 
 ENGINE = "vllm-omni-encoder"
+WRITERS = {"fresh": "false", "forked": "true"}  # FRAMEWIRE_PYAV_FORK
 
 
 def quartiles(walls: list[float]) -> str:
@@ -49,19 +50,19 @@ def main() -> int:
     p = harness.parser(__doc__, frames=33, width=832, height=480, repeat=4)
     p.add_argument("--saves", type=harness.count, default=8)
     p.add_argument("--gaps", type=float, nargs="+", default=[0.0, 0.5])
-    p.add_argument("--spares", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--writers", nargs="+", choices=WRITERS, default=list(WRITERS))
     args = p.parse_args()
     ffmpeg = str(engine_ffmpeg(engine_site("sglang")))
-    modes: list[int | None] = [None, *args.spares]  # None: off
-    walls: dict[tuple[float, int | None], list[float]] = {}
+    modes: list[str | None] = [None, *args.writers]  # None: off
+    walls: dict[tuple[float, str | None], list[float]] = {}
     shas: set[str] = set()
     with tempfile.TemporaryDirectory() as tmp:
-        workers: dict[int, Any] = {}
+        workers: dict[str, Any] = {}
         try:
-            for n in args.spares:
-                env = {**os.environ, "FRAMEWIRE_PYAV_SPARES": str(n)}
-                workers[n] = start_worker(
-                    Path(tmp) / f"spares-{n}", "--encoders", ffmpeg, yielding=True, env=env
+            for kind in args.writers:
+                env = {**os.environ, "FRAMEWIRE_PYAV_FORK": WRITERS[kind]}
+                workers[kind] = start_worker(
+                    Path(tmp) / kind, "--encoders", ffmpeg, yielding=True, env=env
                 )
             for r in range(args.repeat):
                 for gap in args.gaps:
@@ -76,7 +77,7 @@ def main() -> int:
                 worker.stop()
     print(f"{args.frames} frames {args.width}x{args.height}, {args.saves} saves a run, "
           f"{args.repeat} runs: a save's wall, median (quartiles)")  # fmt: skip
-    head = " | ".join(["off", *(f"spares {n}" for n in args.spares)])
+    head = " | ".join(["off", *args.writers])
     print(f"| gap s | {head} |")
     print("| ---: |" + " ---: |" * len(modes))
     rows = []
@@ -87,7 +88,7 @@ def main() -> int:
             median = statistics.median(walls[(gap, mode)])
             ratio = "" if mode is None else f" {median / off:.2f}x"
             cells.append(quartiles(walls[(gap, mode)]) + ratio)
-            rows.append({"gap_s": gap, "spares": mode, "walls": walls[(gap, mode)]})
+            rows.append({"gap_s": gap, "writers": mode, "walls": walls[(gap, mode)]})
         print(f"| {gap:g} | " + " | ".join(cells) + " |")
     same = len(shas) == 1
     print(f"every save's sha256 equal: {same}")

@@ -76,8 +76,9 @@ class Settings(BaseSettings):
     shutdown_grace: float = Field(default=30.0, ge=0)
     # An ffmpeg run (encode, decode) that makes no progress this long is killed.
     stall_timeout_s: float = Field(default=60.0, gt=0)
-    # The vllm-omni profile's PyAV writers kept started ahead (0: each encode starts its own).
-    pyav_spares: int = Field(default=2, ge=0, le=16)
+    # The vllm-omni profile's PyAV writers forked from a template that imported PyAV
+    # (false: each encode starts its own interpreter).
+    pyav_fork: bool = True
     # A connection (HTTP or fd socket) that does not complete a request's headers (or
     # line), or stops sending a body, for this long is closed.
     idle_timeout_s: float = Field(default=30.0, gt=0)

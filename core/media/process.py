@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 
 from framewire.core.closing import Closing
 from framewire.core.errors import Stalled, Unavailable
+from framewire.core.media.adopted import Adopted
 from framewire.core.media.binary import exe_fd
 from framewire.core.media.pipe import POLL_S, PipeWriter, no_check
 from framewire.core.media.priority import FULL, Priority, lower_priority
@@ -99,6 +100,9 @@ def cpu_ticks(pid: int) -> int | None:
         return None
 
 
+# A child this process started, or one forked for it by another (a template).
+Child = subprocess.Popen[bytes] | Adopted
+
 # What a child that says so (PyAV's writer started ahead) writes on its socket once its
 # output is complete and closed, before it exits.
 DONE = b"done\n"
@@ -137,13 +141,15 @@ class _ExitWatch:
         os.close(self.fd)
 
 
-def _exit_watch(pid: int, word: socket.socket | None) -> _ExitWatch | None:
-    """A watch on ``pid``'s exit (and ``word``), or None where pidfds are not to be had
-    (Linux < 5.3: then only the exit ends a wait)."""
+def _exit_watch(proc: Child, word: socket.socket | None) -> _ExitWatch | None:
+    """A watch on ``proc``'s exit (and ``word``), or None where pidfds are not to be had
+    (Linux < 5.3: then only the exit ends a wait). An adopted child's exit is its status's
+    coming (its parent reaps it)."""
     try:
-        return _ExitWatch(os.pidfd_open(pid), word)
+        fd = proc.exit_fd() if isinstance(proc, Adopted) else os.pidfd_open(proc.pid)
     except (AttributeError, OSError):
         return None
+    return _ExitWatch(fd, word)
 
 
 class FfmpegProcess(Closing):
@@ -156,6 +162,8 @@ class FfmpegProcess(Closing):
     encoder's threads, made later, inherit it; a yielding child runs in a session, and
     so a scheduling group, of its own (``new_session`` says otherwise). ``tracked``:
     among the children a shutdown kills (a child started ahead is, once it ``begin``s).
+    ``spawn``: the child started otherwise than by ``argv`` (forked by a template, which
+    sets its session), given the stderr memfd; ``argv`` names it in messages.
     """
 
     def __init__(
@@ -171,6 +179,7 @@ class FfmpegProcess(Closing):
         priority: Priority = FULL,
         new_session: bool | None = None,
         tracked: bool = True,
+        spawn: Callable[[int], Adopted] | None = None,
     ):
         self.argv = list(argv)
         self.stall_s = stall_s
@@ -182,19 +191,23 @@ class FfmpegProcess(Closing):
         run_from = exe_fd(self.argv[0])  # a binary run from its descriptor: the child's too
         if run_from is not None:
             pass_fds = [*pass_fds, run_from]
+        self.proc: Child
         try:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                stdout=self._stdout if stdout else subprocess.DEVNULL,
-                stderr=self._stderr,
-                close_fds=True,
-                pass_fds=tuple(pass_fds),
-                cwd=cwd,
-                # A yielding encoder is a scheduling group of its own (group_nice): the
-                # worker ends it itself, a terminal's signals are not its to get.
-                start_new_session=priority.yields if new_session is None else new_session,
-            )
+            if spawn is not None:
+                self.proc = spawn(self._stderr)
+            else:
+                self.proc = subprocess.Popen(
+                    self.argv,
+                    stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                    stdout=self._stdout if stdout else subprocess.DEVNULL,
+                    stderr=self._stderr,
+                    close_fds=True,
+                    pass_fds=tuple(pass_fds),
+                    cwd=cwd,
+                    # A yielding encoder is a scheduling group of its own (group_nice): the
+                    # worker ends it itself, a terminal's signals are not its to get.
+                    start_new_session=priority.yields if new_session is None else new_session,
+                )
         except OSError as exc:
             self._close_memfds()
             raise Unavailable(
@@ -275,7 +288,7 @@ class FfmpegProcess(Closing):
         """
         self.close_stdin()
         self._progressed()  # the flush begins now
-        exited = _exit_watch(self.proc.pid, self._word)
+        exited = _exit_watch(self.proc, self._word)
         try:
             while True:
                 if exited is not None:

@@ -1,4 +1,4 @@
-"""An encode's child process: started (the PyAV writer from those started ahead), waited
+"""An encode's child process: started (the PyAV writer forked from its template), waited
 for, and what its exit status means for the request."""
 
 from __future__ import annotations
@@ -16,20 +16,20 @@ from framewire.core.errors import (
 from framewire.core.media.argv import OTHER_PYAV_EXIT, refused_input
 from framewire.core.media.priority import Priority
 from framewire.core.media.process import FfmpegProcess
-from framewire.service._encode.profiles import PYAV_CHILD
-from framewire.service._encode.spares import Spares
+from framewire.service._encode.forks import Forks
+from framewire.service._encode.profiles import PYAV_CHILD, PYAV_TEMPLATE
 
 Explain = Callable[[str, FramewireError], FramewireError]
 
 
 class Children:
     """Starts each encode's child: ffmpeg, or the ``vllm-omni`` profile's PyAV writer
-    (one of ``pyav_spares`` started ahead, when there is one), and tells what its end
+    (forked from a template started ahead, with ``pyav_fork``), and tells what its end
     means. ``explain(exe, failure)``: the answer to a failure of the child running
     ``exe`` (Encoders.explain: that the binary does not run any more, where it does not)."""
 
-    def __init__(self, pyav_spares: int, explain: Explain = lambda exe, failure: failure):
-        self.spares = Spares(PYAV_CHILD, pyav_spares) if pyav_spares > 0 else None
+    def __init__(self, pyav_fork: bool, explain: Explain = lambda exe, failure: failure):
+        self.forks = Forks(PYAV_CHILD, PYAV_TEMPLATE) if pyav_fork else None
         self.explain = explain
 
     def wait_for(self, ff: FfmpegProcess, check: Callable[[], None]) -> None:
@@ -51,14 +51,14 @@ class Children:
     ) -> FfmpegProcess:
         """The child running ``argv``, inheriting ``fds``, frames to be fed on its stdin."""
         pyav = list(argv[: len(PYAV_CHILD)]) == list(PYAV_CHILD)
-        if pyav and self.spares is not None:
-            return self.spares.start(argv[len(PYAV_CHILD) :], fds, stall_s, priority)
+        if pyav and self.forks is not None:
+            return self.forks.start(argv[len(PYAV_CHILD) :], fds, stall_s, priority)
         # cwd "/": a child resolves nothing (an empty PYTHONPATH entry) in the worker's.
         return FfmpegProcess(argv, pass_fds=fds, stall_s=stall_s, cwd="/", priority=priority)
 
     def close(self) -> None:
-        if self.spares is not None:
-            self.spares.close()
+        if self.forks is not None:
+            self.forks.close()
 
 
 # What ffmpeg prints when the output cannot grow (ENOSPC, EFBIG, EDQUOT).

@@ -87,12 +87,12 @@ class Encoder:
         fallback: bool = True,
         stall_s: float | None = 60.0,
         encoders: list[str] | None = None,
-        pyav_spares: int = 0,
+        pyav_fork: bool = False,
         staging_keep_bytes: int = 0,
     ):
         self.encoders = Encoders(ffmpeg, encoders)
         self.kept = KeptStaging(staging_keep_bytes)  # staging memfds between encodes
-        self.children = Children(pyav_spares, self.encoders.explain)
+        self.children = Children(pyav_fork, self.encoders.explain)
         self.ffmpeg = self.encoders.default
         self.chunk_bytes = chunk_bytes
         self.fallback = fallback
@@ -106,7 +106,7 @@ class Encoder:
             fallback=settings.fallback,
             stall_s=settings.stall_timeout_s,
             encoders=settings.encoders,
-            pyav_spares=settings.pyav_spares,
+            pyav_fork=settings.pyav_fork,
             staging_keep_bytes=settings.staging_keep_mib << 20,
         )
 

@@ -42,6 +42,8 @@ DEFAULT_VALUE_RANGE = (-1.0, 1.0)  # vLLM-omni's Wan VAEs, and its serving path'
 # framewire.service packages' imports: 0.6 s). -P keeps the working directory and the
 # script's folder off sys.path, so no module planted there (an av.py in /tmp) runs in it.
 PYAV_CHILD = (sys.executable, "-P", str(Path(__file__).with_name("pyav_writer.py")))
+# The template its writers are forked from (service/_encode/forks.py), run alike.
+PYAV_TEMPLATE = (sys.executable, "-P", str(Path(__file__).with_name("pyav_template.py")))
 
 
 def diffusers_convert(chunk: torch.Tensor, layout: Layout, out: torch.Tensor) -> None:

@@ -2,14 +2,9 @@
 
     python -P .../framewire/service/_encode/pyav_writer.py --size WxH --rate N/D --crf C
         [--preset P] --threads T [--audio FD,OFFSET,SAMPLES,CHANNELS,RATE] OUTPUT
-    python -P .../framewire/service/_encode/pyav_writer.py --spare FD
 
-``--spare``: started ahead of its encode (service/_encode/spares.py), its imports done,
-it waits on the Unix socket FD for its job: one message, the arguments above as JSON
-and the descriptors they name (``SCM_RIGHTS``), named again by the numbers they have
-here. Then it runs as above, once: an encode never shares a process, nor anything of
-x264's, with another; once its output is whole and closed it says so on the socket
-(``DONE``) before it exits, and the worker goes on without waiting for its teardown.
+Run as above, it writes one output and exits; forked from the template
+(pyav_template.py, which imports this file), each writer does the same, once.
 
 vLLM-omni 0.30 encodes with PyAV, not the ffmpeg command line
 (``media_utils.mux_video_audio_bytes`` and ``ChunkedMP4Encoder``): an mp4
@@ -27,11 +22,8 @@ from __future__ import annotations
 
 import argparse
 import array
-import contextlib
-import json
 import os
 import queue
-import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -86,7 +78,7 @@ def _audio_frame(flat: array.array[float], channels: int, rate: int, layout: str
     """The one planar frame PyAV's ``AudioFrame.from_ndarray(waveform, format="fltp",
     layout=layout)`` makes of the engine's (channels, samples) array: the same frame and
     bytes, without numpy (its import was a quarter to a third of this child's start,
-    0.03-0.04 of 0.11-0.14 CPU-s: benchmarks/spare_start.py)."""
+    0.03-0.04 of 0.11-0.14 CPU-s, as the template now starts: benchmarks/template_start.py)."""
     if channels != LAYOUT_CHANNELS[layout]:  # PyAV refuses such an array alike
         raise ValueError(f"{channels} channels for a {layout} layout")
     frame = av.AudioFrame(format="fltp", layout=layout, samples=len(flat) // channels)
@@ -194,46 +186,6 @@ def encode(args: argparse.Namespace) -> None:
     container.close()
 
 
-JOB_BYTES = 1 << 16  # the job's JSON
-# core.media.process.DONE, spelled here: a spare's word that its output is complete.
-DONE = b"done\n"
-MAX_FDS = 8
-PROC_FD = "/proc/self/fd/"
-
-
-def _renumbered(argv: list[str], numbers: dict[int, int]) -> list[str]:
-    """``argv`` with each descriptor it names (the output's directory or memfd, the
-    audio's memfd) given the number it has here."""
-    out = list(argv)
-    for i, arg in enumerate(out):
-        if arg.startswith(PROC_FD):  # a private directory's file, or a memfd itself
-            fd, slash, rest = arg[len(PROC_FD) :].partition("/")
-            out[i] = f"{PROC_FD}{numbers[int(fd)]}{slash}{rest}"
-        elif i > 0 and out[i - 1] == "--audio":
-            fd, _, rest = arg.partition(",")
-            out[i] = f"{numbers[int(fd)]},{rest}"
-    return out
-
-
-def wait_for_job(sock: socket.socket) -> list[str] | None:
-    """The job a spare was started for: its arguments (naming the descriptors sent along
-    by the numbers they have here); None when the worker let it go."""
-    fds = array.array("i")
-    message, ancillary, _, _ = sock.recvmsg(JOB_BYTES, socket.CMSG_LEN(MAX_FDS * fds.itemsize))
-    for level, kind, data in ancillary:
-        if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
-            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    if not message:
-        for fd in fds:
-            os.close(fd)
-        return None
-    job = json.loads(message)
-    theirs = [int(n) for n in job["fds"]]
-    if len(theirs) != len(fds):
-        raise SystemExit("the job's descriptors did not all come")
-    return _renumbered([str(a) for a in job["argv"]], dict(zip(theirs, fds, strict=True)))
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyav_writer")
     parser.add_argument("--size", required=True)
@@ -247,26 +199,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Made at the import, a spare's idle start: argparse's first parser imports shutil (and
-# through it lzma, bz2...), 4-6 ms of an encode's start when made after the job came.
+# Made at the import, in the template (pyav_template.py) before any fork: argparse's
+# first parser imports shutil (and through it lzma, bz2...), 4-6 ms of an encode's
+# start when made after the job came.
 PARSER = _parser()
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] != ["--spare"]:
-        return run(argv)
-    control = socket.socket(fileno=int(argv[1]))
-    job = wait_for_job(control)
-    if job is None:
-        return 0
-    code = run(job)
-    if code == 0:
-        # The output is whole and closed: the worker goes on without waiting for this
-        # process's end (its teardown, 5-10 ms), which it reaps afterwards.
-        with contextlib.suppress(OSError):
-            control.sendall(DONE)
-    return code
+    return run(sys.argv[1:] if argv is None else argv)
 
 
 def run(argv: list[str]) -> int:

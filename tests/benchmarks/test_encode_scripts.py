@@ -89,12 +89,13 @@ def test_the_memory_samplers_know_an_ffmpeg_run_from_a_descriptor(monkeypatch) -
     binary.close()
 
 
-def test_spare_start_benchmark(tmp_path: Path) -> None:
-    out = tmp_path / "spares.json"
-    r = bench("spare_start.py", "--repeat", "1", "--json", str(out))
+def test_template_start_benchmark(tmp_path: Path) -> None:
+    out = tmp_path / "template.json"
+    r = bench("template_start.py", "--repeat", "1", "--forks", "2", "--json", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "| service/_encode/pyav_writer.py |" in r.stdout, r.stdout
+    assert "| service/_encode/pyav_template.py |" in r.stdout, r.stdout
     (row,) = json.loads(out.read_text())
-    assert row["child"] == "service/_encode/pyav_writer.py"
+    assert row["template"] == "service/_encode/pyav_template.py"
     assert len(row["cpu_s"]) == 1 and 0 < row["cpu_s"][0] < 5
     assert len(row["rss_mib"]) == 1 and 10 < row["rss_mib"][0] < 500
+    assert len(row["fork_ms"]) == 2 and all(0 < ms < 5000 for ms in row["fork_ms"])

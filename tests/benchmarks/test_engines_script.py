@@ -25,12 +25,12 @@ def test_engines_benchmark(tmp_path: Path) -> None:
 def test_back_to_back_benchmark(tmp_path: Path) -> None:
     r, results = bench_json(tmp_path, "back_to_back.py", "--frames", "8", "--width", "64",
                             "--height", "48", "--saves", "2", "--repeat", "1", "--gaps", "0",
-                            "--spares", "0", "2", timeout=600)  # fmt: skip
+                            "--writers", "fresh", "forked", timeout=600)  # fmt: skip
     assert results["same_bytes"]
-    assert [(row["gap_s"], row["spares"]) for row in results["rows"]] == [
+    assert [(row["gap_s"], row["writers"]) for row in results["rows"]] == [
         (0.0, None),
-        (0.0, 0),
-        (0.0, 2),
+        (0.0, "fresh"),
+        (0.0, "forked"),
     ]
     assert all(len(row["walls"]) == 2 for row in results["rows"])  # each run's saves
-    assert "| gap s | off | spares 0 | spares 2 |" in r.stdout
+    assert "| gap s | off | fresh | forked |" in r.stdout

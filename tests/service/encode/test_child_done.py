@@ -1,14 +1,12 @@
-"""A PyAV writer started ahead says on its job's socket that its output is complete and
+"""A PyAV writer forked from its template says on its job's socket that its output is complete and
 closed; the worker's wait ends at that word, not at the child's exit (its teardown runs
 beside the output's checks), and the child is reaped afterwards all the same."""
 
 from __future__ import annotations
 
 import ast
-import json
 import os
 import socket
-import subprocess
 import sys
 import textwrap
 import time
@@ -18,17 +16,18 @@ import av
 import numpy as np
 from framewire.core.media import process
 from framewire.core.media.process import FfmpegProcess
-from framewire.service._encode.profiles import PYAV_CHILD
+from framewire.service._encode.forks import Template
+from framewire.service._encode.profiles import PYAV_TEMPLATE
 
-WRITER = Path(PYAV_CHILD[-1])  # read, not imported: its import sets its BLAS's variables
+TEMPLATE = Path(PYAV_TEMPLATE[-1])  # read, not imported: it imports PyAV
 
 
 def _writers_done() -> bytes:
-    """The word as the writer (which imports nothing of framewire) spells it."""
-    for node in ast.parse(WRITER.read_text()).body:
+    """The word as the template's writers (which import nothing of framewire) spell it."""
+    for node in ast.parse(TEMPLATE.read_text()).body:
         if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["DONE"]:
             return ast.literal_eval(node.value)
-    raise AssertionError("the writer has no DONE")
+    raise AssertionError("the template has no DONE")
 
 
 def _child(tail: str) -> tuple[FfmpegProcess, socket.socket]:
@@ -76,34 +75,39 @@ def test_without_the_word_the_wait_ends_at_the_exit_with_its_status():
             ff.close()
 
 
-def _spare(output: Path, frames: np.ndarray) -> tuple[bytes, int, int | None]:
-    """What a real spare says on its socket for a job writing ``output``, how many
-    frames the file holds when it says so, and its exit status."""
+def _forked(output: Path, frames: np.ndarray) -> tuple[bytes, int, int | None]:
+    """What a writer forked by a real template says on its socket for a job writing
+    ``output``, how many frames the file holds when it says so, and its exit status
+    (the template's word)."""
+    template = Template(PYAV_TEMPLATE)
     mine, theirs = socket.socketpair()
-    argv = [sys.executable, "-P", str(WRITER), "--spare", str(theirs.fileno())]
-    child = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=[theirs.fileno()])
-    theirs.close()
+    stderr = os.memfd_create("stderr")
     _, h, w, _ = frames.shape
     size = ["--size", f"{w}x{h}", "--rate", "24/1", "--crf", "18"]
     job = [*size, "--preset", "ultrafast", "--threads", "1", str(output)]
-    mine.sendmsg([json.dumps({"argv": job, "fds": []}).encode()])
-    assert child.stdin is not None
-    child.stdin.write(frames.tobytes())
-    child.stdin.close()
-    mine.settimeout(60)
-    said = mine.recv(64)
-    held = 0
-    if said:
-        with av.open(str(output)) as container:
-            held = container.streams.video[0].frames
-    mine.close()
-    return said, held, child.wait(60)
+    try:
+        child = template.fork(job, [], theirs.fileno(), stderr)
+        theirs.close()
+        assert child.stdin is not None
+        child.stdin.write(frames.tobytes())
+        child.stdin.close()
+        mine.settimeout(60)
+        said = mine.recv(64)
+        held = 0
+        if said:
+            with av.open(str(output)) as container:
+                held = container.streams.video[0].frames
+        return said, held, child.wait(60)
+    finally:
+        mine.close()
+        os.close(stderr)
+        template.discard()
 
 
-def test_a_spare_says_it_is_done_once_its_output_is_whole(tmp_path):
+def test_a_forked_writer_says_it_is_done_once_its_output_is_whole(tmp_path):
     frames = np.random.default_rng(0).integers(0, 256, (5, 32, 48, 3), np.uint8)
-    assert _spare(tmp_path / "a.mp4", frames) == (process.DONE, 5, 0)
+    assert _forked(tmp_path / "a.mp4", frames) == (process.DONE, 5, 0)
     # A job that fails says nothing: its socket closes at its exit, and the status tells.
-    said, _, status = _spare(tmp_path / "missing" / "b.mp4", frames)
+    said, _, status = _forked(tmp_path / "missing" / "b.mp4", frames)
     assert said == b"" and status != 0
     assert not os.path.exists(tmp_path / "missing")

@@ -1,0 +1,190 @@
+"""The ``vllm-omni`` profile's PyAV template: the writer's imports done once, a writer
+forked for each encode.
+
+    python -P .../framewire/service/_encode/pyav_template.py FD
+
+Started ahead of the encodes (service/_encode/forks.py), it imports the writer
+(pyav_writer.py, beside this file: PyAV, its parser) and forks a writer for each job
+that comes on the Unix socket FD: one message, the writer's arguments as JSON, and
+descriptors (``SCM_RIGHTS``): the writer's kit (``KIT``), then those its arguments
+name, named again by the numbers they have here. A writer runs one job in a process and
+session of its own, and exits: an encode never shares a process, nor anything of x264's,
+with another, and the template itself never encodes. Once its output is whole and
+closed a writer says so (``DONE``) before it exits, and the worker goes on without
+waiting for its teardown; the template reaps it and writes its status for the worker.
+Imports nothing of framewire, as the writer does.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import ctypes
+import importlib.util
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+
+def _import_writer() -> ModuleType:
+    """pyav_writer.py, beside this file (``-P`` keeps this folder off sys.path)."""
+    spec = importlib.util.spec_from_file_location(
+        "pyav_writer", Path(__file__).with_name("pyav_writer.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+writer = _import_writer()
+
+JOB_BYTES = 1 << 16  # the job's JSON
+# core.media.process.DONE, spelled here: a writer's word that its output is complete.
+DONE = b"done\n"
+# What comes with each job before the descriptors its arguments name: the socket its
+# writer says DONE on, its stdin's and stderr's, and the pipe its exit status goes on.
+KIT = 4
+PR_SET_PDEATHSIG = 1
+MAX_FDS = KIT + 8
+PROC_FD = "/proc/self/fd/"
+
+
+def _renumbered(argv: list[str], numbers: dict[int, int]) -> list[str]:
+    """``argv`` with each descriptor it names (the output's directory or memfd, the
+    audio's memfd) given the number it has here."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg.startswith(PROC_FD):  # a private directory's file, or a memfd itself
+            fd, slash, rest = arg[len(PROC_FD) :].partition("/")
+            out[i] = f"{PROC_FD}{numbers[int(fd)]}{slash}{rest}"
+        elif i > 0 and out[i - 1] == "--audio":
+            fd, _, rest = arg.partition(",")
+            out[i] = f"{numbers[int(fd)]},{rest}"
+    return out
+
+
+def receive_job(sock: socket.socket) -> tuple[list[str], list[int]] | None:
+    """A job: its arguments (naming the descriptors sent along by the numbers they have
+    here) and every descriptor that came, the kit first; None when the worker let go."""
+    fds = array.array("i")
+    message, ancillary, _, _ = sock.recvmsg(JOB_BYTES, socket.CMSG_LEN(MAX_FDS * fds.itemsize))
+    for level, kind, data in ancillary:
+        if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    job = json.loads(message) if message else None
+    theirs = [] if job is None else [int(n) for n in job["fds"]]
+    if job is None or len(theirs) != len(fds) - KIT:
+        for fd in fds:
+            os.close(fd)
+        if job is None:
+            return None
+        raise SystemExit("the job's descriptors did not all come")
+    numbers = dict(zip(theirs, fds[KIT:], strict=True))
+    return _renumbered([str(a) for a in job["argv"]], numbers), list(fds)
+
+
+def serve(control: socket.socket) -> int:
+    """Fork a writer for each job on ``control``, answer with its pid and
+    pidfd, reap it and write its status on the job's pipe; until the worker closes the
+    socket and every writer has ended."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    poller = select.poll()
+    poller.register(control, select.POLLIN)
+    writers: dict[int, tuple[int, int]] = {}  # pidfd: (pid, its status pipe)
+    listening = True
+    while listening or writers:
+        for fd, _ in poller.poll():
+            if fd in writers:
+                pid, status = writers.pop(fd)
+                poller.unregister(fd)
+                _, code = os.waitpid(pid, 0)
+                with contextlib.suppress(OSError):  # the worker let it go: nobody to tell
+                    os.write(status, b"%d\n" % os.waitstatus_to_exitcode(code))
+                os.close(status)
+                os.close(fd)
+                continue
+            job = receive_job(control)
+            if job is None:
+                listening = False
+                poller.unregister(control)
+                continue
+            argv, fds = job
+            pid = _fork(argv, fds, control, writers, prctl)
+            pidfd = os.pidfd_open(pid)  # before it can be reaped: never another's pid
+            for n in [*fds[: KIT - 1], *fds[KIT:]]:  # the writer's now
+                os.close(n)
+            writers[pidfd] = (pid, fds[KIT - 1])
+            poller.register(pidfd, select.POLLIN)
+            pidfds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [pidfd]).tobytes())]
+            with contextlib.suppress(OSError):  # the worker is gone: the writer's input ends
+                control.sendmsg([b"%d" % pid], pidfds)
+    return 0
+
+
+def _fork(
+    argv: list[str],
+    fds: list[int],
+    control: socket.socket,
+    writers: dict[int, tuple[int, int]],
+    prctl: Callable[[int, int], int],
+) -> int:
+    """The writer of one job, forked: in a session of its own (its own scheduling group),
+    holding only its job's descriptors, killed if the template dies (the worker learns
+    its status from the template alone), it runs the job and exits; never returns here."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    template = os.getpid()
+    settled, settling = os.pipe()
+    pid = os.fork()
+    if pid:
+        # Answered once the writer is in its session: the priority the worker gives its
+        # group must not go to the template's.
+        os.close(settling)
+        os.read(settled, 1)  # its end: closed by the writer (or at its death)
+        os.close(settled)
+        return pid
+    code = 1
+    try:
+        os.close(settled)
+        os.setsid()
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        os.close(settling)
+        if os.getppid() != template:
+            raise SystemExit("the template ended as the writer was forked")
+        control.close()
+        for pidfd, (_, status) in writers.items():
+            os.close(pidfd)
+            os.close(status)
+        word, stdin, stderr, status = fds[:KIT]
+        os.close(status)
+        os.dup2(stdin, 0)
+        os.dup2(stderr, 2)
+        os.close(stdin)
+        os.close(stderr)
+        code = writer.run(argv)
+        if code == 0:
+            # The output is whole and closed: the worker goes on without waiting for this
+            # process's end (its teardown), of which the template tells it afterwards.
+            with contextlib.suppress(OSError):
+                os.write(word, DONE)
+    except SystemExit as exc:  # as the interpreter would exit with it
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    except Exception:
+        traceback.print_exc()
+    finally:
+        writer.exit_now(code)  # whatever happened: never back into the template's loop
+    return 0
+
+
+if __name__ == "__main__":
+    writer.exit_now(serve(socket.socket(fileno=int(sys.argv[1]))))

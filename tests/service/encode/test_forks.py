@@ -1,0 +1,260 @@
+"""The vllm-omni profile's PyAV writers forked from a template started ahead: each encode is
+a process of its own forked from it (the template reused, never encoding itself), its
+bytes those of a writer started afresh, its status, stall bound and priority the worker's
+to know and set, and neither the template nor a writer outlives the worker."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import av
+import pytest
+from framewire.client import Client, pyav_identity
+from framewire.core.errors import FramewireError
+from framewire.service._encode.forks import START_AFTER_S
+
+from tests.support.engines import vllm_omni_quantize, vllm_omni_save
+from tests.support.media import make_clip
+from tests.support.processes import child_pids
+from tests.support.worker import Worker
+
+ENCODER = pyav_identity(av.__version__)
+T = TypeVar("T")
+
+
+def templates(w: Worker) -> list[int]:
+    """The worker's PyAV templates (one at most)."""
+    found = []
+    for pid in w.children():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(arg.endswith(b"/pyav_template.py") for arg in argv):
+            found.append(pid)
+    return found
+
+
+def until(ready: Callable[[], T], timeout: float, failed: str) -> T:
+    """What ``ready()`` returns once it is true, looked at every 10 ms for at most
+    ``timeout`` seconds (else ``failed``)."""
+    deadline = time.monotonic() + timeout
+    while not (value := ready()):
+        assert time.monotonic() < deadline, failed
+        time.sleep(0.01)
+    return value
+
+
+def wait_for_template(w: Worker, other_than: frozenset[int] = frozenset()) -> int:
+    ready = until(
+        lambda: [p for p in templates(w) if p not in other_than], 30, "no template was started"
+    )
+    [pid] = ready
+    return pid
+
+
+def write(c: Client, name: str, clip, **kw) -> object:
+    with c.open_video(name, fps=24, profile="vllm-omni", encoder=ENCODER, **kw) as writer:
+        writer.write(clip)
+    return writer.result
+
+
+def running_writer(c: Client, template: int, name: str, clip, **kw):
+    """An encode whose writer has its frames (flushed): (the open writer, its pid)."""
+    writer = c.open_video(name, fps=24, profile="vllm-omni", encoder=ENCODER, **kw)
+    writer.write(clip)
+    writer.flush()
+    [pid] = until(lambda: child_pids(template), 10, "no writer was forked")
+    return writer, pid
+
+
+def dead(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def group_nice_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+
+
+def test_each_encode_is_a_writer_forked_from_one_template(workers, tmp_path):
+    """medium with threads 0: in one long-lived process PyAV's x264 would not give the same
+    bytes twice; each encode's writer is forked from the template (which stays, and
+    never encodes), a session of its own, the bytes of vLLM-omni's own encode (in this
+    process's first run). The template is started once the first encode has ended."""
+    w = workers.start(yielding=True)
+    clip = make_clip(frames=10, height=96, width=128) * 2 - 1
+    kw = {"preset": "medium", "threads": 0}
+    with Client(w.uds_url, local_fallback=False) as c:
+        assert templates(w) == []
+        first = write(c, "a.mp4", clip, **kw)  # no template yet: its writer started afresh
+        template = wait_for_template(w)
+        writer, forked = running_writer(c, template, "b.mp4", clip, **kw)
+        assert os.getsid(forked) == forked and os.getsid(template) == template
+        # An encode's priority: its own group at 19 (the suite's workers yield).
+        until(lambda: group_nice_of(forked) == 19, 3, "the writer's group is not at 19")
+        second = writer.close()
+        until(lambda: not Path(f"/proc/{forked}").exists(), 10, "the writer was not reaped")
+        writer, again = running_writer(c, template, "c.mp4", clip, **kw)
+        third = writer.close()
+        assert templates(w) == [template]
+    want = vllm_omni_save(vllm_omni_quantize(clip, (-1.0, 1.0)), tmp_path / "v.mp4", fps=24,
+                          options={"preset": "medium", "threads": "0"})  # fmt: skip
+    assert first.sha256 == second.sha256 == third.sha256 == want
+    assert again != forked
+    w.stop()  # the template goes with the worker
+    assert not Path(f"/proc/{template}").exists()
+
+
+def cpu_ticks(pid: int) -> tuple[int, int]:
+    """Its own CPU ticks (user and system) and those of its children it reaped."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
+
+
+def settled(pid: int) -> tuple[int, int]:
+    """Its CPU ticks once they stand still for 0.3 s (a template waiting for jobs)."""
+    seen = cpu_ticks(pid)
+    for _ in range(100):
+        time.sleep(0.3)
+        if (now := cpu_ticks(pid)) == seen:
+            return now
+        seen = now
+    raise AssertionError(f"{pid} never settled")
+
+
+def test_a_forked_writer_writes_a_memory_output_into_its_memfd(workers, tmp_path):
+    """The job names the memfd itself (``/proc/self/fd/N``, no file name after it): the
+    writer gets it under another number and writes the engine's bytes into it. The
+    encode's CPU is its writer's (reaped by the template), none of it the template's."""
+    w = workers.start(yielding=True)
+    clip = make_clip(frames=24, height=240, width=320) * 2 - 1
+    with Client(w.uds_url, local_fallback=False) as c:
+        write(c, "warm.mp4", make_clip(frames=2, height=48, width=64))
+        template = wait_for_template(w)
+        own, reaped = settled(template)
+        result = write(c, "memory://m.mp4", clip, preset="medium")
+        own_after, reaped_after = settled(template)
+    frames = vllm_omni_quantize(clip, (-1.0, 1.0))
+    want = vllm_omni_save(frames, tmp_path / "v.mp4", fps=24, options={"preset": "medium"})
+    assert result.data is not None and hashlib.sha256(result.data).hexdigest() == want
+    assert own_after - own <= 2 < 10 <= reaped_after - reaped
+
+
+@pytest.mark.parametrize("fork", [None, "--no-pyav-fork"])
+def test_the_template_is_a_setting(workers, fork):
+    """On by default: one template, whatever the encodes; off: every writer started
+    afresh, the worker's child."""
+    w = workers.start(*([] if fork is None else [fork]))
+    clip = make_clip(frames=4, height=48, width=64)
+    with Client(w.uds_url, local_fallback=False) as c:
+        for name in ("a.mp4", "b.mp4", "c.mp4"):
+            write(c, name, clip)
+            time.sleep(START_AFTER_S + 0.25)
+    assert len(templates(w)) == (1 if fork is None else 0)
+
+
+def test_the_template_is_started_once_the_output_is_handed_over(monkeypatch):
+    """Not when the first encode's writer ends: its output's hand-over (the worker's
+    answer, the caller's take) comes then, and an interpreter's start beside it slows it."""
+    from framewire.core.media.priority import FULL
+    from framewire.service._encode import forks as module
+
+    monkeypatch.setattr(module, "START_AFTER_S", 1.0)
+    waiting = [
+        sys.executable,
+        "-c",
+        "import socket, sys; socket.socket(fileno=int(sys.argv[1])).recv(1)",
+    ]
+    ahead = module.Forks(waiting, waiting)
+    try:
+        writer = ahead.start([], [], None, FULL)  # no template yet: started afresh
+        writer.close()
+        ended = time.monotonic()
+        time.sleep(0.3)
+        assert ahead._template is None  # not yet
+        until(lambda: ahead._template, ended + 10 - time.monotonic(), "no template was started")
+        assert time.monotonic() - ended >= 1.0
+    finally:
+        ahead.close()
+
+
+def test_a_killed_writer_fails_its_encode_with_its_status_and_the_next_is_forked(workers):
+    """Its status comes from the template (its parent): killed is ``ffmpeg_killed``."""
+    w = workers.start()
+    clip = make_clip(frames=6, height=48, width=64)
+    with Client(w.uds_url, local_fallback=False) as c:
+        first = write(c, "a.mp4", clip)
+        template = wait_for_template(w)
+        writer, forked = running_writer(c, template, "b.mp4", clip)
+        os.kill(forked, signal.SIGKILL)
+        with pytest.raises(FramewireError) as failed:
+            writer.close()
+        assert failed.value.code == "ffmpeg_killed"
+        again = write(c, "c.mp4", clip)
+        assert templates(w) == [template]
+    assert again.sha256 == first.sha256
+
+
+def test_a_stopped_writer_is_killed_at_the_stall_bound(workers):
+    """Its CPU time is read from /proc as a child's is; it is killed through its pidfd."""
+    w = workers.start("--stall-timeout-s", "1")
+    clip = make_clip(frames=6, height=48, width=64)
+    with Client(w.uds_url, local_fallback=False) as c:
+        write(c, "a.mp4", clip)
+        template = wait_for_template(w)
+        writer, forked = running_writer(c, template, "b.mp4", clip)
+        os.kill(forked, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(FramewireError) as failed:
+            writer.close()
+        assert failed.value.code == "ffmpeg_stalled" and time.monotonic() - t0 < 10
+        until(lambda: not Path(f"/proc/{forked}").exists(), 10, "the stopped writer lives on")
+        write(c, "c.mp4", clip)
+
+
+def test_a_dead_template_is_let_go_its_writers_with_it_and_another_started(workers):
+    """Killed while a writer runs: that writer dies with it (the worker could not learn
+    its status), its encode fails, the next starts its writer afresh, and after it a
+    new template is started; the dead one is reaped."""
+    w = workers.start()
+    clip = make_clip(frames=6, height=48, width=64)
+    with Client(w.uds_url, local_fallback=False) as c:
+        first = write(c, "a.mp4", clip)
+        template = wait_for_template(w)
+        writer, forked = running_writer(c, template, "b.mp4", clip)
+        os.kill(template, signal.SIGKILL)
+        with pytest.raises(FramewireError) as failed:
+            writer.close()
+        assert failed.value.code == "ffmpeg_killed"
+        assert dead(forked)  # reaped by init (here a zombie: this sandbox's does not reap)
+        again = write(c, "c.mp4", clip)  # afresh
+        following = wait_for_template(w, frozenset({template}))
+        last = write(c, "d.mp4", clip)  # forked from the new one
+    assert again.sha256 == first.sha256 == last.sha256
+    assert template not in w.children() and following != template
+
+
+def test_the_template_waits_yielding_and_a_full_weight_encode_gets_a_group_of_its_own(workers):
+    """The template's start (an interpreter and PyAV's import, once) and its wait weigh as
+    an encode's: its session at niceness 19. A writer forked for an encode that does not
+    yield (this worker's: the suite's do not) is a new group at the worker's weight."""
+    w = workers.start()
+    clip = make_clip(frames=6, height=48, width=64)
+    with Client(w.uds_url, local_fallback=False) as c:
+        write(c, "a.mp4", clip)
+        template = wait_for_template(w)
+        # Set by the worker right after the spawn: the template is seen a moment before.
+        until(lambda: group_nice_of(template) == 19, 3, "the template's group is not at 19")
+        writer, forked = running_writer(c, template, "b.mp4", clip)
+        assert group_nice_of(forked) == 0 and os.getsid(forked) == forked
+        writer.close()
