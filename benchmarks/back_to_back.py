@@ -13,7 +13,11 @@ encoder; "fresh" and "forked": the integration on, against a worker started with
 true (each forked from the template, service/_encode/forks.py), each holding SGLang's
 ffmpeg and yielding as it ships (engines.py's). Runs interleave (gap, then off and each
 kind); figures: the median wall of a save over every save of --repeat runs (quartiles
-beside), and its ratio to off.
+beside), and its ratio to off; then the CPU seconds a save costs the host, the median
+of the runs: the engine process's (engine_save.py's, its children waited for
+included) and, on, the worker's whole process tree's over the run (each process's own
+and its reaped children's, /proc/PID/stat: the writers, started afresh or forked, and
+SGLang's ffmpeg idle) divided by the saves.
 """
 
 from __future__ import annotations
@@ -31,12 +35,29 @@ sys.path.insert(0, str(HERE))
 
 import harness  # noqa: E402
 from engines import one  # noqa: E402
+from routes import cpu_s  # noqa: E402
 
 from tests.support.engine_site import engine_ffmpeg, engine_site  # noqa: E402
 from tests.support.worker import start_worker  # noqa: E402
 
 ENGINE = "vllm-omni-encoder"
 WRITERS = {"fresh": "false", "forked": "true"}  # FRAMEWIRE_PYAV_FORK
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid`` and every process below it, each one's reaped children's
+    included (a child reaped between two reads may be missed once: 10 ms ticks anyway)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        at = todo.pop()
+        try:
+            own, reaped = cpu_s(at)
+            for task in Path(f"/proc/{at}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # gone meanwhile
+            continue
+        total += own + reaped
+    return total
 
 
 def quartiles(walls: list[float]) -> str:
@@ -55,6 +76,7 @@ def main() -> int:
     ffmpeg = str(engine_ffmpeg(engine_site("sglang")))
     modes: list[str | None] = [None, *args.writers]  # None: off
     walls: dict[tuple[float, str | None], list[float]] = {}
+    cpus: dict[tuple[float, str | None], list[float]] = {}  # a save's, each run's
     shas: set[str] = set()
     with tempfile.TemporaryDirectory() as tmp:
         workers: dict[str, Any] = {}
@@ -68,9 +90,12 @@ def main() -> int:
                 for gap in args.gaps:
                     for mode in modes:
                         worker = workers[mode] if mode is not None else next(iter(workers.values()))
+                        before = tree_cpu_s(worker.pid) if mode is not None else 0.0
                         got = one(ENGINE, mode is not None, worker, args, r,
                                   saves=[str(args.saves), str(gap)])  # fmt: skip
+                        spent = tree_cpu_s(worker.pid) - before if mode is not None else 0.0
                         walls.setdefault((gap, mode), []).extend(got["walls"])
+                        cpus.setdefault((gap, mode), []).append(got["cpu_s"] + spent / args.saves)
                         shas.add(got["sha256"])
         finally:
             for worker in workers.values():
@@ -88,7 +113,14 @@ def main() -> int:
             median = statistics.median(walls[(gap, mode)])
             ratio = "" if mode is None else f" {median / off:.2f}x"
             cells.append(quartiles(walls[(gap, mode)]) + ratio)
-            rows.append({"gap_s": gap, "writers": mode, "walls": walls[(gap, mode)]})
+            row = {"gap_s": gap, "writers": mode, "walls": walls[(gap, mode)]}
+            rows.append({**row, "cpu_s": cpus[(gap, mode)]})
+        print(f"| {gap:g} | " + " | ".join(cells) + " |")
+    print("\nCPU seconds a save (the engine's, and the worker's on), median of the runs")
+    print(f"| gap s | {head} |")
+    print("| ---: |" + " ---: |" * len(modes))
+    for gap in args.gaps:
+        cells = [f"{statistics.median(cpus[(gap, mode)]):.3f}" for mode in modes]
         print(f"| {gap:g} | " + " | ".join(cells) + " |")
     same = len(shas) == 1
     print(f"every save's sha256 equal: {same}")

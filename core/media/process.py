@@ -103,8 +103,8 @@ def cpu_ticks(pid: int) -> int | None:
 # A child this process started, or one forked for it by another (a template).
 Child = subprocess.Popen[bytes] | Adopted
 
-# What a child that says so (PyAV's writer started ahead) writes on its socket once its
-# output is complete and closed, before it exits.
+# What a child that says so (a PyAV writer forked from its template) writes on its socket
+# once its output is complete and closed, before it exits.
 DONE = b"done\n"
 
 
@@ -161,7 +161,7 @@ class FfmpegProcess(Closing):
     ``priority``: how the child yields the CPU, set right after the start too: its
     encoder's threads, made later, inherit it; a yielding child runs in a session, and
     so a scheduling group, of its own (``new_session`` says otherwise). ``tracked``:
-    among the children a shutdown kills (a child started ahead is, once it ``begin``s).
+    among the children a shutdown kills (the PyAV template is not: it runs no encode).
     ``spawn``: the child started otherwise than by ``argv`` (forked by a template, which
     sets its session), given the stderr memfd; ``argv`` names it in messages.
     """
@@ -229,22 +229,8 @@ class FfmpegProcess(Closing):
                 self.proc.stdin.fileno(), watch=self._watch, progressed=self._progressed
             )
         if tracked:
-            self._track()
-
-    def _track(self) -> None:
-        with _running_lock:
-            _running.add(self)
-
-    def begin(self, stall_s: float | None, priority: Priority) -> None:
-        """A child started ahead (``tracked=False``, in a session of its own) begins its
-        work: its stall bound and priority from now, and it is one of the running ones
-        a shutdown stops."""
-        self.stall_s = stall_s
-        if priority.yields:
-            lower_priority(self.proc.pid, priority)
-        self._ticks = cpu_ticks(self.proc.pid)
-        self._progressed()
-        self._track()
+            with _running_lock:
+                _running.add(self)
 
     def hears_done_on(self, sock: socket.socket) -> None:
         """The child says :data:`DONE` on ``sock`` once its output is complete, before it

@@ -378,7 +378,7 @@ class Encoder:
         return self.children.start(argv, fds, self.stall_s, params.priority)
 
     def close(self) -> None:
-        """Let go of what the encoder keeps between encodes (its PyAV writers started ahead,
+        """Let go of what the encoder keeps between encodes (its PyAV writers' template,
         its binaries' descriptors, its staging memfds)."""
         self.children.close()
         self.encoders.close()

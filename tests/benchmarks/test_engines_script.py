@@ -33,4 +33,5 @@ def test_back_to_back_benchmark(tmp_path: Path) -> None:
         (0.0, "forked"),
     ]
     assert all(len(row["walls"]) == 2 for row in results["rows"])  # each run's saves
-    assert "| gap s | off | fresh | forked |" in r.stdout
+    assert all(len(row["cpu_s"]) == 1 and row["cpu_s"][0] > 0 for row in results["rows"])
+    assert r.stdout.count("| gap s | off | fresh | forked |") == 2  # walls, then CPU
