@@ -59,6 +59,16 @@ class Adopted:
             with contextlib.suppress(ProcessLookupError):  # exited: its status is coming
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
+    def release(self) -> None:
+        """Done with it: killed unless its status is known, and left to its parent to reap
+        (nothing waits here); its descriptors closed. Its status, if it never came, is
+        taken as killed."""
+        if self.poll() is None:
+            self.kill()
+            self.returncode = -signal.SIGKILL
+            os.close(self._status)
+            os.close(self._pidfd)
+
     def _take_status(self) -> None:
         said = os.read(self._status, STATUS_BYTES)
         if said:

@@ -322,10 +322,14 @@ class FfmpegProcess(Closing):
         self._after_close.append(then)
 
     def close(self) -> None:
-        """Kill if still running, reap, release the stderr memfd. Idempotent."""
+        """Kill if still running, reap (an adopted child: its parent does), release the
+        stderr memfd. Idempotent."""
         self.kill()
         self.close_stdin()
-        self.proc.wait()
+        if isinstance(self.proc, Adopted):
+            self.proc.release()
+        else:
+            self.proc.wait()
         if self._word is not None:
             self._word.close()
             self._word = None

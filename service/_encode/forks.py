@@ -4,17 +4,22 @@ encode that may itself take 0.1 s); a fork of the template costs about 1.5 ms.
 
 The template (service/_encode/pyav_template.py, which imports pyav_writer.py) is started
 once, after the worker's first PyAV encode has ended (so its start never takes the CPU
-from that encode, nor from its output's hand-over), in a session of its own at niceness
-19 while it starts and waits (it waits using no CPU). Each encode sends it its arguments
-and descriptors: the frames' pipe, the stderr memfd, the pipe its status comes on, the
-socket its writer says DONE on, and those its arguments name. The template forks the
-writer, which runs in a session (a scheduling group) of its own, this one encode, and
+from that encode, nor from its output's hand-over). It is part of the worker: in its
+session (its scheduling group) and at its niceness, so that its forks and the statuses
+it reports, both on an encode's path, are never starved behind the ranks (at niceness
+19 they waited 66 ms and 112 ms for it beside two busy loops); its start, 0.1 CPU-s,
+comes once. Each encode sends it its arguments and descriptors: the frames' pipe, the
+stderr memfd, the pipe its status comes on, the socket its writer says DONE on, and
+those its arguments name. The template forks the writer, which makes a session (a
+scheduling group) of its own before the template answers, runs this one encode, and
 exits: no encode shares a process, nor x264's state, with another, and the template
-never encodes. The template reaps it and says its status (core/media/adopted.py); the
-worker gives it the stall bound and priority an encode gets, and kills it through its
-pidfd. A template that died, or does not answer, is let go (its writers die with it:
-each is killed at its parent's death) and the encode starts its writer afresh; another
-template is started after that encode. The worker's shutdown lets the template go.
+never encodes. The worker gives the writer the stall bound and priority an encode
+gets, kills it through its pidfd, and lets the template reap it and say its status
+(core/media/adopted.py): once the writer has said its output is whole, nothing waits
+for its exit. A template that died, or does not answer, is let go (its writers die
+with it: each is killed at its parent's death) and the encode starts its writer
+afresh; another template is started after that encode. The worker's shutdown lets the
+template go.
 """
 
 from __future__ import annotations
@@ -36,11 +41,11 @@ from framewire.core.media.process import FfmpegProcess
 
 log = logging.getLogger("framewire.encode")
 
-WAITING_NICE = 19  # the template's session's niceness while it starts and waits
 # How long after the first encode's writer ended the template is started: not while its
-# output is handed over. Started at once, a writer's start (at niceness 19) slowed the
-# caller's take of an 85 MB memory output in 6 of 10 saves here (its read into the
-# bytes 80-101 ms against 50-52); started 0.25 s later, in none of 10 (52-69 ms).
+# output is handed over. Started at once, a writer's start (an interpreter and PyAV's
+# import, even at niceness 19) slowed the caller's take of an 85 MB memory output in 6
+# of 10 saves here (its read into the bytes 80-101 ms against 50-52); started 0.25 s
+# later, in none of 10 (52-69 ms).
 START_AFTER_S = 0.25
 ANSWER_WITHIN_S = 5.0  # a template's answer to a job (its fork) waited for at most this
 GONE_WITHIN_S = 1.0  # a template let go exits this soon, or is killed
@@ -58,7 +63,7 @@ class Template:
                 pass_fds=[theirs.fileno()],
                 stall_s=None,
                 cwd="/",
-                new_session=True,
+                new_session=False,
                 tracked=False,
             )
         except BaseException:
@@ -69,7 +74,6 @@ class Template:
         mine.settimeout(ANSWER_WITHIN_S)
         self.control = mine
         self._lock = threading.Lock()
-        group_nice(self.process.proc.pid, WAITING_NICE)
 
     def fork(self, args: Sequence[str], fds: Sequence[int], word: int, stderr: int) -> Adopted:
         """A writer forked for the job ``args`` (inheriting ``fds``), saying DONE on

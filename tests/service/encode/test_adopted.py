@@ -70,3 +70,32 @@ def test_a_said_exit_needs_no_signal():
         child.kill()
         child.wait()
         os.close(status)
+
+
+def test_a_release_kills_a_running_child_and_waits_for_nothing():
+    """Its parent reaps it: the release neither waits for its exit nor for the status."""
+    before = _open_fds()
+    child, adopted, status = _sleeper()
+    try:
+        t0 = time.monotonic()
+        adopted.release()
+        assert time.monotonic() - t0 < 0.5 and adopted.poll() == -signal.SIGKILL
+        assert child.wait(5) == -signal.SIGKILL  # killed, reaped by its parent
+        adopted.kill()  # released: nothing is signalled
+    finally:
+        child.kill()
+        child.wait()
+        os.close(status)
+    assert _open_fds() == before
+
+
+def test_a_release_takes_a_status_already_said():
+    child, adopted, status = _sleeper()
+    try:
+        os.write(status, b"0\n")
+        adopted.release()
+        assert adopted.returncode == 0 and child.poll() is None  # not killed
+    finally:
+        child.kill()
+        child.wait()
+        os.close(status)

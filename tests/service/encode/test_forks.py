@@ -99,7 +99,7 @@ def test_each_encode_is_a_writer_forked_from_one_template(workers, tmp_path):
         first = write(c, "a.mp4", clip, **kw)  # no template yet: its writer started afresh
         template = wait_for_template(w)
         writer, forked = running_writer(c, template, "b.mp4", clip, **kw)
-        assert os.getsid(forked) == forked and os.getsid(template) == template
+        assert os.getsid(forked) == forked != os.getsid(template)
         # An encode's priority: its own group at 19 (the suite's workers yield).
         until(lambda: group_nice_of(forked) == 19, 3, "the writer's group is not at 19")
         second = writer.close()
@@ -244,17 +244,22 @@ def test_a_dead_template_is_let_go_its_writers_with_it_and_another_started(worke
     assert template not in w.children() and following != template
 
 
-def test_the_template_waits_yielding_and_a_full_weight_encode_gets_a_group_of_its_own(workers):
-    """The template's start (an interpreter and PyAV's import, once) and its wait weigh as
-    an encode's: its session at niceness 19. A writer forked for an encode that does not
-    yield (this worker's: the suite's do not) is a new group at the worker's weight."""
+def test_the_template_is_the_workers_and_each_writer_a_group_of_its_own(workers):
+    """The template runs in the worker's session (its scheduling group) at its weight:
+    its forks and the statuses it reports are on encodes' paths, never starved behind
+    the ranks. A writer forked for an encode that does not yield (this worker's: the
+    suite's do not) is a new group at the worker's weight."""
     w = workers.start()
     clip = make_clip(frames=6, height=48, width=64)
     with Client(w.uds_url, local_fallback=False) as c:
         write(c, "a.mp4", clip)
         template = wait_for_template(w)
-        # Set by the worker right after the spawn: the template is seen a moment before.
-        until(lambda: group_nice_of(template) == 19, 3, "the template's group is not at 19")
+        assert os.getsid(template) == os.getsid(w.pid)
+        assert (
+            Path(f"/proc/{template}/autogroup").read_text()
+            == Path(f"/proc/{w.pid}/autogroup").read_text()
+        )
+        assert os.getpriority(os.PRIO_PROCESS, template) == os.getpriority(os.PRIO_PROCESS, w.pid)
         writer, forked = running_writer(c, template, "b.mp4", clip)
         assert group_nice_of(forked) == 0 and os.getsid(forked) == forked
         writer.close()
