@@ -104,9 +104,13 @@ def test_each_encode_is_a_writer_forked_from_one_template(workers, tmp_path):
         until(lambda: group_nice_of(forked) == 19, 3, "the writer's group is not at 19")
         second = writer.close()
         until(lambda: not Path(f"/proc/{forked}").exists(), 10, "the writer was not reaped")
+        fds = len(w.open_fds()), len(os.listdir(f"/proc/{template}/fd"))
         writer, again = running_writer(c, template, "c.mp4", clip, **kw)
         third = writer.close()
         assert templates(w) == [template]
+        # Each writer's pipes, pidfd and sockets went with it, in the worker and the template.
+        until(lambda: child_pids(template) == set(), 10, "the writer was not reaped")
+        assert (len(w.open_fds()), len(os.listdir(f"/proc/{template}/fd"))) == fds
     want = vllm_omni_save(vllm_omni_quantize(clip, (-1.0, 1.0)), tmp_path / "v.mp4", fps=24,
                           options={"preset": "medium", "threads": "0"})  # fmt: skip
     assert first.sha256 == second.sha256 == third.sha256 == want
@@ -263,3 +267,24 @@ def test_the_template_is_the_workers_and_each_writer_a_group_of_its_own(workers)
         writer, forked = running_writer(c, template, "b.mp4", clip)
         assert group_nice_of(forked) == 0 and os.getsid(forked) == forked
         writer.close()
+
+
+def test_a_template_that_does_not_answer_is_let_go_within_a_bound(workers):
+    """Stopped (SIGSTOP): the encode waits for its fork at most ANSWER_WITHIN_S, then
+    starts its writer afresh; the template is killed and reaped, another started."""
+    from framewire.service._encode.forks import ANSWER_WITHIN_S, GONE_WITHIN_S
+
+    w = workers.start()
+    clip = make_clip(frames=6, height=48, width=64)
+    with Client(w.uds_url, local_fallback=False) as c:
+        first = write(c, "a.mp4", clip)
+        template = wait_for_template(w)
+        settled(template)
+        os.kill(template, signal.SIGSTOP)
+        t0 = time.monotonic()
+        again = write(c, "b.mp4", clip)
+        assert time.monotonic() - t0 < ANSWER_WITHIN_S + GONE_WITHIN_S + 5
+        following = wait_for_template(w, frozenset({template}))
+        last = write(c, "c.mp4", clip)
+    assert first.sha256 == again.sha256 == last.sha256
+    assert dead(template) and template not in w.children() and following != template
