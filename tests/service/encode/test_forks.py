@@ -192,18 +192,27 @@ def test_the_template_is_started_once_the_output_is_handed_over(monkeypatch):
         ahead.close()
 
 
+def killed_mid_encode(
+    c: Client, w: Worker, clip, victim: Callable[[int, int], int]
+) -> tuple[object, int, int]:
+    """A first encode, then one killed as it runs (``victim(template, writer)`` gets the
+    SIGKILL), failed ``ffmpeg_killed``: (the first's result, the template, the writer)."""
+    first = write(c, "a.mp4", clip)
+    template = wait_for_template(w)
+    writer, forked = running_writer(c, template, "b.mp4", clip)
+    os.kill(victim(template, forked), signal.SIGKILL)
+    with pytest.raises(FramewireError) as failed:
+        writer.close()
+    assert failed.value.code == "ffmpeg_killed"
+    return first, template, forked
+
+
 def test_a_killed_writer_fails_its_encode_with_its_status_and_the_next_is_forked(workers):
     """Its status comes from the template (its parent): killed is ``ffmpeg_killed``."""
     w = workers.start()
     clip = make_clip(frames=6, height=48, width=64)
     with Client(w.uds_url, local_fallback=False) as c:
-        first = write(c, "a.mp4", clip)
-        template = wait_for_template(w)
-        writer, forked = running_writer(c, template, "b.mp4", clip)
-        os.kill(forked, signal.SIGKILL)
-        with pytest.raises(FramewireError) as failed:
-            writer.close()
-        assert failed.value.code == "ffmpeg_killed"
+        first, template, _ = killed_mid_encode(c, w, clip, lambda template, writer: writer)
         again = write(c, "c.mp4", clip)
         assert templates(w) == [template]
     assert again.sha256 == first.sha256
@@ -233,13 +242,7 @@ def test_a_dead_template_is_let_go_its_writers_with_it_and_another_started(worke
     w = workers.start()
     clip = make_clip(frames=6, height=48, width=64)
     with Client(w.uds_url, local_fallback=False) as c:
-        first = write(c, "a.mp4", clip)
-        template = wait_for_template(w)
-        writer, forked = running_writer(c, template, "b.mp4", clip)
-        os.kill(template, signal.SIGKILL)
-        with pytest.raises(FramewireError) as failed:
-            writer.close()
-        assert failed.value.code == "ffmpeg_killed"
+        first, template, forked = killed_mid_encode(c, w, clip, lambda template, writer: template)
         assert dead(forked)  # reaped by init (here a zombie: this sandbox's does not reap)
         again = write(c, "c.mp4", clip)  # afresh
         following = wait_for_template(w, frozenset({template}))
