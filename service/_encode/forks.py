@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -49,6 +50,26 @@ log = logging.getLogger("framewire.encode")
 START_AFTER_S = 0.25
 ANSWER_WITHIN_S = 5.0  # a template's answer to a job (its fork) waited for at most this
 GONE_WITHIN_S = 1.0  # a template let go exits this soon, or is killed
+# Templates let go one after another without a writer forked between them: no more are
+# started (a host where forking cannot work would otherwise start one after each encode).
+GIVE_UP_AFTER = 3
+
+
+def pidfds_work() -> bool:
+    """Whether this process may make a pidfd and signal through it (Linux 5.3, and a
+    seccomp profile that allows both: older container runtimes' refuse them). The
+    template makes its writers' pidfds under the same profile."""
+    try:
+        fd = os.pidfd_open(os.getpid())
+    except (AttributeError, OSError):
+        return False
+    try:
+        signal.pidfd_send_signal(fd, 0)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 class Template:
@@ -131,6 +152,10 @@ class Forks:
         self._starting = False
         self._lock = threading.Lock()
         self._closed = False
+        self._failed = 0  # templates let go since a writer was last forked
+        self._works = pidfds_work()
+        if not self._works:
+            log.warning("no pidfds here: PyAV writers are started afresh, none forked")
 
     def start(
         self,
@@ -177,6 +202,7 @@ class Forks:
         finally:
             theirs.close()
         process.hears_done_on(mine)
+        self._failed = 0
         nice = os.getpriority(os.PRIO_PROCESS, 0)
         if priority.nice <= 0 and nice != 0:  # its own group, at the worker's weight
             group_nice(process.proc.pid, nice)
@@ -186,6 +212,13 @@ class Forks:
         with self._lock:
             if self._template is template:
                 self._template = None
+                self._failed += 1
+                if self._failed == GIVE_UP_AFTER:
+                    log.warning(
+                        "%d PyAV templates in a row forked no writer: none is started again, "
+                        "writers are started afresh",
+                        GIVE_UP_AFTER,
+                    )
         template.discard()
 
     def _start_soon(self) -> None:
@@ -197,7 +230,8 @@ class Forks:
 
     def _start_template(self) -> None:
         with self._lock:
-            if self._closed or self._starting or self._template is not None:
+            given_up = not self._works or self._failed >= GIVE_UP_AFTER
+            if self._closed or self._starting or self._template is not None or given_up:
                 return
             self._starting = True
         template = None

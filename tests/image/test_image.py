@@ -124,6 +124,30 @@ def test_an_encoder_in_the_image_may_yield(podman, image):
     assert run.stdout.split() == ["batch", "19", "3", "idle", "19", "5"], run.stdout + run.stderr
 
 
+def test_pyav_writers_fork_from_their_template_in_the_image(podman, image):
+    """Under the container's default seccomp profile, without capabilities, as the image's
+    user: pidfds can be made and signalled through, and the installed template (which
+    finds the writer beside it) forks a writer that writes its output, says it is done,
+    and whose status the template reports."""
+    script = (
+        "import os, socket\n"
+        "from framewire.service._encode.forks import Template, pidfds_work\n"
+        "from framewire.service._encode.profiles import PYAV_TEMPLATE\n"
+        "template = Template(PYAV_TEMPLATE)\n"
+        "mine, theirs = socket.socketpair(); err = os.memfd_create('err')\n"
+        "job = ['--size', '64x48', '--rate', '24/1', '--crf', '18', '--threads', '1',\n"
+        "       '/tmp/one.mp4']\n"
+        "writer = template.fork(job, [], theirs.fileno(), err); theirs.close()\n"
+        "writer.stdin.write(bytes(64 * 48 * 3 * 2)); writer.stdin.close()\n"
+        "mine.settimeout(60); said = mine.recv(16)\n"
+        "print(pidfds_work(), said == b'done\\n', writer.wait(60),\n"
+        "      os.path.getsize('/tmp/one.mp4') > 0, os.pread(err, 4096, 0))\n"
+        "template.discard()\n"
+    )
+    run = podman("run", "--rm", "--cap-drop", "ALL", "--entrypoint", "python", image, "-c", script)
+    assert run.stdout.split()[:4] == ["True", "True", "0", "True"], run.stdout + run.stderr
+
+
 @pytest.fixture(scope="module")
 def compose(podman: Podman, image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """compose.yaml brought up as shipped, less the GPU reservation and with its encodes not

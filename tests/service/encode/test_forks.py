@@ -291,3 +291,39 @@ def test_a_template_that_does_not_answer_is_let_go_within_a_bound(workers):
         last = write(c, "c.mp4", clip)
     assert first.sha256 == again.sha256 == last.sha256
     assert dead(template) and template not in w.children() and following != template
+
+
+def _encodes(forks, count: int) -> None:
+    """``count`` writers started and closed, each followed by what its end starts."""
+    from framewire.core.media.priority import FULL
+
+    for _ in range(count):
+        forks.start([], [], None, FULL).close()
+        time.sleep(0.3)  # the template's start, START_AFTER_S (0 here) after
+
+
+@pytest.mark.parametrize("pidfds", [True, False])
+def test_templates_are_given_up_where_forking_cannot_work(monkeypatch, pidfds):
+    """Templates that fork no writer (here: one that ends at once) are let go and replaced
+    GIVE_UP_AFTER times in a row, then no more are started: each encode starts its writer
+    afresh without a template's start beside it. Where pidfds cannot be made (a seccomp
+    profile that refuses them), none is ever started."""
+    from framewire.service._encode import forks as module
+
+    monkeypatch.setattr(module, "START_AFTER_S", 0.0)
+    monkeypatch.setattr(module, "pidfds_work", lambda: pidfds)
+    started: list[object] = []
+
+    class Counted(module.Template):
+        def __init__(self, template: list[str]):
+            started.append(self)
+            super().__init__(template)
+
+    monkeypatch.setattr(module, "Template", Counted)
+    ends = [sys.executable, "-c", "pass"]
+    forks = module.Forks([sys.executable, "-c", "import sys; sys.stdin.buffer.read()"], ends)
+    try:
+        _encodes(forks, module.GIVE_UP_AFTER + 3)
+    finally:
+        forks.close()
+    assert len(started) == (module.GIVE_UP_AFTER if pidfds else 0)
