@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -134,6 +135,24 @@ def settled(pid: int) -> tuple[int, int]:
             return now
         seen = now
     raise AssertionError(f"{pid} never settled")
+
+
+def test_encodes_at_once_each_fork_a_writer_of_their_own(workers, tmp_path):
+    """Jobs sent to the template one at a time, the writers running side by side: each
+    encode's bytes its own (two clips, three encodes of each at once)."""
+    w = workers.start("--cpu-slots", "6")
+    clips = [make_clip(frames=8, height=48, width=64, seed=s) * 2 - 1 for s in (1, 2)]
+    with Client(w.uds_url, local_fallback=False) as c:
+        write(c, "warm.mp4", clips[0])
+        template = wait_for_template(w)
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda i: write(c, f"{i}.mp4", clips[i % 2]).sha256, range(6)))
+        assert templates(w) == [template]
+    want = [
+        vllm_omni_save(vllm_omni_quantize(clip, (-1.0, 1.0)), tmp_path / f"v{i}.mp4", fps=24)
+        for i, clip in enumerate(clips)
+    ]
+    assert got == [want[i % 2] for i in range(6)] and want[0] != want[1]
 
 
 def test_a_forked_writer_writes_a_memory_output_into_its_memfd(workers, tmp_path):
@@ -327,3 +346,21 @@ def test_templates_are_given_up_where_forking_cannot_work(monkeypatch, pidfds):
     finally:
         forks.close()
     assert len(started) == (module.GIVE_UP_AFTER if pidfds else 0)
+
+
+def test_a_killed_worker_leaves_no_template_nor_writer_running(workers, tmp_path):
+    """SIGKILL to the worker while a writer runs: its frames' pipe ends, it finishes (or
+    fails) and exits; the template, its socket at its end and its writers reaped, exits.
+    (The next worker on the same root removes the killed one's temp output.)"""
+    w = workers.start(root=tmp_path / "host")
+    clip = make_clip(frames=6, height=48, width=64)
+    with Client(w.uds_url, local_fallback=False) as c:
+        write(c, "a.mp4", clip)
+        template = wait_for_template(w)
+        writer, forked = running_writer(c, template, "b.mp4", clip)
+        os.kill(w.pid, signal.SIGKILL)
+        w.proc.wait()
+        until(lambda: dead(forked) and dead(template), 10, "the template or its writer lives on")
+        with pytest.raises(FramewireError):  # its worker gone (no fallback asked for)
+            writer.close()
+    workers.start(root=tmp_path / "host")
