@@ -4,9 +4,10 @@ PyAV writers a template forks), with the part of ``subprocess.Popen``'s face tha
 
 Its parent, not this process, reaps it, so its exit status comes from the parent: written
 on a pipe (``"<code>\\n"``, ``os.waitstatus_to_exitcode``'s) once reaped, then closed. Its
-pidfd, made by the parent before it could be reaped, signals it without a pid reused
-since being signalled instead. A parent gone before saying (the pipe's end, no status)
-leaves the child without its status: it is killed, and counts as killed.
+pidfd, made by the parent before it could be reaped, signals it and never a process
+that took its pid after it. A parent gone before saying (the pipe's end, no status)
+leaves the child without its status: it is killed, and counts as killed (the wait for
+its exit then bounded by KILLED_WITHIN_S).
 """
 
 from __future__ import annotations
