@@ -175,8 +175,13 @@ class Forks:
         process = FfmpegProcess(
             [*self.child, *args], pass_fds=list(fds), stall_s=stall_s, cwd="/", priority=priority
         )
-        process.after_close(self._start_soon)
+        if not self._given_up():
+            process.after_close(self._start_soon)
         return process
+
+    def _given_up(self) -> bool:
+        """No template is started any more (none can fork here)."""
+        return not self._works or self._failed >= GIVE_UP_AFTER
 
     def _forked(
         self,
@@ -230,8 +235,7 @@ class Forks:
 
     def _start_template(self) -> None:
         with self._lock:
-            given_up = not self._works or self._failed >= GIVE_UP_AFTER
-            if self._closed or self._starting or self._template is not None or given_up:
+            if self._closed or self._starting or self._template is not None or self._given_up():
                 return
             self._starting = True
         template = None

@@ -31,6 +31,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import NoReturn
 
 
 def _import_writer() -> ModuleType:
@@ -45,6 +46,7 @@ def _import_writer() -> ModuleType:
 
 
 writer = _import_writer()
+exit_now: Callable[[int], NoReturn] = writer.exit_now  # typed: the module is loaded by path
 
 JOB_BYTES = 1 << 16  # the job's JSON
 # core.media.process.DONE, spelled here: a writer's word that its output is complete.
@@ -79,13 +81,15 @@ def receive_job(sock: socket.socket) -> tuple[list[str], list[int]] | None:
     for level, kind, data in ancillary:
         if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    job = json.loads(message) if message else None
-    theirs = [] if job is None else [int(n) for n in job["fds"]]
-    if job is None or len(theirs) != len(fds) - KIT:
+    if not message:
         for fd in fds:
             os.close(fd)
-        if job is None:
-            return None
+        return None
+    job = json.loads(message)
+    theirs = [int(n) for n in job["fds"]]
+    if len(theirs) != len(fds) - KIT:
+        for fd in fds:
+            os.close(fd)
         raise SystemExit("the job's descriptors did not all come")
     numbers = dict(zip(theirs, fds[KIT:], strict=True))
     return _renumbered([str(a) for a in job["argv"]], numbers), list(fds)
@@ -182,9 +186,8 @@ def _fork(
     except Exception:
         traceback.print_exc()
     finally:
-        writer.exit_now(code)  # whatever happened: never back into the template's loop
-    return 0
+        exit_now(code)  # whatever happened: never back into the template's loop
 
 
 if __name__ == "__main__":
-    writer.exit_now(serve(socket.socket(fileno=int(sys.argv[1]))))
+    exit_now(serve(socket.socket(fileno=int(sys.argv[1]))))

@@ -19,6 +19,7 @@ import av
 import pytest
 from framewire.client import Client, pyav_identity
 from framewire.core.errors import FramewireError
+from framewire.core.media.procstat import stat_fields
 from framewire.service._encode.forks import START_AFTER_S
 
 from tests.support.engines import vllm_omni_quantize, vllm_omni_save
@@ -77,10 +78,8 @@ def running_writer(c: Client, template: int, name: str, clip, **kw):
 
 
 def dead(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    fields = stat_fields(pid)
+    return fields is None or fields[0] == b"Z"
 
 
 def group_nice_of(pid: int) -> int:
@@ -122,7 +121,8 @@ def test_each_encode_is_a_writer_forked_from_one_template(workers, tmp_path):
 
 def cpu_ticks(pid: int) -> tuple[int, int]:
     """Its own CPU ticks (user and system) and those of its children it reaped."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = stat_fields(pid)
+    assert fields is not None, f"{pid} is gone"
     return int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
 
 
@@ -220,6 +220,9 @@ def killed_mid_encode(
     template = wait_for_template(w)
     writer, forked = running_writer(c, template, "b.mp4", clip)
     os.kill(victim(template, forked), signal.SIGKILL)
+    # Dead before its input ends: a template's death (and its writer's with it) may else
+    # come once this short encode has completed, under load.
+    until(lambda: dead(forked), 10, "the writer outlived the kill")
     with pytest.raises(FramewireError) as failed:
         writer.close()
     assert failed.value.code == "ffmpeg_killed"
