@@ -31,7 +31,12 @@ from fractions import Fraction
 from typing import NoReturn
 
 import av
+import av.subtitles.stream  # add_stream's first call imports it: see the note below
 from av.video.reformatter import VideoReformatter
+
+# av.subtitles.stream, imported above, is what ``add_stream`` imports on its first call:
+# imported here, it is imported once by the template (pyav_template.py) rather than by
+# each writer forked from it (about 1 ms of each encode's start).
 
 # core.media.argv.OTHER_PYAV_EXIT, spelled here: this child imports nothing of framewire.
 OTHER_PYAV_EXIT = 78

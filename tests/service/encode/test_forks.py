@@ -6,8 +6,10 @@ to know and set, and neither the template nor a writer outlives the worker."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -21,6 +23,7 @@ from framewire.client import Client, pyav_identity
 from framewire.core.errors import FramewireError
 from framewire.core.media.procstat import stat_fields
 from framewire.service._encode.forks import START_AFTER_S
+from framewire.service._encode.profiles import PYAV_TEMPLATE
 
 from tests.support.engines import vllm_omni_quantize, vllm_omni_save
 from tests.support.media import make_clip
@@ -367,3 +370,28 @@ def test_a_killed_worker_leaves_no_template_nor_writer_running(workers, tmp_path
         with pytest.raises(FramewireError):  # its worker gone (no fallback asked for)
             writer.close()
     workers.start(root=tmp_path / "host")
+
+
+def test_a_writers_job_imports_nothing_the_template_has_not(tmp_path):
+    """Whatever a job imports (PyAV imports some of its modules on first use), each
+    writer forked from the template imports again: the template's import of the writer
+    holds all of them, and a job imports none."""
+    script = (
+        "import importlib.util, json, os, sys\n"
+        f"spec = importlib.util.spec_from_file_location('t', {PYAV_TEMPLATE[-1]!r})\n"
+        "template = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(template)\n"
+        "before = set(sys.modules)\n"
+        "code = template.writer.run(sys.argv[1:])\n"
+        "print(json.dumps([code, sorted(set(sys.modules) - before)]))\n"
+    )
+    frames = make_clip(2, 48, 64).mul(255).round().byte().permute(1, 2, 3, 0).numpy()
+    out = tmp_path / "v.mp4"
+    argv = ["--size", "64x48", "--rate", "24/1", "--crf", "18", "--preset", "ultrafast",
+            "--threads", "0", str(out)]  # fmt: skip
+    ran = subprocess.run([sys.executable, "-P", "-c", script, *argv], input=frames.tobytes(),
+                         capture_output=True, timeout=60)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    code, imported = json.loads(ran.stdout.splitlines()[-1])
+    assert code == 0 and out.stat().st_size > 0
+    assert imported == []
