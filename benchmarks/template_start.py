@@ -1,7 +1,7 @@
 """What the PyAV template costs: its start's CPU and the memory it holds while it waits,
 once per worker; and a fork of a writer, on every encode's path.
 
-    .venv/bin/python benchmarks/template_start.py [--repeat 9] [--forks 5]
+    .venv/bin/python benchmarks/template_start.py [--repeat 9] [--forks 5] [--gap 0.2]
         [--template PATH ...] [--json OUT]
 
 The ``vllm-omni`` profile's template (service/_encode/pyav_template.py, or each
@@ -10,12 +10,14 @@ side) is started as the worker starts it (service/_encode/forks.py ``Template``:
 ``python -P TEMPLATE FD``),
 left until it waits on its socket, then its CPU seconds (user and system,
 /proc/PID/stat, at the clock tick's 10 ms) and resident memory (VmRSS) are read. Then
---forks writers are forked from it, one after another, each for a one-frame 64x48 job
-(the worker's ``Template.fork``: the job sent, the writer forked in a session of its
-own, its pid and pidfd answered), the answer timed; each writer is fed its frame and
-waited for. The children's runs interleave; medians of --repeat (of every fork for the
-fork), min..max beside. The worker starts its template after its first PyAV encode, at
-niceness 19 (docs/configuration.md).
+--forks writers are asked of it, one after another, each --gap seconds after the one
+before ended (an engine's next save comes after its next generation; 0: back to back),
+each for a one-frame 64x48 job (the worker's ``Template.fork``: the job sent, a writer
+in a session of its own, its pid and pidfd answered: forked then, or the spare forked
+ahead given the job), the answer timed; each writer is fed its frame and waited for.
+The children's runs interleave; medians of --repeat (of every answer for the answer),
+min..max beside. The worker starts its template after its first PyAV encode, in its
+own session and at its weight (docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _cpu_s(pid: int) -> float:
     return ticks / TICK
 
 
-def one(child: Path, forks: int, out: Path) -> tuple[float, float, list[float]]:
+def one(child: Path, forks: int, out: Path, gap_s: float) -> tuple[float, float, list[float]]:
     """The template ``child`` started and waiting: (CPU seconds, resident MiB, each
     fork's answer in ms)."""
     template = Template([sys.executable, "-P", str(child)])
@@ -61,7 +63,7 @@ def one(child: Path, forks: int, out: Path) -> tuple[float, float, list[float]]:
             seen = cpu
             if still >= 0.5 and template.process.proc.poll() is None:
                 rss = status_kib(str(pid), ("VmRSS",))[1] / 1024
-                return cpu, rss, [_fork(template, out) for _ in range(forks)]
+                return cpu, rss, [_fork(template, out, gap_s) for _ in range(forks)]
         raise SystemExit(
             f"{child}: the template never settled (exit {template.process.proc.poll()})"
         )
@@ -69,8 +71,10 @@ def one(child: Path, forks: int, out: Path) -> tuple[float, float, list[float]]:
         template.discard()
 
 
-def _fork(template: Template, out: Path) -> float:
-    """One writer forked for a one-frame job: the answer's ms."""
+def _fork(template: Template, out: Path, gap_s: float) -> float:
+    """One writer forked for a one-frame job, ``gap_s`` after the one before ended: the
+    answer's ms."""
+    time.sleep(gap_s)
     mine, theirs = socket.socketpair()
     stderr = os.memfd_create("stderr")
     job = ["--size", "64x48", "--rate", "24/1", "--crf", "18", "--threads", "1", str(out)]
@@ -94,6 +98,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=harness.count, default=9)
     parser.add_argument("--forks", type=harness.count, default=5)
+    parser.add_argument("--gap", type=float, default=0.2)
     parser.add_argument("--template", type=Path, action="append", default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -102,7 +107,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.repeat):
             for child in children:
-                runs[child].append(one(child, args.forks, Path(tmp) / "one.mp4"))
+                runs[child].append(one(child, args.forks, Path(tmp) / "one.mp4", args.gap))
     print("| template | start, CPU s | waiting, resident MiB | a fork's answer, ms |")
     print("| --- | ---: | ---: | ---: |")
     rows = []

@@ -22,11 +22,13 @@ import contextlib
 import ctypes
 import importlib.util
 import json
+import math
 import os
 import select
 import signal
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +48,7 @@ def _import_writer() -> ModuleType:
 
 
 writer = _import_writer()
+prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
 exit_now: Callable[[int], NoReturn] = writer.exit_now  # typed: the module is loaded by path
 
 JOB_BYTES = 1 << 16  # the job's JSON
@@ -55,6 +58,10 @@ DONE = b"done\n"
 # writer says DONE on, its stdin's and stderr's, and the pipe its exit status goes on.
 KIT = 4
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15  # the name ps shows: a spare's, then a writer's
+# A spare is forked this long after the last writer ended: not beside the end of its
+# encode (its output's check and hand-over), whose CPU it would take.
+SPARE_AFTER_S = 0.1
 MAX_FDS = KIT + 8
 PROC_FD = "/proc/self/fd/"
 
@@ -95,17 +102,59 @@ def receive_job(sock: socket.socket) -> tuple[list[str], list[int]] | None:
     return _renumbered([str(a) for a in job["argv"]], numbers), list(fds)
 
 
+class Spare:
+    """A writer forked ahead, in its session already, waiting on ``sock`` for its job:
+    a job given to it is answered without a fork on the encode's path (about 3 ms: the
+    fork of this process and the writer's settling)."""
+
+    def __init__(self, pid: int, pidfd: int, sock: socket.socket):
+        self.pid, self.pidfd, self.sock = pid, pidfd, sock
+
+    def alive(self) -> bool:
+        return not select.select([self.pidfd], [], [], 0)[0]  # readable once it has exited
+
+    def give(self, argv: list[str], fds: list[int]) -> None:
+        """Hand it the job (its descriptors as they are numbered here); it is a writer
+        from here on, reaped as one."""
+        message = json.dumps({"argv": argv, "fds": fds[KIT:]}).encode()
+        sent = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+        with contextlib.suppress(OSError), self.sock:  # gone: it never had the job
+            self.sock.sendmsg([message], sent)
+
+    def end(self) -> None:
+        """Kill it and reap it (it holds no job: nothing is lost)."""
+        self.sock.close()
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        os.close(self.pidfd)
+
+
 def serve(control: socket.socket) -> int:
-    """Fork a writer for each job on ``control``, answer with its pid and
-    pidfd, reap it and write its status on the job's pipe; until the worker closes the
-    socket and every writer has ended."""
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    """Fork a writer for each job on ``control`` (or give it to the spare forked ahead),
+    answer with its pid and pidfd, reap it and write its status on the job's pipe;
+    until the worker closes the socket and every writer has ended. A spare is forked
+    once no writer has run for SPARE_AFTER_S (its fork never takes the CPU from an
+    encode of this template's), and ended with the template."""
     poller = select.poll()
     poller.register(control, select.POLLIN)
     writers: dict[int, tuple[int, int]] = {}  # pidfd: (pid, its status pipe)
+    spare: Spare | None = None
+    spare_at = time.monotonic()  # when a spare is forked, if no writer runs by then
     listening = True
     while listening or writers:
-        for fd, _ in poller.poll():
+        wait_ms = None
+        if listening and spare is None and not writers:
+            wait_ms = max(0, math.ceil((spare_at - time.monotonic()) * 1000))
+            if wait_ms == 0:
+                spare, wait_ms = _spare(control, writers), None
+                poller.register(spare.pidfd, select.POLLIN)
+        for fd, _ in poller.poll(wait_ms):
+            if spare is not None and fd == spare.pidfd:  # killed before it had a job
+                poller.unregister(fd)
+                spare.end()
+                spare = None
+                continue
             if fd in writers:
                 pid, status = writers.pop(fd)
                 poller.unregister(fd)
@@ -114,6 +163,7 @@ def serve(control: socket.socket) -> int:
                     os.write(status, b"%d\n" % os.waitstatus_to_exitcode(code))
                 os.close(status)
                 os.close(fd)
+                spare_at = time.monotonic() + SPARE_AFTER_S
                 continue
             job = receive_job(control)
             if job is None:
@@ -121,28 +171,67 @@ def serve(control: socket.socket) -> int:
                 poller.unregister(control)
                 continue
             argv, fds = job
-            pid = _fork(argv, fds, control, writers, prctl)
-            pidfd = os.pidfd_open(pid)  # before it can be reaped: never another's pid
-            for n in [*fds[: KIT - 1], *fds[KIT:]]:  # the writer's now
-                os.close(n)
+            given, spare = spare, None
+            if given is not None and not given.alive():
+                poller.unregister(given.pidfd)
+                given.end()
+                given = None
+            if given is not None:
+                pid, pidfd = given.pid, given.pidfd  # its pidfd: polled already
+            else:
+                pid = _fork(_given(job), control, writers)
+                pidfd = os.pidfd_open(pid)  # before it can be reaped: never another's pid
+                poller.register(pidfd, select.POLLIN)
             writers[pidfd] = (pid, fds[KIT - 1])
-            poller.register(pidfd, select.POLLIN)
             pidfds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [pidfd]).tobytes())]
             with contextlib.suppress(OSError):  # the worker is gone: the writer's input ends
                 control.sendmsg([b"%d" % pid], pidfds)
+            if given is not None:
+                # After the answer: woken by its job, the spare would otherwise take this
+                # process's CPU (2 ms here) before the answer left. Dead by now, its status
+                # (killed) is the encode's, said once it is reaped.
+                given.give(argv, fds)
+            for n in [*fds[: KIT - 1], *fds[KIT:]]:  # the writer's now
+                os.close(n)
+    if spare is not None:
+        spare.end()
     return 0
 
 
+def _spare(control: socket.socket, writers: dict[int, tuple[int, int]]) -> Spare:
+    """A writer forked now, waiting for a job of its own."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+
+    def job() -> tuple[list[str], list[int]] | None:
+        mine.close()
+        prctl(PR_SET_NAME, b"pyav-spare")
+        with theirs:
+            return receive_job(theirs)
+
+    try:
+        pid = _fork(job, control, writers)
+    except BaseException:
+        mine.close()
+        raise
+    finally:
+        theirs.close()
+    return Spare(pid, os.pidfd_open(pid), mine)
+
+
+def _given(job: tuple[list[str], list[int]]) -> Callable[[], tuple[list[str], list[int]]]:
+    """A job already received, as :func:`_fork` takes one."""
+    return lambda: job
+
+
 def _fork(
-    argv: list[str],
-    fds: list[int],
+    job: Callable[[], tuple[list[str], list[int]] | None],
     control: socket.socket,
     writers: dict[int, tuple[int, int]],
-    prctl: Callable[[int, int], int],
 ) -> int:
-    """The writer of one job, forked: in a session of its own (its own scheduling group),
-    holding only its job's descriptors, killed if the template dies (the worker learns
-    its status from the template alone), it runs the job and exits; never returns here."""
+    """A writer, forked: in a session of its own (its own scheduling group), holding
+    only its job's descriptors, killed if the template dies (the worker learns its
+    status from the template alone), it runs ``job()`` (its arguments and descriptors,
+    or None: nothing to run) and exits; never returns here."""
     sys.stdout.flush()
     sys.stderr.flush()
     template = os.getpid()
@@ -167,18 +256,8 @@ def _fork(
         for pidfd, (_, status) in writers.items():
             os.close(pidfd)
             os.close(status)
-        word, stdin, stderr, status = fds[:KIT]
-        os.close(status)
-        os.dup2(stdin, 0)
-        os.dup2(stderr, 2)
-        os.close(stdin)
-        os.close(stderr)
-        code = writer.run(argv)
-        if code == 0:
-            # The output is whole and closed: the worker goes on without waiting for this
-            # process's end (its teardown), of which the template tells it afterwards.
-            with contextlib.suppress(OSError):
-                os.write(word, DONE)
+        given = job()
+        code = 0 if given is None else _run(*given)
     except SystemExit as exc:  # as the interpreter would exit with it
         code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
         if isinstance(exc.code, str):
@@ -187,6 +266,24 @@ def _fork(
         traceback.print_exc()
     finally:
         exit_now(code)  # whatever happened: never back into the template's loop
+
+
+def _run(argv: list[str], fds: list[int]) -> int:
+    """The job, in the writer: its kit in place, the encode, DONE once its output is
+    whole and closed (the worker goes on without waiting for this process's end, its
+    teardown, of which the template tells it afterwards)."""
+    prctl(PR_SET_NAME, b"pyav-writer")
+    word, stdin, stderr, status = fds[:KIT]
+    os.close(status)
+    os.dup2(stdin, 0)
+    os.dup2(stderr, 2)
+    os.close(stdin)
+    os.close(stderr)
+    code: int = writer.run(argv)
+    if code == 0:
+        with contextlib.suppress(OSError):
+            os.write(word, DONE)
+    return code
 
 
 if __name__ == "__main__":

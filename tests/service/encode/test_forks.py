@@ -5,6 +5,7 @@ to know and set, and neither the template nor a writer outlives the worker."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -71,12 +72,33 @@ def write(c: Client, name: str, clip, **kw) -> object:
     return writer.result
 
 
+def named(pids: set[int], name: str) -> set[int]:
+    """Those of ``pids`` that call themselves ``name`` (/proc/PID/comm)."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                found.add(pid)
+    return found
+
+
+def writers_of(template: int) -> set[int]:
+    """The template's children that run a job (not the spare waiting for one)."""
+    return named(child_pids(template), "pyav-writer")
+
+
+def spare_of(template: int) -> int:
+    """The writer the template has forked ahead, once it has."""
+    [pid] = until(lambda: named(child_pids(template), "pyav-spare"), 10, "no spare was forked")
+    return pid
+
+
 def running_writer(c: Client, template: int, name: str, clip, **kw):
     """An encode whose writer has its frames (flushed): (the open writer, its pid)."""
     writer = c.open_video(name, fps=24, profile="vllm-omni", encoder=ENCODER, **kw)
     writer.write(clip)
     writer.flush()
-    [pid] = until(lambda: child_pids(template), 10, "no writer was forked")
+    [pid] = until(lambda: writers_of(template), 10, "no writer was forked")
     return writer, pid
 
 
@@ -107,12 +129,15 @@ def test_each_encode_is_a_writer_forked_from_one_template(workers, tmp_path):
         until(lambda: group_nice_of(forked) == 19, 3, "the writer's group is not at 19")
         second = writer.close()
         until(lambda: not Path(f"/proc/{forked}").exists(), 10, "the writer was not reaped")
+        spare_of(template)
         fds = len(w.open_fds()), len(os.listdir(f"/proc/{template}/fd"))
         writer, again = running_writer(c, template, "c.mp4", clip, **kw)
         third = writer.close()
         assert templates(w) == [template]
-        # Each writer's pipes, pidfd and sockets went with it, in the worker and the template.
-        until(lambda: child_pids(template) == set(), 10, "the writer was not reaped")
+        # Each writer's pipes, pidfd and sockets went with it, in the worker and the template
+        # (which holds a spare's again).
+        until(lambda: writers_of(template) == set(), 10, "the writer was not reaped")
+        spare_of(template)
         assert (len(w.open_fds()), len(os.listdir(f"/proc/{template}/fd"))) == fds
     want = vllm_omni_save(vllm_omni_quantize(clip, (-1.0, 1.0)), tmp_path / "v.mp4", fps=24,
                           options={"preset": "medium", "threads": "0"})  # fmt: skip
@@ -395,3 +420,33 @@ def test_a_writers_job_imports_nothing_the_template_has_not(tmp_path):
     code, imported = json.loads(ran.stdout.splitlines()[-1])
     assert code == 0 and out.stat().st_size > 0
     assert imported == []
+
+
+def test_the_next_job_goes_to_a_spare_forked_ahead(workers):
+    """Once no writer has run for SPARE_AFTER_S the template forks a writer ahead, in a
+    session of its own already; the next encode's job goes to it (no fork on that
+    encode's path), with the encode's priority and the same bytes. A spare killed
+    before its job is reaped and replaced; the spare goes with the template."""
+    w = workers.start(yielding=True)
+    clip = make_clip(frames=6, height=48, width=64)
+    with Client(w.uds_url, local_fallback=False) as c:
+        first = write(c, "a.mp4", clip)  # afresh: no template yet
+        template = wait_for_template(w)
+        spare = spare_of(template)
+        assert os.getsid(spare) == spare != os.getsid(template)
+        writer, forked = running_writer(c, template, "b.mp4", clip)
+        assert forked == spare
+        until(lambda: group_nice_of(forked) == 19, 3, "the writer's group is not at 19")
+        second = writer.close()
+        following = until(
+            lambda: named(child_pids(template), "pyav-spare") - {spare}, 10, "no spare again"
+        )
+        [killed] = following
+        os.kill(killed, signal.SIGKILL)
+        until(lambda: not Path(f"/proc/{killed}").exists(), 10, "the spare was not reaped")
+        third = write(c, "c.mp4", clip)  # forked for it, or given to a spare forked since
+        last = spare_of(template)
+        assert killed != last and not dead(last)
+    assert first.sha256 == second.sha256 == third.sha256
+    w.stop()
+    assert not Path(f"/proc/{last}").exists()
