@@ -108,7 +108,7 @@ def main() -> int:
         for _ in range(args.repeat):
             for child in children:
                 runs[child].append(one(child, args.forks, Path(tmp) / "one.mp4", args.gap))
-    print("| template | start, CPU s | waiting, resident MiB | a fork's answer, ms |")
+    print("| template | start, CPU s | waiting, resident MiB | a job's answer, ms |")
     print("| --- | ---: | ---: | ---: |")
     rows = []
     for child, got in runs.items():

@@ -23,7 +23,12 @@ PIPE_BYTES = 1 << 20  # fewer wakeups per chunk than the 64 KiB default
 SEND_SLICE = 16 << 20  # bytes per sendfile call
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
-READ_POLL_S = 0.001  # how often a wait on the reader's progress looks at the pipe again
+# A wait on the reader's progress looks at the pipe again after READ_POLL_FIRST_S, then
+# twice as long each time up to READ_POLL_S: a reader at its pipe (a one-frame chunk, a
+# stream's last) takes its bytes well within the first, which a chunk's answer then waits
+# for instead of a whole READ_POLL_S; a long read costs a few more looks, not one a step.
+READ_POLL_S = 0.001
+READ_POLL_FIRST_S = 0.0001
 
 
 def no_check() -> None:
@@ -128,10 +133,12 @@ class PipeWriter:
         as a send is: each byte the reader takes is progress, ``check`` and the stall
         watch run every POLL_S; a reader gone is :class:`FfmpegExited`."""
         unread, watched = pipe_unread(self.fd), time.monotonic()
+        delay = READ_POLL_FIRST_S
         while unread:
             if reader_gone(self.fd):
                 raise FfmpegExited("ffmpeg closed its input early")
-            time.sleep(READ_POLL_S)
+            time.sleep(delay)
+            delay = min(2 * delay, READ_POLL_S)
             left = pipe_unread(self.fd)
             if left < unread:
                 self._progressed()

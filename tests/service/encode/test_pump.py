@@ -13,6 +13,7 @@ import pytest
 import torch
 from framewire.client.wire import Layout
 from framewire.core.errors import BadRequest
+from framewire.core.media import pipe as pipe_module
 from framewire.core.media.pipe import FfmpegExited, PipeWriter
 from framewire.service._convert import kernels, staging
 from framewire.service._convert.staging import ChunkWriter, Staging
@@ -321,3 +322,27 @@ def test_bytes_sent_as_they_lie_return_once_read_and_say_a_reader_gone():
                 assert done == [None] and bytes(got) == bytes(range(256)) * 256
     finally:
         os.close(fd)
+
+
+def test_a_wait_for_the_reader_looks_soon_then_less_often(monkeypatch):
+    """A chunk's answer waits until its bytes are read: the wait looks at the pipe after
+    READ_POLL_FIRST_S, then twice as long each time up to READ_POLL_S (a reader at its
+    pipe has taken a small chunk by the first look), and returns at the look that finds
+    the pipe read."""
+    slept: list[float] = []
+    r, w = os.pipe()
+    os.write(w, b"x" * 100)
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        if len(slept) == 6:
+            os.read(r, 100)
+
+    monkeypatch.setattr(pipe_module.time, "sleep", sleep)
+    try:
+        PipeWriter(w).wait_read()
+    finally:
+        os.close(r)
+        os.close(w)
+    first, most = pipe_module.READ_POLL_FIRST_S, pipe_module.READ_POLL_S
+    assert slept == [first, 2 * first, 4 * first, 8 * first, most, most]
