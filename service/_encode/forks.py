@@ -1,6 +1,7 @@
 """PyAV writers forked from a template: the ``vllm-omni`` profile's encoder without an
 interpreter's start and PyAV's import on the encode's path (about 0.1 CPU-s of an
-encode that may itself take 0.1 s); a fork of the template costs about 1.5 ms.
+encode that may itself take 0.1 s); a job's answer takes 2-3 ms where the template
+forks the writer then, about 0.6 ms where a spare it forked ahead takes the job.
 
 The template (service/_encode/pyav_template.py, which imports pyav_writer.py) is started
 once, after the worker's first PyAV encode has ended (so its start never takes the CPU
@@ -10,10 +11,11 @@ it reports, both on an encode's path, are never starved behind the ranks (at nic
 19 they waited 66 ms and 112 ms for it beside two busy loops); its start, 0.1 CPU-s,
 comes once. Each encode sends it its arguments and descriptors: the frames' pipe, the
 stderr memfd, the pipe its status comes on, the socket its writer says DONE on, and
-those its arguments name. The template forks the writer, which makes a session (a
-scheduling group) of its own before the template answers, runs this one encode, and
-exits: no encode shares a process, nor x264's state, with another, and the template
-never encodes. The worker gives the writer the stall bound and priority an encode
+those its arguments name. The template forks the writer (or has forked it ahead: a
+spare, once no writer has run for a while), which makes a session (a scheduling
+group) of its own before the template answers, runs this one encode, and exits: no
+encode shares a process, nor x264's state, with another, and the template never
+encodes. The worker gives the writer the stall bound and priority an encode
 gets, kills it through its pidfd, and lets the template reap it and say its status
 (core/media/adopted.py): once the writer has said its output is whole, nothing waits
 for its exit. A template that died, or does not answer, is let go (its writers die

@@ -7,8 +7,10 @@ Started ahead of the encodes (service/_encode/forks.py), it imports the writer
 (pyav_writer.py, beside this file: PyAV, its parser) and forks a writer for each job
 that comes on the Unix socket FD: one message, the writer's arguments as JSON, and
 descriptors (``SCM_RIGHTS``): the writer's kit (``KIT``), then those its arguments
-name, named again by the numbers they have here. A writer runs one job in a process and
-session of its own, and exits: an encode never shares a process, nor anything of x264's,
+name, named again by the numbers they have here; once no writer has run for
+SPARE_AFTER_S it forks one ahead (a spare), which takes the next job as it comes, the
+same message passed on. A writer runs one job in a process and session of its own, and
+exits: an encode never shares a process, nor anything of x264's,
 with another, and the template itself never encodes. Once its output is whole and
 closed a writer says so (``DONE``) before it exits, and the worker goes on without
 waiting for its teardown; the template reaps it and writes its status for the worker.
