@@ -450,3 +450,23 @@ def test_the_next_job_goes_to_a_spare_forked_ahead(workers):
     assert first.sha256 == second.sha256 == third.sha256
     w.stop()
     assert not Path(f"/proc/{last}").exists()
+
+
+def test_an_idle_spare_goes_with_a_killed_template_and_a_killed_worker(workers, tmp_path):
+    """A spare waiting for a job never outlives its template: its job's socket ends with
+    the template (and the parent-death signal kills it besides), and the template ends
+    it when the worker is gone (the worker's socket's end)."""
+    w = workers.start(root=tmp_path / "a")
+    clip = make_clip(frames=6, height=48, width=64)
+    with Client(w.uds_url, local_fallback=False) as c:
+        write(c, "a.mp4", clip)
+        template = wait_for_template(w)
+        spare = spare_of(template)
+        os.kill(template, signal.SIGKILL)
+        until(lambda: dead(spare), 10, "the spare outlived its template")
+        write(c, "b.mp4", clip)  # afresh; another template is started after it
+        following = wait_for_template(w, frozenset({template}))
+        spare = spare_of(following)
+        os.kill(w.pid, signal.SIGKILL)
+        w.proc.wait()
+        until(lambda: dead(spare) and dead(following), 10, "the spare or its template lives on")
