@@ -113,7 +113,9 @@ class Spare:
         self.pid, self.pidfd, self.sock = pid, pidfd, sock
 
     def alive(self) -> bool:
-        return not select.select([self.pidfd], [], [], 0)[0]  # readable once it has exited
+        exited = select.poll()
+        exited.register(self.pidfd, select.POLLIN)  # readable once it has exited
+        return not exited.poll(0)
 
     def give(self, argv: list[str], fds: list[int]) -> None:
         """Hand it the job (its descriptors as they are numbered here); it is a writer
@@ -151,7 +153,10 @@ def serve(control: socket.socket) -> int:
             if wait_ms == 0:
                 spare, wait_ms = _spare(control, writers), None
                 poller.register(spare.pidfd, select.POLLIN)
+        ended: set[int] = set()  # pidfds closed while this poll's events are handled
         for fd, _ in poller.poll(wait_ms):
+            if fd in ended:  # a dead spare's, seen as a job came: its number may be reused
+                continue
             if spare is not None and fd == spare.pidfd:  # killed before it had a job
                 poller.unregister(fd)
                 spare.end()
@@ -176,6 +181,7 @@ def serve(control: socket.socket) -> int:
             given, spare = spare, None
             if given is not None and not given.alive():
                 poller.unregister(given.pidfd)
+                ended.add(given.pidfd)
                 given.end()
                 given = None
             if given is not None:

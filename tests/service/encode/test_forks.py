@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,8 +23,9 @@ import av
 import pytest
 from framewire.client import Client, pyav_identity
 from framewire.core.errors import FramewireError
+from framewire.core.media.adopted import Adopted
 from framewire.core.media.procstat import stat_fields
-from framewire.service._encode.forks import START_AFTER_S
+from framewire.service._encode.forks import START_AFTER_S, Template
 from framewire.service._encode.profiles import PYAV_TEMPLATE
 
 from tests.support.engines import vllm_omni_quantize, vllm_omni_save
@@ -470,3 +472,61 @@ def test_an_idle_spare_goes_with_a_killed_template_and_a_killed_worker(workers, 
         os.kill(w.pid, signal.SIGKILL)
         w.proc.wait()
         until(lambda: dead(spare) and dead(following), 10, "the spare or its template lives on")
+
+
+def test_a_spare_found_dead_as_its_job_comes_is_replaced_by_a_fork(tmp_path):
+    """The spare dies, and a job comes, before the template looks (both in one of its
+    polls): the job gets a writer forked for it, and the dead spare's stale word is
+    taken for nothing else (its pidfd's number may be the new writer's): the template
+    answers another job while that writer runs, and says each writer's status as it
+    ends."""
+    template = Template(PYAV_TEMPLATE)
+    pid = template.process.proc.pid
+    running: list[Adopted] = []
+    fds: list[int] = []
+
+    def job() -> Adopted:
+        word, theirs = socket.socketpair()
+        stderr = os.memfd_create("stderr")
+        fds.extend([word.detach(), stderr])
+        size = ["--size", "64x48", "--rate", "24/1", "--crf", "18", "--threads", "1"]
+        argv = [*size, str(tmp_path / f"{len(fds)}.mp4")]
+        try:
+            return template.fork(argv, [], theirs.fileno(), stderr)
+        finally:
+            theirs.close()
+
+    def ended(writer: Adopted) -> None:
+        assert writer.stdin is not None
+        writer.stdin.write(bytes(64 * 48 * 3))
+        writer.stdin.close()
+        assert writer.wait(10) == 0
+
+    def after_a_dead_spare() -> Adopted:
+        spare = spare_of(pid)
+        time.sleep(0.3)  # the template back in its poll, the spare's pidfd in it
+        os.kill(pid, signal.SIGSTOP)
+        os.kill(spare, signal.SIGKILL)
+        until(lambda: dead(spare), 10, "the spare lives on")
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(job)
+            time.sleep(0.2)  # the job waits in the socket beside the spare's death
+            os.kill(pid, signal.SIGCONT)
+            running.append(first.result(timeout=10))
+        assert running[-1].pid != spare
+        return running[-1]
+
+    try:
+        writer = after_a_dead_spare()
+        running.append(job())  # answered while that writer waits for its frames
+        ended(writer)
+        ended(running[-1])
+        ended(after_a_dead_spare())  # its status comes with no other job after it
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        for each in running:
+            each.release()
+        template.discard()
+        for fd in fds:
+            os.close(fd)
