@@ -5,125 +5,36 @@ to know and set, and neither the template nor a writer outlives the worker."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
 
-import av
 import pytest
-from framewire.client import Client, pyav_identity
+from framewire.client import Client
 from framewire.core.errors import FramewireError
-from framewire.core.media.adopted import Adopted
-from framewire.core.media.procstat import stat_fields
-from framewire.service._encode.forks import START_AFTER_S, Template
-from framewire.service._encode.profiles import PYAV_TEMPLATE
+from framewire.service._encode.forks import START_AFTER_S
 
 from tests.support.engines import vllm_omni_quantize, vllm_omni_save
 from tests.support.media import make_clip
-from tests.support.processes import child_pids
+from tests.support.pyav_forks import (
+    dead,
+    group_nice_of,
+    running_writer,
+    settled,
+    spare_of,
+    steady_fds,
+    templates,
+    until,
+    wait_for_template,
+    write,
+    writers_of,
+)
 from tests.support.worker import Worker
-
-ENCODER = pyav_identity(av.__version__)
-T = TypeVar("T")
-
-
-def templates(w: Worker) -> list[int]:
-    """The worker's PyAV templates (one at most)."""
-    found = []
-    for pid in w.children():
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(arg.endswith(b"/pyav_template.py") for arg in argv):
-            found.append(pid)
-    return found
-
-
-def until(ready: Callable[[], T], timeout: float, failed: str) -> T:
-    """What ``ready()`` returns once it is true, looked at every 10 ms for at most
-    ``timeout`` seconds (else ``failed``)."""
-    deadline = time.monotonic() + timeout
-    while not (value := ready()):
-        assert time.monotonic() < deadline, failed
-        time.sleep(0.01)
-    return value
-
-
-def wait_for_template(w: Worker, other_than: frozenset[int] = frozenset()) -> int:
-    ready = until(
-        lambda: [p for p in templates(w) if p not in other_than], 30, "no template was started"
-    )
-    [pid] = ready
-    return pid
-
-
-def write(c: Client, name: str, clip, **kw) -> object:
-    with c.open_video(name, fps=24, profile="vllm-omni", encoder=ENCODER, **kw) as writer:
-        writer.write(clip)
-    return writer.result
-
-
-def named(pids: set[int], name: str) -> set[int]:
-    """Those of ``pids`` that call themselves ``name`` (/proc/PID/comm)."""
-    found = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
-                found.add(pid)
-    return found
-
-
-def writers_of(template: int) -> set[int]:
-    """The template's children that run a job (not the spare waiting for one)."""
-    return named(child_pids(template), "pyav-writer")
-
-
-def spare_of(template: int) -> int:
-    """The writer the template has forked ahead, once it has."""
-    [pid] = until(lambda: named(child_pids(template), "pyav-spare"), 10, "no spare was forked")
-    return pid
-
-
-def steady_fds(pid: int) -> int:
-    """How many descriptors ``pid`` holds, once two looks 0.2 s apart agree (a spare's
-    fork holds a pipe and a socket for a moment)."""
-    seen = -1
-    for _ in range(50):
-        now = len(os.listdir(f"/proc/{pid}/fd"))
-        if now == seen:
-            return now
-        seen = now
-        time.sleep(0.2)
-    raise AssertionError(f"{pid}'s descriptors never held still")
-
-
-def running_writer(c: Client, template: int, name: str, clip, **kw):
-    """An encode whose writer has its frames (flushed): (the open writer, its pid)."""
-    writer = c.open_video(name, fps=24, profile="vllm-omni", encoder=ENCODER, **kw)
-    writer.write(clip)
-    writer.flush()
-    [pid] = until(lambda: writers_of(template), 10, "no writer was forked")
-    return writer, pid
-
-
-def dead(pid: int) -> bool:
-    fields = stat_fields(pid)
-    return fields is None or fields[0] == b"Z"
-
-
-def group_nice_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
 
 
 def test_each_encode_is_a_writer_forked_from_one_template(workers, tmp_path):
@@ -160,24 +71,6 @@ def test_each_encode_is_a_writer_forked_from_one_template(workers, tmp_path):
     assert again != forked
     w.stop()  # the template goes with the worker
     assert not Path(f"/proc/{template}").exists()
-
-
-def cpu_ticks(pid: int) -> tuple[int, int]:
-    """Its own CPU ticks (user and system) and those of its children it reaped."""
-    fields = stat_fields(pid)
-    assert fields is not None, f"{pid} is gone"
-    return int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
-
-
-def settled(pid: int) -> tuple[int, int]:
-    """Its CPU ticks once they stand still for 0.3 s (a template waiting for jobs)."""
-    seen = cpu_ticks(pid)
-    for _ in range(100):
-        time.sleep(0.3)
-        if (now := cpu_ticks(pid)) == seen:
-            return now
-        seen = now
-    raise AssertionError(f"{pid} never settled")
 
 
 def test_encodes_at_once_each_fork_a_writer_of_their_own(workers, tmp_path):
@@ -410,136 +303,3 @@ def test_a_killed_worker_leaves_no_template_nor_writer_running(workers, tmp_path
         with pytest.raises(FramewireError):  # its worker gone (no fallback asked for)
             writer.close()
     workers.start(root=tmp_path / "host")
-
-
-def test_a_writers_job_imports_nothing_the_template_has_not(tmp_path):
-    """Whatever a job imports (PyAV imports some of its modules on first use), each
-    writer forked from the template imports again: the template's import of the writer
-    holds all of them, and a job imports none."""
-    script = (
-        "import importlib.util, json, os, sys\n"
-        f"spec = importlib.util.spec_from_file_location('t', {PYAV_TEMPLATE[-1]!r})\n"
-        "template = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(template)\n"
-        "before = set(sys.modules)\n"
-        "code = template.writer.run(sys.argv[1:])\n"
-        "print(json.dumps([code, sorted(set(sys.modules) - before)]))\n"
-    )
-    frames = make_clip(2, 48, 64).mul(255).round().byte().permute(1, 2, 3, 0).numpy()
-    out = tmp_path / "v.mp4"
-    argv = ["--size", "64x48", "--rate", "24/1", "--crf", "18", "--preset", "ultrafast",
-            "--threads", "0", str(out)]  # fmt: skip
-    ran = subprocess.run([sys.executable, "-P", "-c", script, *argv], input=frames.tobytes(),
-                         capture_output=True, timeout=60)  # fmt: skip
-    assert ran.returncode == 0, ran.stderr
-    code, imported = json.loads(ran.stdout.splitlines()[-1])
-    assert code == 0 and out.stat().st_size > 0
-    assert imported == []
-
-
-def test_the_next_job_goes_to_a_spare_forked_ahead(workers):
-    """Once no writer has run for SPARE_AFTER_S the template forks a writer ahead, in a
-    session of its own already; the next encode's job goes to it (no fork on that
-    encode's path), with the encode's priority and the same bytes. A spare killed
-    before its job is reaped and replaced; the spare goes with the template."""
-    w = workers.start(yielding=True)
-    clip = make_clip(frames=6, height=48, width=64)
-    with Client(w.uds_url, local_fallback=False) as c:
-        first = write(c, "a.mp4", clip)  # afresh: no template yet
-        template = wait_for_template(w)
-        spare = spare_of(template)
-        assert os.getsid(spare) == spare != os.getsid(template)
-        writer, forked = running_writer(c, template, "b.mp4", clip)
-        assert forked == spare
-        until(lambda: group_nice_of(forked) == 19, 3, "the writer's group is not at 19")
-        second = writer.close()
-        following = until(
-            lambda: named(child_pids(template), "pyav-spare") - {spare}, 10, "no spare again"
-        )
-        [killed] = following
-        os.kill(killed, signal.SIGKILL)
-        until(lambda: not Path(f"/proc/{killed}").exists(), 10, "the spare was not reaped")
-        third = write(c, "c.mp4", clip)  # forked for it, or given to a spare forked since
-        last = spare_of(template)
-        assert killed != last and not dead(last)
-    assert first.sha256 == second.sha256 == third.sha256
-    w.stop()
-    assert not Path(f"/proc/{last}").exists()
-
-
-def test_an_idle_spare_goes_with_a_killed_template_and_a_killed_worker(workers, tmp_path):
-    """A spare waiting for a job never outlives its template: its job's socket ends with
-    the template (and the parent-death signal kills it besides), and the template ends
-    it when the worker is gone (the worker's socket's end)."""
-    w = workers.start(root=tmp_path / "a")
-    clip = make_clip(frames=6, height=48, width=64)
-    with Client(w.uds_url, local_fallback=False) as c:
-        write(c, "a.mp4", clip)
-        template = wait_for_template(w)
-        spare = spare_of(template)
-        os.kill(template, signal.SIGKILL)
-        until(lambda: dead(spare), 10, "the spare outlived its template")
-        write(c, "b.mp4", clip)  # afresh; another template is started after it
-        following = wait_for_template(w, frozenset({template}))
-        spare = spare_of(following)
-        os.kill(w.pid, signal.SIGKILL)
-        w.proc.wait()
-        until(lambda: dead(spare) and dead(following), 10, "the spare or its template lives on")
-
-
-def test_a_spare_found_dead_as_its_job_comes_is_replaced_by_a_fork(tmp_path):
-    """The spare dies, and a job comes, before the template looks (both in one of its
-    polls): the job gets a writer forked for it, and the dead spare's stale word is
-    taken for nothing else (its pidfd's number may be the new writer's): the template
-    answers another job while that writer runs, and says each writer's status as it
-    ends."""
-    template = Template(PYAV_TEMPLATE)
-    pid = template.process.proc.pid
-    running: list[Adopted] = []
-    fds: list[int] = []
-
-    def job() -> Adopted:
-        word, theirs = socket.socketpair()
-        stderr = os.memfd_create("stderr")
-        fds.extend([word.detach(), stderr])
-        size = ["--size", "64x48", "--rate", "24/1", "--crf", "18", "--threads", "1"]
-        argv = [*size, str(tmp_path / f"{len(fds)}.mp4")]
-        try:
-            return template.fork(argv, [], theirs.fileno(), stderr)
-        finally:
-            theirs.close()
-
-    def ended(writer: Adopted) -> None:
-        assert writer.stdin is not None
-        writer.stdin.write(bytes(64 * 48 * 3))
-        writer.stdin.close()
-        assert writer.wait(10) == 0
-
-    def after_a_dead_spare() -> Adopted:
-        spare = spare_of(pid)
-        time.sleep(0.3)  # the template back in its poll, the spare's pidfd in it
-        os.kill(pid, signal.SIGSTOP)
-        os.kill(spare, signal.SIGKILL)
-        until(lambda: dead(spare), 10, "the spare lives on")
-        with ThreadPoolExecutor(1) as pool:
-            first = pool.submit(job)
-            time.sleep(0.2)  # the job waits in the socket beside the spare's death
-            os.kill(pid, signal.SIGCONT)
-            running.append(first.result(timeout=10))
-        assert running[-1].pid != spare
-        return running[-1]
-
-    try:
-        writer = after_a_dead_spare()
-        running.append(job())  # answered while that writer waits for its frames
-        ended(writer)
-        ended(running[-1])
-        ended(after_a_dead_spare())  # its status comes with no other job after it
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-        for each in running:
-            each.release()
-        template.discard()
-        for fd in fds:
-            os.close(fd)
