@@ -49,10 +49,10 @@ def test_a_writers_job_imports_nothing_the_template_has_not(tmp_path):
     )
     frames = make_clip(2, 48, 64).mul(255).round().byte().permute(1, 2, 3, 0).numpy()
     out = tmp_path / "v.mp4"
-    argv = ["--size", "64x48", "--rate", "24/1", "--crf", "18", "--preset", "ultrafast",
-            "--threads", "0", str(out)]  # fmt: skip
-    ran = subprocess.run([sys.executable, "-P", "-c", script, *argv], input=frames.tobytes(),
-                         capture_output=True, timeout=60)  # fmt: skip
+    size = ["--size", "64x48", "--rate", "24/1", "--crf", "18", "--preset", "ultrafast"]
+    argv = [*size, "--threads", "0", str(out)]
+    run = [sys.executable, "-P", "-c", script, *argv]
+    ran = subprocess.run(run, input=frames.tobytes(), capture_output=True, timeout=60)
     assert ran.returncode == 0, ran.stderr
     code, imported = json.loads(ran.stdout.splitlines()[-1])
     assert code == 0 and out.stat().st_size > 0
