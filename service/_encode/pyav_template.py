@@ -153,10 +153,7 @@ def serve(control: socket.socket) -> int:
             if wait_ms == 0:
                 spare, wait_ms = _spare(control, writers), None
                 poller.register(spare.pidfd, select.POLLIN)
-        ended: set[int] = set()  # pidfds closed while this poll's events are handled
         for fd, _ in poller.poll(wait_ms):
-            if fd in ended:  # a dead spare's, seen as a job came: its number may be reused
-                continue
             if spare is not None and fd == spare.pidfd:  # killed before it had a job
                 poller.unregister(fd)
                 spare.end()
@@ -180,10 +177,9 @@ def serve(control: socket.socket) -> int:
             argv, fds = job
             given, spare = spare, None
             if given is not None and not given.alive():
-                poller.unregister(given.pidfd)
-                ended.add(given.pidfd)
-                given.end()
-                given = None
+                # Ended at its own event (in this poll's list, or the next's): its pidfd
+                # stays open till then, its number never another's meanwhile.
+                spare, given = given, None
             if given is not None:
                 pid, pidfd = given.pid, given.pidfd  # its pidfd: polled already
             else:
