@@ -26,7 +26,6 @@ template go.
 
 from __future__ import annotations
 
-import array
 import contextlib
 import json
 import logging
@@ -106,10 +105,9 @@ class Template:
         status_read, status = os.pipe2(os.O_CLOEXEC)
         kit = [word, stdin, stderr, status]
         message = json.dumps({"argv": list(args), "fds": list(fds)}).encode()
-        sent = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [*kit, *fds]).tobytes())]
         try:
             with self._lock:
-                self.control.sendmsg([message], sent)
+                socket.send_fds(self.control, [message], [*kit, *fds])
                 pid, pidfd = self._answer()
         except BaseException:
             os.close(feed)
@@ -122,11 +120,7 @@ class Template:
 
     def _answer(self) -> tuple[int, int]:
         """The forked writer's pid and pidfd."""
-        fds = array.array("i")
-        said, ancillary, _, _ = self.control.recvmsg(32, socket.CMSG_LEN(fds.itemsize))
-        for level, kind, data in ancillary:
-            if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
-                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        said, fds, _, _ = socket.recv_fds(self.control, 32, 1)
         if not said or len(fds) != 1:
             for fd in fds:
                 os.close(fd)

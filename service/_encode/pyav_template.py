@@ -19,7 +19,6 @@ Imports nothing of framewire, as the writer does.
 
 from __future__ import annotations
 
-import array
 import contextlib
 import ctypes
 import importlib.util
@@ -85,11 +84,7 @@ def _renumbered(argv: list[str], numbers: dict[int, int]) -> list[str]:
 def receive_job(sock: socket.socket) -> tuple[list[str], list[int]] | None:
     """A job: its arguments (naming the descriptors sent along by the numbers they have
     here) and every descriptor that came, the kit first; None when the worker let go."""
-    fds = array.array("i")
-    message, ancillary, _, _ = sock.recvmsg(JOB_BYTES, socket.CMSG_LEN(MAX_FDS * fds.itemsize))
-    for level, kind, data in ancillary:
-        if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
-            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    message, fds, _, _ = socket.recv_fds(sock, JOB_BYTES, MAX_FDS)
     if not message:
         for fd in fds:
             os.close(fd)
@@ -101,7 +96,7 @@ def receive_job(sock: socket.socket) -> tuple[list[str], list[int]] | None:
             os.close(fd)
         raise SystemExit("the job's descriptors did not all come")
     numbers = dict(zip(theirs, fds[KIT:], strict=True))
-    return _renumbered([str(a) for a in job["argv"]], numbers), list(fds)
+    return _renumbered([str(a) for a in job["argv"]], numbers), fds
 
 
 class Spare:
@@ -121,9 +116,8 @@ class Spare:
         """Hand it the job (its descriptors as they are numbered here); it is a writer
         from here on, reaped as one."""
         message = json.dumps({"argv": argv, "fds": fds[KIT:]}).encode()
-        sent = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
         with contextlib.suppress(OSError), self.sock:  # gone: it never had the job
-            self.sock.sendmsg([message], sent)
+            socket.send_fds(self.sock, [message], fds)
 
     def end(self) -> None:
         """Kill it and reap it (it holds no job: nothing is lost)."""
@@ -187,9 +181,8 @@ def serve(control: socket.socket) -> int:
                 pidfd = os.pidfd_open(pid)  # before it can be reaped: never another's pid
                 poller.register(pidfd, select.POLLIN)
             writers[pidfd] = (pid, fds[KIT - 1])
-            pidfds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [pidfd]).tobytes())]
             with contextlib.suppress(OSError):  # the worker is gone: the writer's input ends
-                control.sendmsg([b"%d" % pid], pidfds)
+                socket.send_fds(control, [b"%d" % pid], [pidfd])
             if given is not None:
                 # After the answer: woken by its job, the spare would otherwise take this
                 # process's CPU (2 ms here) before the answer left. Dead by now, its status
