@@ -1,5 +1,6 @@
 """What the PyAV template costs: its start's CPU and the memory it holds while it waits,
-once per worker; and a fork of a writer, on every encode's path.
+once per worker; and a job's answer (a writer forked, or its spare given the job), on
+every encode's path.
 
     .venv/bin/python benchmarks/template_start.py [--repeat 9] [--forks 5] [--gap 0.2]
         [--template PATH ...] [--json OUT]
@@ -51,7 +52,7 @@ def _cpu_s(pid: int) -> float:
 
 def one(child: Path, forks: int, out: Path, gap_s: float) -> tuple[float, float, list[float]]:
     """The template ``child`` started and waiting: (CPU seconds, resident MiB, each
-    fork's answer in ms)."""
+    job's answer in ms)."""
     template = Template([sys.executable, "-P", str(child)])
     pid = template.process.proc.pid
     try:
@@ -72,7 +73,7 @@ def one(child: Path, forks: int, out: Path, gap_s: float) -> tuple[float, float,
 
 
 def _fork(template: Template, out: Path, gap_s: float) -> float:
-    """One writer forked for a one-frame job, ``gap_s`` after the one before ended: the
+    """One writer asked for a one-frame job, ``gap_s`` after the one before ended: the
     answer's ms."""
     time.sleep(gap_s)
     mine, theirs = socket.socketpair()
