@@ -37,6 +37,7 @@ from framewire.core.wire import Layout, RegionSource, ShmSource
 
 _names = itertools.count()
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python 3.11 lacks it
 # What a refused ``register`` raises when the worker has no room (region slots, the
 # caller's quota, descriptors): the frames can still go through a named segment.
 NO_ROOM = (Unavailable, Overloaded)
@@ -203,21 +204,38 @@ class Memfd(MappedBuffer, Closing):
         except BaseException:
             os.close(self.fd)
             raise
-        self._fresh = True  # no page allocated yet
+        self._filled = 0  # bytes from the start that the memfd holds pages for
+        self._mapped = 0  # of them, in this process's page tables
 
     def write(self, frames: Frames) -> None:
-        """Copy ``frames``' bytes to the start. Into fresh pages a contiguous clip goes
-        with ``pwrite``: the kernel fills each new page whole, where a store through the
-        mapping faults it in and zeroes it first (0.05 against 0.085 CPU-s for 140 MB).
-        Pages already there (a chunk buffer reused) are written through the mapping."""
-        raw = contiguous_bytes(frames.video) if self._fresh else None
-        self._fresh = False
-        if raw is None:
-            super().write(frames)
+        """Copy ``frames``' bytes to the start. Where the memfd has no pages yet, a
+        contiguous clip goes with ``pwrite``: the kernel fills each new page whole, where a
+        store through the mapping faults it in and zeroes it first (0.05 against 0.085
+        CPU-s for 140 MB). Pages already there (a chunk buffer reused) are written
+        through the mapping, mapped first in one call (:meth:`_map_pages`)."""
+        raw = contiguous_bytes(frames.video)
+        if raw is not None and len(raw) > self._filled:
+            done = 0
+            while done < len(raw):
+                done += os.pwrite(self.fd, raw[done:], done)
+            self._filled = len(raw)
             return
-        done = 0
-        while done < len(raw):
-            done += os.pwrite(self.fd, raw[done:], done)
+        self._map_pages()
+        super().write(frames)
+        self._filled = max(self._filled, frames.nbytes)
+        self._mapped = max(self._mapped, frames.nbytes)
+
+    def _map_pages(self) -> None:
+        """Enter the pages the memfd holds into the mapping at once, so that a store
+        through it takes no fault: page by page, the first copy into a reused 9.6 MB
+        chunk buffer took 2.9 ms (2340 faults; 4-5 ms on busy cores), mapped first 0.9 +
+        0.4 ms. A shared memfd's pages are mapped writable by a read. A kernel older than
+        5.14 refuses the advice: the faults are taken as before."""
+        if self._map is None or self._mapped >= self._filled:
+            return
+        with contextlib.suppress(OSError):
+            self._map.madvise(MADV_POPULATE_READ, 0, self._filled)
+        self._mapped = self._filled
 
     def close(self) -> None:
         if self._map is not None:

@@ -4,7 +4,9 @@ named segments otherwise, and never the wrong worker's socket."""
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
+import resource
 from typing import Any
 
 import numpy as np
@@ -167,3 +169,32 @@ def test_a_memfd_holds_the_frames_bytes_on_first_and_later_writes(video):
             memfd.write(frames)
             assert os.pread(memfd.fd, frames.nbytes, 0) == expected
             os.pwrite(memfd.fd, bytes(frames.nbytes), 0)  # cleared for the next write
+
+
+def test_a_chunk_buffer_holds_each_chunk_whether_shorter_or_longer_than_before():
+    from framewire.core.frames import describe
+
+    rng = np.random.default_rng(1)
+    frame_bytes = 3 * 64 * 64
+    with fd_module.Memfd(4 * frame_bytes) as memfd:  # made for the longest chunk to come
+        for frames in (1, 4, 2, 4, 3):  # longer than any write before, then within
+            video = rng.integers(0, 256, (frames, 64, 64, 3), dtype=np.uint8)
+            memfd.write(describe(video, "THWC"))
+            assert os.pread(memfd.fd, video.nbytes, 0) == video.tobytes()
+
+
+def test_a_reused_chunk_buffer_is_written_without_a_fault_per_page():
+    """The copies after the first go through the mapping, its pages entered at once."""
+    from framewire.core.frames import describe
+
+    video = np.random.default_rng(2).integers(0, 256, (8, 256, 512, 3), dtype=np.uint8)
+    frames = describe(video, "THWC")
+    pages = video.nbytes // mmap.PAGESIZE  # 768
+    with fd_module.Memfd(video.nbytes) as memfd:
+        memfd.write(frames)  # fresh: pwrite, nothing mapped here
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        memfd.write(frames)
+        memfd.write(frames)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        assert os.pread(memfd.fd, video.nbytes, 0) == video.tobytes()
+    assert faults < pages // 8, f"{faults} faults for {pages} pages"
