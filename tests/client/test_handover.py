@@ -192,9 +192,9 @@ def test_a_reused_chunk_buffer_is_written_without_a_fault_per_page():
     pages = video.nbytes // mmap.PAGESIZE  # 768
     with fd_module.Memfd(video.nbytes) as memfd:
         memfd.write(frames)  # fresh: pwrite, nothing mapped here
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         memfd.write(frames)
         memfd.write(frames)
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
         assert os.pread(memfd.fd, video.nbytes, 0) == video.tobytes()
-    assert faults < pages // 8, f"{faults} faults for {pages} pages"
+    assert faults < pages // 4, f"{faults} faults for {pages} pages"  # faulted page by page: 768+
