@@ -106,7 +106,11 @@ def test_a_forked_writer_writes_a_memory_output_into_its_memfd(workers, tmp_path
     frames = vllm_omni_quantize(clip, (-1.0, 1.0))
     want = vllm_omni_save(frames, tmp_path / "v.mp4", fps=24, options={"preset": "medium"})
     assert result.data is not None and hashlib.sha256(result.data).hexdigest() == want
-    assert own_after - own <= 2 < 10 <= reaped_after - reaped
+    # The template's own work over it (the job's answer, the writer reaped, the next
+    # spare forked) takes a tick or two; on busy cores the 10 ms tick catches a fork's
+    # more of them (past 2 once, beside two busy loops). An encode of its own: 10+.
+    assert own_after - own <= 5, f"the template's own ticks rose {own_after - own}"
+    assert reaped_after - reaped >= 10, f"its reaped writer's rose {reaped_after - reaped}"
 
 
 @pytest.mark.parametrize("fork", [None, "--no-pyav-fork"])
