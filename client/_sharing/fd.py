@@ -208,11 +208,11 @@ class Memfd(MappedBuffer, Closing):
         self._mapped = 0  # of them, in this process's page tables
 
     def write(self, frames: Frames) -> None:
-        """Copy ``frames``' bytes to the start. Where the memfd has no pages yet, a
-        contiguous clip goes with ``pwrite``: the kernel fills each new page whole, where a
-        store through the mapping faults it in and zeroes it first (0.05 against 0.085
-        CPU-s for 140 MB). Pages already there (a chunk buffer reused) are written
-        through the mapping, mapped first in one call (:meth:`_map_pages`)."""
+        """Copy ``frames``' bytes to the start. A contiguous clip reaching past the pages
+        the memfd holds goes with ``pwrite``: the kernel fills each new page whole, where
+        a store through the mapping faults it in and zeroes it first (0.05 against 0.085
+        CPU-s for 140 MB). Within them (a chunk buffer reused), the copy goes through the
+        mapping, its pages entered first in one call (:meth:`_map_pages`)."""
         raw = contiguous_bytes(frames.video)
         if raw is not None and len(raw) > self._filled:
             done = 0
