@@ -22,10 +22,11 @@ made before the timing:
 FRAMEWIRE_INTEGRATIONS names it, against one worker holding SGLang's ffmpeg, its encodes
 yielding as it ships (niceness 19, SCHED_BATCH, each in a session of its own). Figures,
 medians of --repeat runs (min..max beside): the save's wall, the calling process's
-peak resident memory above its level before the save, and whether every run's
-sha256 equals the engine's own. Goal (DESIGN 8): never slower; the memory flat where
-the engine's grows with the frames. The worker runs on the same 2 cores: its CPU is
-the encode's, not extra.
+peak resident memory above its level before the save (the client's chunk buffers count
+once mapped in it, from their first reuse: a buffer filled once would not show), and
+whether every run's sha256 equals the engine's own. Goal (DESIGN 8): never slower; the
+memory flat where the engine's grows with the frames. The worker runs on the same 2
+cores: its CPU is the encode's, not extra.
 """
 
 from __future__ import annotations
